@@ -1,0 +1,1 @@
+//! Airlock VMM library.
