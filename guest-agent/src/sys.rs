@@ -27,7 +27,12 @@ pub const BASE_MOUNTS: &[MountSpec] = &[
         fstype: "sysfs",
         flags: libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
     },
-    MountSpec { source: "devtmpfs", target: "/dev", fstype: "devtmpfs", flags: libc::MS_NOSUID },
+    MountSpec {
+        source: "devtmpfs",
+        target: "/dev",
+        fstype: "devtmpfs",
+        flags: libc::MS_NOSUID,
+    },
 ];
 
 fn cstr(s: &str) -> io::Result<CString> {
@@ -39,13 +44,23 @@ pub fn mount_fs(m: &MountSpec) -> io::Result<()> {
     let (src, tgt, fst) = (cstr(m.source)?, cstr(m.target)?, cstr(m.fstype)?);
     // SAFETY: all pointers are valid NUL-terminated strings that outlive the call; data is null.
     let rc = unsafe {
-        libc::mount(src.as_ptr(), tgt.as_ptr(), fst.as_ptr(), m.flags, std::ptr::null())
+        libc::mount(
+            src.as_ptr(),
+            tgt.as_ptr(),
+            fst.as_ptr(),
+            m.flags,
+            std::ptr::null(),
+        )
     };
     if rc == 0 {
         return Ok(());
     }
     let err = io::Error::last_os_error();
-    if err.raw_os_error() == Some(libc::EBUSY) { Ok(()) } else { Err(err) }
+    if err.raw_os_error() == Some(libc::EBUSY) {
+        Ok(())
+    } else {
+        Err(err)
+    }
 }
 
 /// Flushes filesystem buffers.
@@ -59,7 +74,11 @@ pub fn sync() {
 pub fn reboot() -> io::Result<()> {
     // SAFETY: reboot(2) with a valid command; it only returns on failure.
     let rc = unsafe { libc::reboot(libc::RB_AUTOBOOT) };
-    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 /// Sleeps until a signal arrives.

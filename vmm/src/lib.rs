@@ -1,1 +1,17 @@
-//! Airlock VMM library.
+//! Airlock's VMM: one KVM microVM per process, on the rust-vmm crates.
+//!
+//! Synchronous by design (no async runtime): one event-loop thread ([`vmm::Vmm::run`]) and one
+//! thread per vCPU ([`vcpu`]). The boot recipe is [`vmm::build_microvm_for_boot`].
+
+pub mod arch;
+pub mod config;
+pub mod devices;
+pub mod exit;
+pub mod logger;
+pub mod vcpu;
+pub mod vm;
+pub mod vmm;
+
+pub use config::VmConfig;
+pub use exit::VmExit;
+pub use vmm::{BuildError, Vmm, build_microvm_for_boot};

@@ -1,0 +1,203 @@
+//! User input for one microVM, validated once, and the guest kernel command line built from it.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use linux_loader::cmdline::Cmdline;
+use thiserror::Error;
+use vm_memory::GuestAddress;
+
+use crate::arch::cpuid::CpuTemplate;
+use crate::arch::layout::{CMDLINE_MAX_LEN, MIN_MEM_BYTES, VIRTIO_MMIO_SLOT_SIZE};
+use crate::arch::mptable::MAX_CPUS;
+
+/// Errors in a [`VmConfig`].
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("vcpus must be between 1 and {MAX_CPUS}, got {0}")]
+    VcpuCount(u32),
+    #[error("memory must be between {min} MiB and 1 TiB, got {0} MiB", min = MIN_MEM_BYTES >> 20)]
+    MemorySize(u64),
+    #[error("the kernel command line does not fit in {CMDLINE_MAX_LEN} bytes or is invalid: {0}")]
+    Cmdline(String),
+}
+
+/// Where the guest console goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConsoleOutput {
+    Stdout,
+    File(PathBuf),
+    Discard,
+}
+
+/// One disk image attached as a virtio-blk device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskConfig {
+    pub path: PathBuf,
+    pub read_only: bool,
+    /// Reported to the guest as the disk's serial (`/sys/block/vdX/serial`).
+    pub id: String,
+}
+
+/// Everything needed to boot one VM.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    pub kernel: PathBuf,
+    /// The first disk is the root filesystem (`/dev/vda`).
+    pub disks: Vec<DiskConfig>,
+    pub vcpus: u8,
+    pub mem_mib: u64,
+    /// Appended to the default command line.
+    pub cmdline_extra: String,
+    pub console: ConsoleOutput,
+    /// Console bytes kept; the rest are counted and dropped (a guest can print forever).
+    pub console_limit: u64,
+    /// End the VM if the guest has not printed `airlock: userspace up` by then.
+    pub boot_timeout: Option<Duration>,
+    /// `None` picks the template for the KVM module that is loaded.
+    pub cpu_template: Option<CpuTemplate>,
+}
+
+impl VmConfig {
+    /// A configuration with defaults: 1 vCPU, 256 MiB, console on stdout, 300 s boot deadline.
+    pub fn new(kernel: PathBuf, rootfs: PathBuf) -> Self {
+        Self {
+            kernel,
+            disks: vec![DiskConfig {
+                path: rootfs,
+                read_only: true,
+                id: "airlock-root".into(),
+            }],
+            vcpus: 1,
+            mem_mib: 256,
+            cmdline_extra: String::new(),
+            console: ConsoleOutput::Stdout,
+            console_limit: 64 << 20,
+            boot_timeout: Some(Duration::from_secs(300)),
+            cpu_template: None,
+        }
+    }
+
+    /// Checks limits that do not need the filesystem.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.vcpus == 0 || self.vcpus > MAX_CPUS {
+            return Err(ConfigError::VcpuCount(u32::from(self.vcpus)));
+        }
+        let bytes = self.mem_mib.checked_mul(1 << 20);
+        if bytes.is_none_or(|b| b < MIN_MEM_BYTES) || self.mem_mib > (1 << 20) {
+            return Err(ConfigError::MemorySize(self.mem_mib));
+        }
+        Ok(())
+    }
+
+    /// Guest memory in bytes.
+    pub fn mem_bytes(&self) -> u64 {
+        self.mem_mib << 20
+    }
+}
+
+/// The command line every Airlock guest gets, before device declarations:
+/// - `console=ttyS0`: the serial console is the only one.
+/// - `reboot=k panic=-1`: power-off and panic both end in an i8042 reset, which ends the VM.
+/// - `quiet`: each console byte is a VM exit; only warnings and worse are printed.
+/// - `tsc=reliable no_timer_check clocksource=kvm-clock`: no timer calibration or watchdog (the
+///   nested host emulates guest kernel code and miscalibrates); kvm-clock survives snapshots.
+/// - `io_delay=none`: no port-0x80 writes (a VM exit each) as I/O delays.
+/// - `root=/dev/vda ro rootfstype=ext4`: the read-only base image.
+pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet tsc=reliable \
+    no_timer_check clocksource=kvm-clock io_delay=none root=/dev/vda ro rootfstype=ext4";
+
+/// Enables the guest-kernel patches for the nested paravirtual KVM (see `kernel-config/`).
+pub const NESTED_CMDLINE: &str = "airlock_nested";
+
+/// Builds the guest command line: the base, the nested-KVM flag where needed, one
+/// `virtio_mmio.device=` per device slot `(address, irq)`, then the user's extra arguments.
+pub fn build_cmdline(
+    template: CpuTemplate,
+    virtio_devices: &[(u64, u32)],
+    extra: &str,
+) -> Result<Cmdline, ConfigError> {
+    let err = |e: linux_loader::cmdline::Error| ConfigError::Cmdline(e.to_string());
+    let mut cmdline = Cmdline::new(CMDLINE_MAX_LEN).map_err(err)?;
+    cmdline.insert_str(BASE_CMDLINE).map_err(err)?;
+    if template == CpuTemplate::NestedPvm {
+        cmdline.insert_str(NESTED_CMDLINE).map_err(err)?;
+    }
+    for &(addr, irq) in virtio_devices {
+        cmdline
+            .add_virtio_mmio_device(VIRTIO_MMIO_SLOT_SIZE, GuestAddress(addr), irq, None)
+            .map_err(err)?;
+    }
+    if !extra.trim().is_empty() {
+        cmdline.insert_str(extra).map_err(err)?;
+    }
+    Ok(cmdline)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> VmConfig {
+        VmConfig::new("k".into(), "r".into())
+    }
+
+    fn as_string(c: &Cmdline) -> String {
+        c.as_cstring().unwrap().into_string().unwrap()
+    }
+
+    #[test]
+    fn default_config_is_valid() {
+        assert_eq!(cfg().validate(), Ok(()));
+    }
+
+    #[test]
+    fn rejects_bad_vcpu_counts() {
+        let mut c = cfg();
+        c.vcpus = 0;
+        assert_eq!(c.validate(), Err(ConfigError::VcpuCount(0)));
+        c.vcpus = MAX_CPUS + 1;
+        assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn rejects_tiny_and_absurd_memory() {
+        let mut c = cfg();
+        c.mem_mib = 16;
+        assert_eq!(c.validate(), Err(ConfigError::MemorySize(16)));
+        c.mem_mib = u64::MAX;
+        assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn cmdline_declares_devices_in_order_and_appends_extra() {
+        let c = build_cmdline(
+            CpuTemplate::Host,
+            &[(0xd000_0000, 5), (0xd000_1000, 6)],
+            "foo=1",
+        )
+        .unwrap();
+        let s = as_string(&c);
+        assert!(s.starts_with(BASE_CMDLINE));
+        let a = s.find("virtio_mmio.device=4K@0xd0000000:5").unwrap();
+        let b = s.find("virtio_mmio.device=4K@0xd0001000:6").unwrap();
+        assert!(a < b);
+        assert!(s.ends_with(" foo=1"));
+        assert!(!s.contains(NESTED_CMDLINE));
+    }
+
+    #[test]
+    fn nested_template_adds_the_workaround_flag() {
+        let s = as_string(&build_cmdline(CpuTemplate::NestedPvm, &[], "").unwrap());
+        assert!(s.contains(" airlock_nested"));
+    }
+
+    #[test]
+    fn oversized_cmdline_is_an_error() {
+        let extra = "x".repeat(CMDLINE_MAX_LEN);
+        assert!(matches!(
+            build_cmdline(CpuTemplate::Host, &[], &extra),
+            Err(ConfigError::Cmdline(_))
+        ));
+    }
+}

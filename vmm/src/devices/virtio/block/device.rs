@@ -1,0 +1,559 @@
+//! The virtio-blk device model.
+
+use std::fs::{File, OpenOptions};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use thiserror::Error;
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::metrics::BlockMetrics;
+use super::request::{Disk, RequestType, execute};
+use crate::devices::virtio::{
+    ActivateError, TYPE_BLOCK, VIRTIO_F_VERSION_1, VirtioDevice, VirtioInterrupt, read_config_bytes,
+};
+
+/// Bytes per virtio-blk sector.
+pub const SECTOR_SIZE: u64 = 512;
+/// One request queue of 256 descriptors.
+const QUEUE_SIZES: &[u16] = &[256];
+
+/// Errors creating a block device.
+#[derive(Debug, Error)]
+pub enum BlockError {
+    #[error("open disk image {path}")]
+    Open {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("read size of disk image {path}")]
+    Metadata {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("create queue event")]
+    EventFd(#[source] std::io::Error),
+}
+
+struct Active {
+    mem: GuestMemoryMmap,
+    queue: Queue,
+    interrupt: Arc<VirtioInterrupt>,
+    /// The available ring was invalid; nothing more is processed until the driver resets.
+    broken: bool,
+}
+
+/// A virtio-blk device backed by a raw image file.
+pub struct Block {
+    file: File,
+    sectors: u64,
+    read_only: bool,
+    id: Vec<u8>,
+    acked_features: u64,
+    queue_evts: Vec<EventFd>,
+    active: Option<Active>,
+    pub metrics: Arc<BlockMetrics>,
+}
+
+impl std::fmt::Debug for Block {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Block")
+            .field("sectors", &self.sectors)
+            .field("read_only", &self.read_only)
+            .field("active", &self.active.is_some())
+            .finish()
+    }
+}
+
+impl Block {
+    /// Opens `path` as a disk; `id` is what `VIRTIO_BLK_T_GET_ID` reports (at most 20 bytes).
+    pub fn new(path: &Path, read_only: bool, id: &str) -> Result<Self, BlockError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(!read_only)
+            .open(path)
+            .map_err(|source| BlockError::Open {
+                path: path.display().to_string(),
+                source,
+            })?;
+        let len = file
+            .metadata()
+            .map_err(|source| BlockError::Metadata {
+                path: path.display().to_string(),
+                source,
+            })?
+            .len();
+        Self::from_file(file, len / SECTOR_SIZE, read_only, id)
+    }
+
+    /// A device over an open file of `sectors` sectors.
+    pub fn from_file(
+        file: File,
+        sectors: u64,
+        read_only: bool,
+        id: &str,
+    ) -> Result<Self, BlockError> {
+        let queue_evts = QUEUE_SIZES
+            .iter()
+            .map(|_| EventFd::new(libc::EFD_NONBLOCK).map_err(BlockError::EventFd))
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            file,
+            sectors,
+            read_only,
+            id: id.as_bytes().to_vec(),
+            acked_features: 0,
+            queue_evts,
+            active: None,
+            metrics: Arc::new(BlockMetrics::default()),
+        })
+    }
+
+    /// Capacity in sectors.
+    pub fn sectors(&self) -> u64 {
+        self.sectors
+    }
+
+    /// Serves every request the driver has made available, then interrupts it once.
+    pub fn process_queue(&mut self) {
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        if active.broken {
+            return;
+        }
+        let disk = Disk {
+            file: &self.file,
+            sectors: self.sectors,
+            read_only: self.read_only,
+            id: &self.id,
+        };
+        let m = &self.metrics;
+        let mut completed = 0usize;
+        loop {
+            if active.queue.disable_notification(&active.mem).is_err() {
+                break mark_broken(active, m, "disable notification");
+            }
+            while let Some(chain) = match active.queue.iter(&active.mem) {
+                Ok(mut it) => it.next(),
+                Err(e) => {
+                    mark_broken(active, m, &e.to_string());
+                    None
+                }
+            } {
+                let head = chain.head_index();
+                let used = serve_chain(&disk, &active.mem, chain, m);
+                if active.queue.add_used(&active.mem, head, used).is_err() {
+                    mark_broken(active, m, "add to used ring");
+                    break;
+                }
+                completed += 1;
+            }
+            if active.broken {
+                break;
+            }
+            match active.queue.enable_notification(&active.mem) {
+                Ok(true) => continue,
+                Ok(false) => break,
+                Err(_) => break mark_broken(active, m, "enable notification"),
+            }
+        }
+        if completed > 0 && active.queue.needs_notification(&active.mem).unwrap_or(true) {
+            active.interrupt.signal_used_queue();
+        }
+    }
+}
+
+fn mark_broken(active: &mut Active, metrics: &BlockMetrics, why: &str) {
+    active.broken = true;
+    metrics.broken_queue.fetch_add(1, Ordering::Relaxed);
+    crate::warn_ratelimited!("virtio-blk: queue unusable ({why}); waiting for a device reset");
+}
+
+/// Serves one chain; returns the used length. Malformed chains are counted and completed with
+/// length 0 so that the ring moves on.
+fn serve_chain(
+    disk: &Disk<'_>,
+    mem: &GuestMemoryMmap,
+    chain: virtio_queue::DescriptorChain<&GuestMemoryMmap>,
+    m: &BlockMetrics,
+) -> u32 {
+    let halves = chain
+        .clone()
+        .reader(mem)
+        .and_then(|r| chain.writer(mem).map(|w| (r, w)));
+    let result = match halves {
+        Ok((reader, writer)) => execute(disk, reader, writer),
+        Err(_) => Err(super::request::Malformed::Descriptors),
+    };
+    match result {
+        Ok(out) => {
+            m.requests.fetch_add(1, Ordering::Relaxed);
+            m.read_bytes.fetch_add(out.read_bytes, Ordering::Relaxed);
+            m.write_bytes
+                .fetch_add(out.written_bytes, Ordering::Relaxed);
+            match out.kind {
+                Some(RequestType::Flush) => {
+                    m.flushes.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(RequestType::Unsupported(t)) => {
+                    m.unsupported.fetch_add(1, Ordering::Relaxed);
+                    crate::warn_ratelimited!("virtio-blk: unsupported request type {t}");
+                }
+                _ => {}
+            }
+            if out.status == virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR as u8 {
+                m.io_errors.fetch_add(1, Ordering::Relaxed);
+            }
+            out.used_len
+        }
+        Err(why) => {
+            m.malformed.fetch_add(1, Ordering::Relaxed);
+            crate::warn_ratelimited!("virtio-blk: malformed request ({why:?}) dropped");
+            0
+        }
+    }
+}
+
+impl VirtioDevice for Block {
+    fn device_type(&self) -> u32 {
+        TYPE_BLOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        QUEUE_SIZES
+    }
+
+    fn avail_features(&self) -> u64 {
+        let mut f = 1u64 << VIRTIO_F_VERSION_1;
+        if self.read_only {
+            f |= 1 << VIRTIO_BLK_F_RO;
+        } else {
+            f |= 1 << VIRTIO_BLK_F_FLUSH;
+        }
+        f
+    }
+
+    fn set_acked_features(&mut self, features: u64) {
+        self.acked_features = features;
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        // struct virtio_blk_config starts with `le64 capacity`; nothing else is offered.
+        read_config_bytes(&self.sectors.to_le_bytes(), offset, data);
+    }
+
+    fn write_config(&mut self, offset: u64, _data: &[u8]) {
+        crate::warn_ratelimited!("virtio-blk: ignored config write at {offset:#x}");
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        interrupt: Arc<VirtioInterrupt>,
+    ) -> Result<(), ActivateError> {
+        if self.active.is_some() {
+            return Err(ActivateError::AlreadyActive);
+        }
+        let got = queues.len();
+        let Some(queue) = queues
+            .into_iter()
+            .next()
+            .filter(|_| got == QUEUE_SIZES.len())
+        else {
+            return Err(ActivateError::QueueCount {
+                got,
+                want: QUEUE_SIZES.len(),
+            });
+        };
+        self.active = Some(Active {
+            mem,
+            queue,
+            interrupt,
+            broken: false,
+        });
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.active = None;
+        self.acked_features = 0;
+    }
+
+    fn is_activated(&self) -> bool {
+        self.active.is_some()
+    }
+
+    fn queue_events(&self) -> &[EventFd] {
+        &self.queue_evts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::virtio::block::RequestHeader;
+    use std::io::{Seek, Write};
+    use virtio_bindings::virtio_blk::*;
+    use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use virtio_queue::desc::{RawDescriptor, split::Descriptor};
+    use virtio_queue::mock::MockSplitQueue;
+    use vm_memory::{Bytes, GuestAddress};
+
+    const HDR: u64 = 0x10_000;
+    const DATA: u64 = 0x20_000;
+    const STATUS: u64 = 0x30_000;
+
+    fn mem() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap()
+    }
+
+    fn disk_file(bytes: &[u8]) -> File {
+        let mut f = tempfile();
+        f.write_all(bytes).unwrap();
+        f.rewind().unwrap();
+        f
+    }
+
+    fn tempfile() -> File {
+        vmm_sys_util::tempfile::TempFile::new().unwrap().into_file()
+    }
+
+    fn desc(addr: u64, len: u32, flags: u32, next: u16) -> RawDescriptor {
+        RawDescriptor::from(Descriptor::new(addr, len, flags as u16, next))
+    }
+
+    /// Builds a block device activated on `m` with one chain made of `descs`.
+    fn run(
+        m: &GuestMemoryMmap,
+        dev: &mut Block,
+        descs: &[RawDescriptor],
+    ) -> (u32, Arc<VirtioInterrupt>) {
+        let vq = MockSplitQueue::new(m, 16);
+        vq.add_desc_chains(descs, 0).unwrap();
+        let q: Queue = vq.create_queue().unwrap();
+        let irq = Arc::new(VirtioInterrupt::new(
+            EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+        ));
+        dev.activate(m.clone(), vec![q], irq.clone()).unwrap();
+        dev.process_queue();
+        let used_len = vq.used().ring().ref_at(0).unwrap().load().len();
+        (used_len, irq)
+    }
+
+    fn header(m: &GuestMemoryMmap, t: u32, sector: u64) {
+        m.write_obj(
+            RequestHeader {
+                request_type: t,
+                reserved: 0,
+                sector,
+            },
+            GuestAddress(HDR),
+        )
+        .unwrap();
+    }
+
+    fn status(m: &GuestMemoryMmap) -> u32 {
+        u32::from(m.read_obj::<u8>(GuestAddress(STATUS)).unwrap())
+    }
+
+    #[test]
+    fn read_request_copies_sectors_into_guest_memory() {
+        let m = mem();
+        let mut image = vec![0u8; 2048];
+        image[512..1024].fill(0xab);
+        let mut dev = Block::from_file(disk_file(&image), 4, true, "vda").unwrap();
+        header(&m, VIRTIO_BLK_T_IN, 1);
+        let chain = [
+            desc(HDR, 16, VRING_DESC_F_NEXT, 1),
+            desc(DATA, 512, VRING_DESC_F_NEXT | VRING_DESC_F_WRITE, 2),
+            desc(STATUS, 1, VRING_DESC_F_WRITE, 0),
+        ];
+        let (used, irq) = run(&m, &mut dev, &chain);
+        assert_eq!(status(&m), VIRTIO_BLK_S_OK);
+        assert_eq!(used, 513);
+        let mut buf = [0u8; 512];
+        m.read_slice(&mut buf, GuestAddress(DATA)).unwrap();
+        assert!(buf.iter().all(|b| *b == 0xab));
+        assert_eq!(irq.status(), crate::devices::virtio::INT_VRING);
+        assert_eq!(dev.metrics.read_bytes.load(Ordering::Relaxed), 512);
+    }
+
+    #[test]
+    fn write_request_reaches_the_file() {
+        let m = mem();
+        let mut dev = Block::from_file(disk_file(&[0u8; 2048]), 4, false, "vdb").unwrap();
+        header(&m, VIRTIO_BLK_T_OUT, 2);
+        m.write_slice(&[0x5a; 512], GuestAddress(DATA)).unwrap();
+        let chain = [
+            desc(HDR, 16, VRING_DESC_F_NEXT, 1),
+            desc(DATA, 512, VRING_DESC_F_NEXT, 2),
+            desc(STATUS, 1, VRING_DESC_F_WRITE, 0),
+        ];
+        run(&m, &mut dev, &chain);
+        assert_eq!(status(&m), VIRTIO_BLK_S_OK);
+        let mut buf = [0u8; 512];
+        std::os::unix::fs::FileExt::read_exact_at(&dev.file, &mut buf, 1024).unwrap();
+        assert!(buf.iter().all(|b| *b == 0x5a));
+    }
+
+    #[test]
+    fn write_to_read_only_disk_is_an_io_error() {
+        let m = mem();
+        let mut dev = Block::from_file(disk_file(&[0u8; 2048]), 4, true, "vda").unwrap();
+        header(&m, VIRTIO_BLK_T_OUT, 0);
+        let chain = [
+            desc(HDR, 16, VRING_DESC_F_NEXT, 1),
+            desc(DATA, 512, VRING_DESC_F_NEXT, 2),
+            desc(STATUS, 1, VRING_DESC_F_WRITE, 0),
+        ];
+        run(&m, &mut dev, &chain);
+        assert_eq!(status(&m), VIRTIO_BLK_S_IOERR);
+        assert_eq!(dev.metrics.io_errors.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn read_past_the_end_is_an_io_error() {
+        let m = mem();
+        let mut dev = Block::from_file(disk_file(&[0u8; 2048]), 4, true, "vda").unwrap();
+        header(&m, VIRTIO_BLK_T_IN, 4);
+        let chain = [
+            desc(HDR, 16, VRING_DESC_F_NEXT, 1),
+            desc(DATA, 512, VRING_DESC_F_NEXT | VRING_DESC_F_WRITE, 2),
+            desc(STATUS, 1, VRING_DESC_F_WRITE, 0),
+        ];
+        run(&m, &mut dev, &chain);
+        assert_eq!(status(&m), VIRTIO_BLK_S_IOERR);
+    }
+
+    #[test]
+    fn huge_sector_number_does_not_overflow() {
+        let m = mem();
+        let mut dev = Block::from_file(disk_file(&[0u8; 2048]), 4, true, "vda").unwrap();
+        header(&m, VIRTIO_BLK_T_IN, u64::MAX);
+        let chain = [
+            desc(HDR, 16, VRING_DESC_F_NEXT, 1),
+            desc(DATA, 512, VRING_DESC_F_NEXT | VRING_DESC_F_WRITE, 2),
+            desc(STATUS, 1, VRING_DESC_F_WRITE, 0),
+        ];
+        run(&m, &mut dev, &chain);
+        assert_eq!(status(&m), VIRTIO_BLK_S_IOERR);
+    }
+
+    #[test]
+    fn unknown_type_is_unsupported() {
+        let m = mem();
+        let mut dev = Block::from_file(disk_file(&[0u8; 512]), 1, true, "vda").unwrap();
+        header(&m, 0x7777, 0);
+        let chain = [
+            desc(HDR, 16, VRING_DESC_F_NEXT, 1),
+            desc(STATUS, 1, VRING_DESC_F_WRITE, 0),
+        ];
+        run(&m, &mut dev, &chain);
+        assert_eq!(status(&m), VIRTIO_BLK_S_UNSUPP);
+        assert_eq!(dev.metrics.unsupported.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn get_id_writes_the_serial() {
+        let m = mem();
+        let mut dev = Block::from_file(disk_file(&[0u8; 512]), 1, true, "airlock-root").unwrap();
+        header(&m, VIRTIO_BLK_T_GET_ID, 0);
+        let chain = [
+            desc(HDR, 16, VRING_DESC_F_NEXT, 1),
+            desc(DATA, 20, VRING_DESC_F_NEXT | VRING_DESC_F_WRITE, 2),
+            desc(STATUS, 1, VRING_DESC_F_WRITE, 0),
+        ];
+        run(&m, &mut dev, &chain);
+        let mut id = [0u8; 12];
+        m.read_slice(&mut id, GuestAddress(DATA)).unwrap();
+        assert_eq!(&id, b"airlock-root");
+    }
+
+    #[test]
+    fn chain_without_status_byte_is_malformed_and_completed_empty() {
+        let m = mem();
+        let mut dev = Block::from_file(disk_file(&[0u8; 512]), 1, true, "vda").unwrap();
+        header(&m, VIRTIO_BLK_T_IN, 0);
+        let (used, _) = run(&m, &mut dev, &[desc(HDR, 16, 0, 0)]);
+        assert_eq!(used, 0);
+        assert_eq!(dev.metrics.malformed.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn short_header_is_malformed() {
+        let m = mem();
+        let mut dev = Block::from_file(disk_file(&[0u8; 512]), 1, true, "vda").unwrap();
+        let chain = [
+            desc(HDR, 8, VRING_DESC_F_NEXT, 1),
+            desc(STATUS, 1, VRING_DESC_F_WRITE, 0),
+        ];
+        run(&m, &mut dev, &chain);
+        assert_eq!(dev.metrics.malformed.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn descriptor_outside_guest_memory_is_malformed_not_a_panic() {
+        let m = mem();
+        let mut dev = Block::from_file(disk_file(&[0u8; 512]), 1, true, "vda").unwrap();
+        header(&m, VIRTIO_BLK_T_IN, 0);
+        let chain = [
+            desc(HDR, 16, VRING_DESC_F_NEXT, 1),
+            desc(
+                0xffff_0000_0000,
+                512,
+                VRING_DESC_F_NEXT | VRING_DESC_F_WRITE,
+                2,
+            ),
+            desc(STATUS, 1, VRING_DESC_F_WRITE, 0),
+        ];
+        let (used, _) = run(&m, &mut dev, &chain);
+        assert_eq!(used, 0);
+        assert_eq!(dev.metrics.malformed.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn unaligned_data_length_is_an_io_error() {
+        let m = mem();
+        let mut dev = Block::from_file(disk_file(&[0u8; 2048]), 4, true, "vda").unwrap();
+        header(&m, VIRTIO_BLK_T_IN, 0);
+        let chain = [
+            desc(HDR, 16, VRING_DESC_F_NEXT, 1),
+            desc(DATA, 100, VRING_DESC_F_NEXT | VRING_DESC_F_WRITE, 2),
+            desc(STATUS, 1, VRING_DESC_F_WRITE, 0),
+        ];
+        run(&m, &mut dev, &chain);
+        assert_eq!(status(&m), VIRTIO_BLK_S_IOERR);
+    }
+
+    #[test]
+    fn features_reflect_read_only() {
+        let ro = Block::from_file(tempfile(), 0, true, "a").unwrap();
+        let rw = Block::from_file(tempfile(), 0, false, "b").unwrap();
+        assert_ne!(ro.avail_features() & (1 << VIRTIO_BLK_F_RO), 0);
+        assert_eq!(rw.avail_features() & (1 << VIRTIO_BLK_F_RO), 0);
+        assert_ne!(rw.avail_features() & (1 << VIRTIO_BLK_F_FLUSH), 0);
+    }
+
+    #[test]
+    fn config_reports_capacity() {
+        let dev = Block::from_file(tempfile(), 0x1234, true, "a").unwrap();
+        let mut b = [0u8; 8];
+        dev.read_config(0, &mut b);
+        assert_eq!(u64::from_le_bytes(b), 0x1234);
+    }
+
+    #[test]
+    fn inactive_device_ignores_notifications() {
+        let mut dev = Block::from_file(tempfile(), 0, true, "a").unwrap();
+        dev.process_queue();
+        assert_eq!(dev.metrics.requests.load(Ordering::Relaxed), 0);
+    }
+}

@@ -1,0 +1,14 @@
+//! virtio-block: a raw disk image as `/dev/vdX`, read-only or writable.
+//!
+//! Requests are served synchronously on the VMM's event-loop thread when the guest notifies the
+//! queue (an ioeventfd, so the notifying vCPU does not wait for the I/O).
+
+mod device;
+mod event_handler;
+mod metrics;
+mod request;
+
+pub use device::{Block, BlockError, SECTOR_SIZE};
+pub use event_handler::BlockEventHandler;
+pub use metrics::BlockMetrics;
+pub use request::{RequestHeader, RequestType};

@@ -1,0 +1,171 @@
+//! How a VM ended, and the process exit code that says so.
+//!
+//! | code | meaning |
+//! | ---: | --- |
+//! | 0 | the guest ended itself (keyboard-controller reset, `reboot=k`): a clean power-off |
+//! | 1 | VMM error: the host could not build or run the VM (bad image, KVM refused an ioctl) |
+//! | 2 | usage error: bad command line |
+//! | 64 | guest kernel panic (seen on the console) |
+//! | 65 | triple fault (`KVM_EXIT_SHUTDOWN`) |
+//! | 66 | KVM internal error, e.g. an instruction the (nested) emulator cannot run |
+//! | 67 | KVM could not enter the guest (`KVM_EXIT_FAIL_ENTRY`) |
+//! | 68 | boot deadline passed before the guest printed `airlock: userspace up` |
+//! | 69 | unexpected vCPU exit or `KVM_RUN` failure |
+
+use std::fmt;
+use std::time::Duration;
+
+/// Exit codes of `airlock-vmm`.
+pub mod code {
+    pub const OK: u8 = 0;
+    pub const VMM_ERROR: u8 = 1;
+    pub const USAGE: u8 = 2;
+    pub const GUEST_PANIC: u8 = 64;
+    pub const TRIPLE_FAULT: u8 = 65;
+    pub const INTERNAL_ERROR: u8 = 66;
+    pub const FAIL_ENTRY: u8 = 67;
+    pub const BOOT_TIMEOUT: u8 = 68;
+    pub const VCPU_ERROR: u8 = 69;
+}
+
+/// Why a VM stopped. Guest faults are results, not VMM errors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VmExit {
+    /// The guest reset itself through the i8042 controller: its way of powering off.
+    GuestReset,
+    /// The guest kernel printed a panic.
+    GuestPanic,
+    /// A triple fault on `cpu`.
+    TripleFault { cpu: u8, rip: u64 },
+    /// `KVM_EXIT_INTERNAL_ERROR` on `cpu`, with the faulting RIP and the bytes found there.
+    InternalError {
+        cpu: u8,
+        suberror: u32,
+        rip: u64,
+        insn: Vec<u8>,
+        data: Vec<u64>,
+    },
+    /// `KVM_EXIT_FAIL_ENTRY` on `cpu`.
+    FailEntry { cpu: u8, reason: u64 },
+    /// No `airlock: userspace up` within the deadline.
+    BootTimeout { after: Duration },
+    /// `KVM_RUN` failed or returned an exit this VMM does not handle.
+    VcpuError { cpu: u8, detail: String },
+}
+
+impl VmExit {
+    /// The process exit code documented above.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            VmExit::GuestReset => code::OK,
+            VmExit::GuestPanic => code::GUEST_PANIC,
+            VmExit::TripleFault { .. } => code::TRIPLE_FAULT,
+            VmExit::InternalError { .. } => code::INTERNAL_ERROR,
+            VmExit::FailEntry { .. } => code::FAIL_ENTRY,
+            VmExit::BootTimeout { .. } => code::BOOT_TIMEOUT,
+            VmExit::VcpuError { .. } => code::VCPU_ERROR,
+        }
+    }
+
+    /// Whether this is the guest's own, orderly end.
+    pub fn is_clean(&self) -> bool {
+        *self == VmExit::GuestReset
+    }
+}
+
+fn hex_bytes(b: &[u8]) -> String {
+    b.iter()
+        .map(|x| format!("{x:02x}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+impl fmt::Display for VmExit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            VmExit::GuestReset => write!(f, "guest powered off (reset)"),
+            VmExit::GuestPanic => write!(f, "guest kernel panic"),
+            VmExit::TripleFault { cpu, rip } => {
+                write!(f, "triple fault on vcpu{cpu} at rip={rip:#x}")
+            }
+            VmExit::InternalError {
+                cpu,
+                suberror,
+                rip,
+                insn,
+                data,
+            } => write!(
+                f,
+                "KVM internal error (suberror {suberror}) on vcpu{cpu} at rip={rip:#x}, \
+                 instruction bytes [{}], data {data:x?}",
+                hex_bytes(insn)
+            ),
+            VmExit::FailEntry { cpu, reason } => {
+                write!(
+                    f,
+                    "KVM entry failure on vcpu{cpu}, hardware reason {reason:#x}"
+                )
+            }
+            VmExit::BootTimeout { after } => {
+                write!(
+                    f,
+                    "guest did not reach userspace within {:.1} s",
+                    after.as_secs_f64()
+                )
+            }
+            VmExit::VcpuError { cpu, detail } => write!(f, "vcpu{cpu} failed: {detail}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_guest_fault_has_a_distinct_nonzero_code() {
+        let exits = [
+            VmExit::GuestPanic,
+            VmExit::TripleFault { cpu: 0, rip: 0 },
+            VmExit::InternalError {
+                cpu: 0,
+                suberror: 1,
+                rip: 0,
+                insn: vec![],
+                data: vec![],
+            },
+            VmExit::FailEntry { cpu: 0, reason: 0 },
+            VmExit::BootTimeout {
+                after: Duration::from_secs(1),
+            },
+            VmExit::VcpuError {
+                cpu: 0,
+                detail: String::new(),
+            },
+        ];
+        let mut codes: Vec<u8> = exits.iter().map(VmExit::exit_code).collect();
+        assert!(
+            codes
+                .iter()
+                .all(|c| *c != code::OK && *c != code::VMM_ERROR && *c != code::USAGE)
+        );
+        codes.sort_unstable();
+        codes.dedup();
+        assert_eq!(codes.len(), exits.len());
+        assert_eq!(VmExit::GuestReset.exit_code(), 0);
+    }
+
+    #[test]
+    fn internal_error_message_shows_rip_and_bytes() {
+        let e = VmExit::InternalError {
+            cpu: 1,
+            suberror: 1,
+            rip: 0xffff_ffff_8100_0000,
+            insn: vec![0x0f, 0x01, 0xca],
+            data: vec![],
+        };
+        let s = e.to_string();
+        assert!(s.contains("rip=0xffffffff81000000"), "{s}");
+        assert!(s.contains("0f 01 ca"), "{s}");
+    }
+}

@@ -1,0 +1,316 @@
+//! vCPU threads as an explicit state machine.
+//!
+//! Each vCPU runs on its own thread in one of three states:
+//!
+//! ```text
+//!            Resume                    guest stops (fault, KVM error)
+//!  Paused ─────────────▶ Running ──────────────────────────────▶ Exited
+//!    ▲  ◀───────────────   │                                       │
+//!    │       Pause         │ Finish                                │ Finish
+//!    └─────────────────────┴──────────────▶ thread ends ◀─────────┘
+//! ```
+//!
+//! The VMM thread sends [`VcpuEvent`]s over a channel and then *kicks* the vCPU with a signal,
+//! whose handler sets `kvm_run.immediate_exit`, so a vCPU inside `KVM_RUN` returns at once and a
+//! vCPU about to enter it does not block. Each event is answered with a [`VcpuResponse`].
+
+use std::cell::Cell;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
+use std::thread::JoinHandle;
+
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::signal::{Killable, SIGRTMIN, register_signal_handler};
+
+use crate::arch::pagewalk::read_virt;
+use crate::devices::bus::Bus;
+use crate::exit::VmExit;
+
+/// Commands from the VMM thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VcpuEvent {
+    Resume,
+    Pause,
+    Finish,
+}
+
+/// Answers to [`VcpuEvent`]s, and the unsolicited report that the guest stopped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VcpuResponse {
+    Resumed,
+    Paused,
+    /// The vCPU stopped for good; the VM should end with this reason.
+    Exited(VmExit),
+}
+
+/// The state of a vCPU thread.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VcpuState {
+    Paused,
+    Running,
+    Exited,
+}
+
+/// The signal that kicks a vCPU out of `KVM_RUN`.
+pub fn kick_signal() -> i32 {
+    SIGRTMIN()
+}
+
+thread_local! {
+    /// This thread's `kvm_run.immediate_exit`, for the kick signal handler.
+    static IMMEDIATE_EXIT: Cell<*mut u8> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+extern "C" fn handle_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // Async-signal-safe: a const-initialised thread local without destructor and a volatile
+    // store.
+    let ptr = IMMEDIATE_EXIT.with(Cell::get);
+    if !ptr.is_null() {
+        // SAFETY: the pointer was set by this thread's vCPU loop to a field of its `kvm_run`
+        // mapping, which stays mapped until the loop clears the pointer before dropping the fd.
+        unsafe { std::ptr::write_volatile(ptr, 1) };
+    }
+}
+
+/// Installs the kick signal handler (process-wide, once before any vCPU starts).
+pub fn register_kick_handler() -> Result<(), vmm_sys_util::errno::Error> {
+    register_signal_handler(kick_signal(), handle_kick)
+}
+
+/// What one `KVM_RUN` returned, from the state machine's point of view.
+enum RunOutcome {
+    /// Exit handled; run again.
+    Continue,
+    /// Kicked or interrupted; look at the event channel.
+    Interrupted,
+    /// The guest cannot continue.
+    Stop(VmExit),
+}
+
+/// One vCPU and what its exits need.
+pub struct Vcpu {
+    fd: VcpuFd,
+    index: u8,
+    pio: Arc<Bus>,
+    mmio: Arc<Bus>,
+    mem: GuestMemoryMmap,
+    exit_evt: EventFd,
+}
+
+impl std::fmt::Debug for Vcpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vcpu").field("index", &self.index).finish()
+    }
+}
+
+/// The VMM thread's handle on a running vCPU thread.
+#[derive(Debug)]
+pub struct VcpuHandle {
+    pub index: u8,
+    events: Sender<VcpuEvent>,
+    pub responses: Receiver<VcpuResponse>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl VcpuHandle {
+    /// Sends `event` and kicks the thread so that it sees it.
+    pub fn send(&self, event: VcpuEvent) {
+        if self.events.send(event).is_err() {
+            return; // the thread has ended already
+        }
+        if let Some(t) = &self.thread
+            && let Err(e) = t.kill(kick_signal())
+        {
+            log::debug!("kick vcpu{}: {e}", self.index);
+        }
+    }
+
+    /// Ends the thread and waits for it.
+    pub fn finish(&mut self) {
+        self.send(VcpuEvent::Finish);
+        if let Some(t) = self.thread.take()
+            && t.join().is_err()
+        {
+            log::error!("vcpu{} thread panicked", self.index);
+        }
+    }
+}
+
+impl Drop for VcpuHandle {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+impl Vcpu {
+    /// A vCPU whose exits go to `pio`/`mmio`; `exit_evt` is written when it stops for good.
+    pub fn new(
+        fd: VcpuFd,
+        index: u8,
+        pio: Arc<Bus>,
+        mmio: Arc<Bus>,
+        mem: GuestMemoryMmap,
+        exit_evt: EventFd,
+    ) -> Self {
+        Self {
+            fd,
+            index,
+            pio,
+            mmio,
+            mem,
+            exit_evt,
+        }
+    }
+
+    /// The vCPU fd, for configuration before the thread starts.
+    pub fn fd(&self) -> &VcpuFd {
+        &self.fd
+    }
+
+    /// Starts the thread in the `Paused` state.
+    pub fn start_paused(self) -> std::io::Result<VcpuHandle> {
+        let index = self.index;
+        let (ev_tx, ev_rx) = channel();
+        let (resp_tx, resp_rx) = channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{index}"))
+            .spawn(move || self.run_thread(&ev_rx, &resp_tx))?;
+        Ok(VcpuHandle {
+            index,
+            events: ev_tx,
+            responses: resp_rx,
+            thread: Some(thread),
+        })
+    }
+
+    fn run_thread(mut self, events: &Receiver<VcpuEvent>, responses: &Sender<VcpuResponse>) {
+        let run = self.fd.get_kvm_run();
+        IMMEDIATE_EXIT.with(|c| c.set(&mut run.immediate_exit as *mut u8));
+        let mut state = VcpuState::Paused;
+        loop {
+            state = match state {
+                VcpuState::Paused => match events.recv() {
+                    Ok(VcpuEvent::Resume) => {
+                        reply(responses, VcpuResponse::Resumed, VcpuState::Running)
+                    }
+                    Ok(VcpuEvent::Pause) => {
+                        reply(responses, VcpuResponse::Paused, VcpuState::Paused)
+                    }
+                    Ok(VcpuEvent::Finish) | Err(_) => break,
+                },
+                VcpuState::Running => match events.try_recv() {
+                    Ok(VcpuEvent::Pause) => {
+                        reply(responses, VcpuResponse::Paused, VcpuState::Paused)
+                    }
+                    Ok(VcpuEvent::Resume) => {
+                        reply(responses, VcpuResponse::Resumed, VcpuState::Running)
+                    }
+                    Ok(VcpuEvent::Finish) | Err(TryRecvError::Disconnected) => break,
+                    Err(TryRecvError::Empty) => match self.run_once() {
+                        RunOutcome::Continue | RunOutcome::Interrupted => VcpuState::Running,
+                        RunOutcome::Stop(exit) => {
+                            let _ = responses.send(VcpuResponse::Exited(exit));
+                            let _ = self.exit_evt.write(1);
+                            VcpuState::Exited
+                        }
+                    },
+                },
+                VcpuState::Exited => match events.recv() {
+                    Ok(VcpuEvent::Finish) | Err(_) => break,
+                    // Nothing runs any more; say so instead of pretending to resume.
+                    Ok(_) => VcpuState::Exited,
+                },
+            };
+        }
+        IMMEDIATE_EXIT.with(|c| c.set(std::ptr::null_mut()));
+    }
+
+    fn run_once(&mut self) -> RunOutcome {
+        let index = self.index;
+        match self.fd.run() {
+            Ok(VcpuExit::IoIn(port, data)) => {
+                if !self.pio.read(u64::from(port), data) {
+                    data.fill(0);
+                }
+                RunOutcome::Continue
+            }
+            Ok(VcpuExit::IoOut(port, data)) => {
+                self.pio.write(u64::from(port), data);
+                RunOutcome::Continue
+            }
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                if !self.mmio.read(addr, data) {
+                    data.fill(0);
+                    crate::warn_ratelimited!("vcpu{index}: read of unmapped MMIO {addr:#x}");
+                }
+                RunOutcome::Continue
+            }
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                if !self.mmio.write(addr, data) {
+                    crate::warn_ratelimited!("vcpu{index}: write to unmapped MMIO {addr:#x}");
+                }
+                RunOutcome::Continue
+            }
+            Ok(VcpuExit::Intr) => RunOutcome::Interrupted,
+            Ok(VcpuExit::Shutdown) => {
+                let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
+                RunOutcome::Stop(VmExit::TripleFault { cpu: index, rip })
+            }
+            Ok(VcpuExit::InternalError) => RunOutcome::Stop(self.internal_error()),
+            Ok(VcpuExit::FailEntry(reason, _)) => {
+                RunOutcome::Stop(VmExit::FailEntry { cpu: index, reason })
+            }
+            Ok(other) => RunOutcome::Stop(VmExit::VcpuError {
+                cpu: index,
+                detail: format!("unexpected exit {other:?}"),
+            }),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                self.fd.set_kvm_immediate_exit(0);
+                RunOutcome::Interrupted
+            }
+            Err(e) => RunOutcome::Stop(VmExit::VcpuError {
+                cpu: index,
+                detail: format!("KVM_RUN: {e}"),
+            }),
+        }
+    }
+
+    /// Collects what KVM and guest memory say about an internal error: the suberror, KVM's
+    /// data words, the RIP and up to 16 instruction bytes read through the guest page tables.
+    fn internal_error(&mut self) -> VmExit {
+        let run = self.fd.get_kvm_run();
+        // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, so `internal` is the active
+        // member of the union.
+        let internal = unsafe { run.__bindgen_anon_1.internal };
+        let ndata = (internal.ndata as usize).min(internal.data.len());
+        let data = internal.data[..ndata].to_vec();
+        let (rip, insn) = match (self.fd.get_regs(), self.fd.get_sregs()) {
+            (Ok(r), Ok(s)) => {
+                let cs_base = s.cs.base;
+                let insn = read_virt::<_, 16>(
+                    &self.mem,
+                    s.cr0,
+                    s.cr3,
+                    s.efer,
+                    cs_base.wrapping_add(r.rip),
+                );
+                (r.rip, insn)
+            }
+            _ => (0, Vec::new()),
+        };
+        VmExit::InternalError {
+            cpu: self.index,
+            suberror: internal.suberror,
+            rip,
+            insn,
+            data,
+        }
+    }
+}
+
+fn reply(responses: &Sender<VcpuResponse>, r: VcpuResponse, next: VcpuState) -> VcpuState {
+    let _ = responses.send(r);
+    next
+}

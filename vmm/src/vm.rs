@@ -1,0 +1,160 @@
+//! The KVM side of one VM: the `/dev/kvm` handle, the VM fd with its memory slots, the in-kernel
+//! irqchip and PIT, and what KVM reports it supports (CPUID, MSRs).
+
+use kvm_bindings::{
+    CpuId, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY, kvm_pit_config,
+    kvm_userspace_memory_region,
+};
+use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
+use thiserror::Error;
+use vm_memory::{Address, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+
+use crate::arch::layout::{KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR, ram_ranges};
+
+/// Errors setting up the KVM VM.
+#[derive(Debug, Error)]
+pub enum VmError {
+    #[error("open /dev/kvm (is KVM available and accessible?)")]
+    OpenKvm(#[source] kvm_ioctls::Error),
+    #[error("KVM lacks a required capability: {0:?}")]
+    MissingCap(Cap),
+    #[error("create the KVM VM")]
+    CreateVm(#[source] kvm_ioctls::Error),
+    #[error("allocate {0} MiB of guest memory")]
+    GuestMemory(u64, #[source] vm_memory::mmap::FromRangesError),
+    #[error("register guest memory slot {0} with KVM")]
+    SetMemoryRegion(u32, #[source] kvm_ioctls::Error),
+    #[error("set the TSS address")]
+    SetTss(#[source] kvm_ioctls::Error),
+    #[error("set the identity map address")]
+    SetIdentityMap(#[source] kvm_ioctls::Error),
+    #[error("create the in-kernel irqchip")]
+    CreateIrqchip(#[source] kvm_ioctls::Error),
+    #[error("create the in-kernel PIT")]
+    CreatePit(#[source] kvm_ioctls::Error),
+    #[error("read the supported CPUID")]
+    SupportedCpuid(#[source] kvm_ioctls::Error),
+    #[error("read the MSR index list")]
+    MsrIndexList(#[source] kvm_ioctls::Error),
+    #[error("create vCPU {0}")]
+    CreateVcpu(u8, #[source] kvm_ioctls::Error),
+}
+
+/// Capabilities the VMM relies on.
+const REQUIRED_CAPS: &[Cap] = &[
+    Cap::Irqchip,
+    Cap::Pit2,
+    Cap::Ioeventfd,
+    Cap::Irqfd,
+    Cap::ImmediateExit,
+    Cap::UserMemory,
+    Cap::SetTssAddr,
+    Cap::ExtCpuid,
+];
+
+/// A KVM VM with its guest memory.
+#[derive(Debug)]
+pub struct Vm {
+    kvm: Kvm,
+    fd: VmFd,
+    mem: GuestMemoryMmap,
+    supported_cpuid: CpuId,
+    msr_index_list: Vec<u32>,
+}
+
+impl Vm {
+    /// Opens KVM, checks its capabilities and creates a VM with `mem_bytes` of anonymous memory.
+    pub fn new(mem_bytes: u64) -> Result<Self, VmError> {
+        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+        if let Some(cap) = REQUIRED_CAPS.iter().find(|c| !kvm.check_extension(**c)) {
+            return Err(VmError::MissingCap(*cap));
+        }
+        let fd = kvm.create_vm().map_err(VmError::CreateVm)?;
+        let mem = GuestMemoryMmap::from_ranges(&ram_ranges(mem_bytes))
+            .map_err(|e| VmError::GuestMemory(mem_bytes >> 20, e))?;
+        let supported_cpuid = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(VmError::SupportedCpuid)?;
+        let msr_index_list = kvm
+            .get_msr_index_list()
+            .map_err(VmError::MsrIndexList)?
+            .as_slice()
+            .to_vec();
+        let vm = Self {
+            kvm,
+            fd,
+            mem,
+            supported_cpuid,
+            msr_index_list,
+        };
+        vm.register_memory()?;
+        vm.setup_irqchip()?;
+        Ok(vm)
+    }
+
+    fn register_memory(&self) -> Result<(), VmError> {
+        for (slot, region) in self.mem.iter().enumerate() {
+            let slot = slot as u32;
+            let region_desc = kvm_userspace_memory_region {
+                slot,
+                flags: 0,
+                guest_phys_addr: region.start_addr().raw_value(),
+                memory_size: region.len(),
+                userspace_addr: region.as_ptr() as u64,
+            };
+            // SAFETY: the host range is a live mapping owned by `self.mem`, which the `Vm` keeps
+            // alive for as long as the VM fd exists; slots do not overlap (distinct regions).
+            unsafe { self.fd.set_user_memory_region(region_desc) }
+                .map_err(|e| VmError::SetMemoryRegion(slot, e))?;
+        }
+        Ok(())
+    }
+
+    fn setup_irqchip(&self) -> Result<(), VmError> {
+        self.fd
+            .set_tss_address(KVM_TSS_ADDR as usize)
+            .map_err(VmError::SetTss)?;
+        self.fd
+            .set_identity_map_address(KVM_IDENTITY_MAP_ADDR)
+            .map_err(VmError::SetIdentityMap)?;
+        self.fd.create_irq_chip().map_err(VmError::CreateIrqchip)?;
+        // The dummy speaker port keeps port 0x61 in the kernel instead of exiting to us.
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        self.fd.create_pit2(pit).map_err(VmError::CreatePit)
+    }
+
+    /// Creates vCPU `index` (its APIC id).
+    pub fn create_vcpu(&self, index: u8) -> Result<VcpuFd, VmError> {
+        self.fd
+            .create_vcpu(u64::from(index))
+            .map_err(|e| VmError::CreateVcpu(index, e))
+    }
+
+    /// The VM fd, for irqfd/ioeventfd registration.
+    pub fn fd(&self) -> &VmFd {
+        &self.fd
+    }
+
+    /// Guest memory.
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        &self.mem
+    }
+
+    /// CPUID entries KVM supports on this host.
+    pub fn supported_cpuid(&self) -> &CpuId {
+        &self.supported_cpuid
+    }
+
+    /// MSRs KVM can save and restore on this host.
+    pub fn msr_index_list(&self) -> &[u32] {
+        &self.msr_index_list
+    }
+
+    /// The `/dev/kvm` handle.
+    pub fn kvm(&self) -> &Kvm {
+        &self.kvm
+    }
+}

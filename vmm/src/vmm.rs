@@ -1,0 +1,478 @@
+//! One microVM: the boot recipe, the event loop, and the end of the VM.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
+use kvm_ioctls::{IoEventAddress, NoDatamatch};
+use linux_loader::loader::{Elf, KernelLoader, load_cmdline};
+use thiserror::Error;
+use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_superio::{I8042Device, Serial};
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::timerfd::TimerFd;
+
+use crate::arch::cpuid::CpuTemplate;
+use crate::arch::layout::{
+    CMDLINE_ADDR, HIMEM_START, I8042_PORT_BASE, SERIAL_IRQ, SERIAL_PORT_BASE,
+    VIRTIO_MMIO_MAX_SLOTS, VIRTIO_MMIO_SLOT_SIZE, virtio_irq, virtio_mmio_addr,
+};
+use crate::arch::{boot, mptable, regs};
+use crate::config::{ConfigError, ConsoleOutput, VmConfig, build_cmdline};
+use crate::devices::bus::{Bus, BusError};
+use crate::devices::legacy::{ConsoleEvents, ConsoleSink, EventFdTrigger, I8042, SerialDevice};
+use crate::devices::virtio::block::{Block, BlockError, BlockEventHandler};
+use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
+use crate::exit::VmExit;
+use crate::vcpu::{Vcpu, VcpuEvent, VcpuHandle, VcpuResponse, register_kick_handler};
+use crate::vm::{Vm, VmError};
+
+/// Errors building or running a VM (host-side failures, not guest faults).
+#[derive(Debug, Error)]
+pub enum BuildError {
+    #[error("invalid configuration")]
+    Config(#[from] ConfigError),
+    #[error("set up KVM")]
+    Vm(#[from] VmError),
+    #[error("open kernel {0}")]
+    OpenKernel(String, #[source] std::io::Error),
+    #[error("load kernel")]
+    LoadKernel(#[source] linux_loader::loader::Error),
+    #[error("write the kernel command line")]
+    LoadCmdline(#[source] linux_loader::loader::Error),
+    #[error("write boot structures")]
+    Boot(#[from] boot::BootError),
+    #[error("write the MP table")]
+    MpTable(#[from] mptable::MpTableError),
+    #[error("configure vCPU")]
+    Regs(#[from] regs::RegsError),
+    #[error("attach a disk")]
+    Block(#[from] BlockError),
+    #[error("place a device on the bus")]
+    Bus(#[from] BusError),
+    #[error("too many virtio devices (at most {VIRTIO_MMIO_MAX_SLOTS})")]
+    TooManyDevices,
+    #[error("register an irqfd or ioeventfd with KVM")]
+    RegisterEvent(#[source] kvm_ioctls::Error),
+    #[error("create an eventfd or timerfd")]
+    EventFd(#[source] std::io::Error),
+    #[error("open the console output {0}")]
+    Console(String, #[source] std::io::Error),
+    #[error("install the vCPU kick signal handler")]
+    Signal(#[source] vmm_sys_util::errno::Error),
+    #[error("start a vCPU thread")]
+    SpawnVcpu(#[source] std::io::Error),
+    #[error("create the event loop")]
+    EventManager(#[source] event_manager::Error),
+}
+
+type Subscriber = Arc<Mutex<dyn MutEventSubscriber + Send>>;
+
+/// A booted (or bootable) microVM.
+pub struct Vmm {
+    vm: Vm,
+    vcpus: Vec<VcpuHandle>,
+    events: EventManager<Subscriber>,
+    control: Arc<Mutex<ControlState>>,
+    console: Arc<ConsoleEvents>,
+    started: Instant,
+    /// Keeps devices alive (and reachable for metrics) for the VM's lifetime.
+    blocks: Vec<Arc<Mutex<Block>>>,
+}
+
+impl std::fmt::Debug for Vmm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vmm")
+            .field("vcpus", &self.vcpus.len())
+            .finish()
+    }
+}
+
+/// Devices under construction, before the buses are frozen.
+struct DeviceSet {
+    pio: Bus,
+    mmio: Bus,
+    virtio_slots: Vec<(u64, u32)>,
+    blocks: Vec<Arc<Mutex<Block>>>,
+    subscribers: Vec<Subscriber>,
+}
+
+/// Builds a VM from `config` and leaves its vCPUs paused; `started` is when the process (or the
+/// request) began, for boot timing. This is the one boot recipe; the order is fixed:
+/// memory and KVM → legacy devices → virtio devices → kernel and command line → boot structures
+/// → vCPUs → event loop.
+pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm, BuildError> {
+    config.validate()?;
+    let template = config.cpu_template.unwrap_or_else(CpuTemplate::detect);
+    let vm = Vm::new(config.mem_bytes())?;
+    let console = Arc::new(ConsoleEvents::new(started).map_err(BuildError::EventFd)?);
+    let reset_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+
+    let mut devices = DeviceSet {
+        pio: Bus::default(),
+        mmio: Bus::default(),
+        virtio_slots: Vec::new(),
+        blocks: Vec::new(),
+        subscribers: Vec::new(),
+    };
+    attach_legacy_devices(&vm, &mut devices, config, console.clone(), &reset_evt)?;
+    for disk in &config.disks {
+        attach_block_device(&vm, &mut devices, disk)?;
+    }
+
+    let entry = load_kernel(&vm, config)?;
+    let cmdline = build_cmdline(template, &devices.virtio_slots, &config.cmdline_extra)?;
+    load_cmdline(vm.memory(), GuestAddress(CMDLINE_ADDR), &cmdline)
+        .map_err(BuildError::LoadCmdline)?;
+    let cmdline_len = cmdline
+        .as_cstring()
+        .map(|c| c.as_bytes().len())
+        .unwrap_or(0);
+    log::info!(
+        "kernel command line: {}",
+        cmdline
+            .as_cstring()
+            .map(|c| c.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    );
+    configure_system_for_boot(vm.memory(), cmdline_len, config.vcpus)?;
+
+    register_kick_handler().map_err(BuildError::Signal)?;
+    let vcpu_exit_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+    let (pio, mmio) = (Arc::new(devices.pio), Arc::new(devices.mmio));
+    let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
+    for index in 0..config.vcpus {
+        let fd = vm.create_vcpu(index)?;
+        let exit = vcpu_exit_evt.try_clone().map_err(BuildError::EventFd)?;
+        let vcpu = Vcpu::new(
+            fd,
+            index,
+            pio.clone(),
+            mmio.clone(),
+            vm.memory().clone(),
+            exit,
+        );
+        configure_vcpu_for_boot(&vm, &vcpu, template, index, config.vcpus, entry)?;
+        vcpus.push(vcpu.start_paused().map_err(BuildError::SpawnVcpu)?);
+    }
+
+    let control = Arc::new(Mutex::new(ControlState::default()));
+    let mut events: EventManager<Subscriber> =
+        EventManager::new().map_err(BuildError::EventManager)?;
+    let deadline = TimerFd::new().map_err(|e| BuildError::EventFd(e.into()))?;
+    let grace = TimerFd::new().map_err(|e| BuildError::EventFd(e.into()))?;
+    let watcher = ExitWatcher {
+        reset_evt,
+        vcpu_exit_evt,
+        console: console.clone(),
+        deadline,
+        panic_grace: grace,
+        boot_timeout: config.boot_timeout,
+        state: control.clone(),
+        ready_logged: AtomicBool::new(false),
+    };
+    events.add_subscriber(Arc::new(Mutex::new(watcher)));
+    for s in devices.subscribers {
+        events.add_subscriber(s);
+    }
+    Ok(Vmm {
+        vm,
+        vcpus,
+        events,
+        control,
+        console,
+        started,
+        blocks: devices.blocks,
+    })
+}
+
+fn attach_legacy_devices(
+    vm: &Vm,
+    devices: &mut DeviceSet,
+    config: &VmConfig,
+    console: Arc<ConsoleEvents>,
+    reset_evt: &EventFd,
+) -> Result<(), BuildError> {
+    let out: Box<dyn Write + Send> = match &config.console {
+        ConsoleOutput::Stdout => Box::new(std::io::stdout()),
+        ConsoleOutput::Discard => Box::new(std::io::sink()),
+        ConsoleOutput::File(p) => {
+            Box::new(File::create(p).map_err(|e| BuildError::Console(p.display().to_string(), e))?)
+        }
+    };
+    let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+    vm.fd()
+        .register_irqfd(&irq, SERIAL_IRQ)
+        .map_err(BuildError::RegisterEvent)?;
+    let sink = ConsoleSink::new(out, config.console_limit, console);
+    let serial = SerialDevice(Serial::new(EventFdTrigger(irq), sink));
+    devices
+        .pio
+        .insert(Arc::new(Mutex::new(serial)), u64::from(SERIAL_PORT_BASE), 8)?;
+    let reset = reset_evt.try_clone().map_err(BuildError::EventFd)?;
+    let i8042 = I8042(I8042Device::new(EventFdTrigger(reset)));
+    devices
+        .pio
+        .insert(Arc::new(Mutex::new(i8042)), u64::from(I8042_PORT_BASE), 5)?;
+    Ok(())
+}
+
+/// Adds a virtio-blk device in the next virtio-mmio slot: irqfd on its GSI, ioeventfd on its
+/// queue-notify register, an event-loop subscriber, and a command-line declaration.
+fn attach_block_device(
+    vm: &Vm,
+    devices: &mut DeviceSet,
+    disk: &crate::config::DiskConfig,
+) -> Result<(), BuildError> {
+    let slot = devices.virtio_slots.len() as u64;
+    if slot >= VIRTIO_MMIO_MAX_SLOTS {
+        return Err(BuildError::TooManyDevices);
+    }
+    let (addr, gsi) = (virtio_mmio_addr(slot), virtio_irq(slot));
+    let block = Arc::new(Mutex::new(Block::new(
+        &disk.path,
+        disk.read_only,
+        &disk.id,
+    )?));
+    let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+    vm.fd()
+        .register_irqfd(&irqfd, gsi)
+        .map_err(BuildError::RegisterEvent)?;
+    {
+        let dev = block.lock().unwrap_or_else(|e| e.into_inner());
+        let notify = addr + u64::from(virtio_bindings::virtio_mmio::VIRTIO_MMIO_QUEUE_NOTIFY);
+        for (i, evt) in dev.queue_events().iter().enumerate() {
+            vm.fd()
+                .register_ioevent(evt, &IoEventAddress::Mmio(notify), i as u32)
+                .map_err(BuildError::RegisterEvent)?;
+        }
+    }
+    let interrupt = Arc::new(VirtioInterrupt::new(irqfd));
+    let transport = MmioTransport::new(vm.memory().clone(), block.clone(), interrupt);
+    devices
+        .mmio
+        .insert(Arc::new(Mutex::new(transport)), addr, VIRTIO_MMIO_SLOT_SIZE)?;
+    let handler = BlockEventHandler::new(block.clone()).map_err(BuildError::EventFd)?;
+    devices.subscribers.push(Arc::new(Mutex::new(handler)));
+    devices.blocks.push(block);
+    devices.virtio_slots.push((addr, gsi));
+    let _ = NoDatamatch; // ioevents above match the queue index as data
+    Ok(())
+}
+
+/// Loads the ELF `vmlinux` and returns its 64-bit entry point.
+fn load_kernel(vm: &Vm, config: &VmConfig) -> Result<u64, BuildError> {
+    let mut file = File::open(&config.kernel)
+        .map_err(|e| BuildError::OpenKernel(config.kernel.display().to_string(), e))?;
+    let loaded = Elf::load(
+        vm.memory(),
+        None,
+        &mut file,
+        Some(GuestAddress(HIMEM_START)),
+    )
+    .map_err(BuildError::LoadKernel)?;
+    Ok(loaded.kernel_load.0)
+}
+
+/// Zero page, MP table, GDT/IDT and the boot page tables.
+fn configure_system_for_boot(
+    mem: &GuestMemoryMmap,
+    cmdline_len: usize,
+    vcpus: u8,
+) -> Result<(), BuildError> {
+    boot::write_zero_page(mem, cmdline_len)?;
+    mptable::setup_mptable(mem, vcpus)?;
+    boot::write_gdt_idt(mem)?;
+    boot::write_page_tables(mem)?;
+    Ok(())
+}
+
+fn configure_vcpu_for_boot(
+    vm: &Vm,
+    vcpu: &Vcpu,
+    template: CpuTemplate,
+    index: u8,
+    count: u8,
+    entry: u64,
+) -> Result<(), BuildError> {
+    let fd = vcpu.fd();
+    regs::configure_cpuid(fd, vm.supported_cpuid(), template, index, count)?;
+    regs::configure_msrs(fd, vm.msr_index_list())?;
+    regs::configure_regs(fd, entry)?;
+    regs::configure_sregs(fd)?;
+    regs::configure_fpu(fd)?;
+    regs::configure_lapic(fd)?;
+    Ok(())
+}
+
+impl Vmm {
+    /// Resumes every vCPU and runs the event loop until the VM ends; returns why it ended.
+    pub fn run(mut self) -> Result<VmExit, BuildError> {
+        for v in &self.vcpus {
+            v.send(VcpuEvent::Resume);
+        }
+        let exit = loop {
+            if let Err(e) = self.events.run() {
+                log::error!("event loop: {e:?}");
+            }
+            let mut st = self.control.lock().unwrap_or_else(|e| e.into_inner());
+            if st.vcpu_exited {
+                st.vcpu_exited = false;
+                if let Some(exit) = self.collect_vcpu_exit() {
+                    break exit;
+                }
+            }
+            if let Some(exit) = st.exit.take() {
+                break exit;
+            }
+        };
+        self.shutdown();
+        Ok(exit)
+    }
+
+    fn collect_vcpu_exit(&self) -> Option<VmExit> {
+        self.vcpus.iter().find_map(|v| {
+            v.responses.try_iter().find_map(|r| match r {
+                VcpuResponse::Exited(exit) => Some(exit),
+                _ => None,
+            })
+        })
+    }
+
+    /// Microseconds from start to `airlock: userspace up`, if the guest printed it.
+    pub fn ready_after(&self) -> Option<Duration> {
+        self.console.ready_after_us().map(Duration::from_micros)
+    }
+
+    /// Console bytes dropped past the output limit.
+    pub fn console_bytes_dropped(&self) -> u64 {
+        self.console.bytes_dropped()
+    }
+
+    /// Block device metrics, in attachment order.
+    pub fn block_metrics(&self) -> Vec<Arc<crate::devices::virtio::block::BlockMetrics>> {
+        self.blocks
+            .iter()
+            .map(|b| b.lock().unwrap_or_else(|e| e.into_inner()).metrics.clone())
+            .collect()
+    }
+
+    /// Guest memory (for tests and snapshots).
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        self.vm.memory()
+    }
+
+    /// When this VMM started.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    fn shutdown(&mut self) {
+        for v in &mut self.vcpus {
+            v.finish();
+        }
+        let _ = std::io::stdout().flush();
+    }
+}
+
+/// What the event loop has decided about the VM's end.
+#[derive(Debug, Default)]
+struct ControlState {
+    exit: Option<VmExit>,
+    vcpu_exited: bool,
+}
+
+/// Watches everything that can end the VM: the i8042 reset, a vCPU that stopped, the console
+/// (ready line, kernel panic) and the boot deadline.
+struct ExitWatcher {
+    reset_evt: EventFd,
+    vcpu_exit_evt: EventFd,
+    console: Arc<ConsoleEvents>,
+    deadline: TimerFd,
+    panic_grace: TimerFd,
+    boot_timeout: Option<Duration>,
+    state: Arc<Mutex<ControlState>>,
+    ready_logged: AtomicBool,
+}
+
+/// How long the console may keep printing after a panic before the VM is stopped anyway
+/// (with `panic=-1` the guest resets itself sooner).
+const PANIC_GRACE: Duration = Duration::from_secs(2);
+
+impl ExitWatcher {
+    fn set_exit(&self, exit: VmExit) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.exit.get_or_insert(exit);
+    }
+
+    fn on_console(&mut self) {
+        let _ = self.console.notify.read();
+        if let Some(us) = self.console.ready_after_us()
+            && !self.ready_logged.swap(true, Ordering::Relaxed)
+        {
+            log::info!("guest reached userspace after {:.3} s", us as f64 / 1e6);
+            let _ = self.deadline.clear();
+        }
+        if self.console.panicked() {
+            log::warn!("guest kernel panicked");
+            let _ = self.panic_grace.reset(PANIC_GRACE, None);
+        }
+    }
+}
+
+impl MutEventSubscriber for ExitWatcher {
+    fn process(&mut self, events: Events, _ops: &mut EventOps) {
+        let fd = events.fd();
+        if fd == self.reset_evt.as_raw_fd() {
+            let _ = self.reset_evt.read();
+            let exit = if self.console.panicked() {
+                VmExit::GuestPanic
+            } else {
+                VmExit::GuestReset
+            };
+            self.set_exit(exit);
+        } else if fd == self.vcpu_exit_evt.as_raw_fd() {
+            let _ = self.vcpu_exit_evt.read();
+            self.state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .vcpu_exited = true;
+        } else if fd == self.console.notify.as_raw_fd() {
+            self.on_console();
+        } else if fd == self.deadline.as_raw_fd() {
+            let _ = self.deadline.wait();
+            if self.console.ready_after_us().is_none() {
+                let after = self.boot_timeout.unwrap_or_default();
+                self.set_exit(VmExit::BootTimeout { after });
+            }
+        } else if fd == self.panic_grace.as_raw_fd() {
+            let _ = self.panic_grace.wait();
+            self.set_exit(VmExit::GuestPanic);
+        }
+    }
+
+    fn init(&mut self, ops: &mut EventOps) {
+        if let Some(t) = self.boot_timeout
+            && let Err(e) = self.deadline.reset(t, None)
+        {
+            log::error!("arm the boot deadline: {e}");
+        }
+        let fds = [
+            self.reset_evt.as_raw_fd(),
+            self.vcpu_exit_evt.as_raw_fd(),
+            self.console.notify.as_raw_fd(),
+            self.deadline.as_raw_fd(),
+            self.panic_grace.as_raw_fd(),
+        ];
+        for fd in fds {
+            if let Err(e) = ops.add(Events::new_raw(fd, EventSet::IN)) {
+                log::error!("event loop: watch fd {fd}: {e:?}");
+            }
+        }
+    }
+}
