@@ -1,0 +1,382 @@
+#!/usr/bin/env bash
+# Builds the Airlock base image: a Debian minbase tree with busybox, python3 and airlock-agent as
+# /sbin/init, packed into an ext4 file by `mkfs.ext4 -d`. Nothing is mounted.
+#
+# Usage:  rootfs/build.sh            (as root; from any directory)
+# Env:    AIRLOCK_CACHE_DIR      cache root, default /var/cache/airlock; images go to <it>/rootfs/
+#         AIRLOCK_DEBIAN_MIRROR  Debian mirror URL; default: read from this machine's apt sources
+#         SOURCE_DATE_EPOCH      time stamp for the file system; default: the suite's Release date
+# Output: progress on stderr; the absolute path of the image is the last line of stdout.
+# See rootfs/README.md.
+set -euo pipefail
+export LC_ALL=C
+
+# Part of the file name and of the input hash. Bump it for a deliberate change of the image's
+# contract, or to force a rebuild that picks up newer Debian packages (the hash cannot see those).
+readonly VERSION=v1
+readonly SUITE=bookworm
+readonly ARCH=amd64
+readonly LABEL=airlock-base
+readonly HEADROOM_PERCENT=25
+readonly RUST_TARGET=x86_64-unknown-linux-gnu
+readonly SANDBOX_USER=sandbox
+readonly SANDBOX_ID=1000
+
+ROOTFS_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)
+REPO_ROOT=$(dirname -- "$ROOTFS_DIR")
+CACHE_DIR=$(realpath -m -- "${AIRLOCK_CACHE_DIR:-/var/cache/airlock}/rootfs")
+PACKAGES_FILE="$ROOTFS_DIR/packages.txt"
+AGENT_BIN="${CARGO_TARGET_DIR:-$REPO_ROOT/target}/$RUST_TARGET/release/airlock-agent"
+readonly ROOTFS_DIR REPO_ROOT CACHE_DIR PACKAGES_FILE AGENT_BIN
+
+WORK_DIR="" # per-build directory under $CACHE_DIR; cleanup() removes it
+
+log() { printf 'rootfs: %s\n' "$*" >&2; }
+die() {
+  log "error: $*"
+  exit 1
+}
+sha256_of() { sha256sum -- "$1" | cut -d' ' -f1; }
+
+# Everything any step prints goes to stderr; only the final image path goes to the real stdout.
+redirect_output() { exec 3>&1 1>&2; }
+
+check_host() {
+  [[ $EUID -eq 0 ]] || die "run as root: debootstrap creates device nodes and root-owned files"
+  local tool
+  for tool in cargo chroot debootstrap dpkg-query dumpe2fs file flock mkfs.ext4 realpath sha256sum; do
+    command -v "$tool" >/dev/null || die "missing tool: $tool"
+  done
+}
+
+build_agent() {
+  log "building airlock-agent (static, $RUST_TARGET)"
+  (cd "$REPO_ROOT" && RUSTFLAGS="-C target-feature=+crt-static" \
+    cargo build --release -p airlock-agent --target "$RUST_TARGET")
+  local kind
+  kind=$(file -b -- "$AGENT_BIN")
+  [[ $kind == *"statically linked"* || $kind == *"static-pie linked"* ]] ||
+    die "airlock-agent is not statically linked: $kind"
+}
+
+# Every regular file in rootfs/ except documentation is an input (build.sh, packages.txt, ...).
+input_files() {
+  local f
+  for f in "$ROOTFS_DIR"/*; do
+    if [[ -f $f && $f != *.md ]]; then printf '%s\n' "$f"; fi
+  done
+}
+
+# The lines hashed into the input hash; they are also copied into the manifest.
+describe_inputs() {
+  local agent_sha=$1 f
+  while IFS= read -r f; do
+    printf 'input-file: rootfs/%s sha256:%s\n' "${f##*/}" "$(sha256_of "$f")"
+  done < <(input_files)
+  printf 'input-version: %s\ninput-suite: %s\ninput-arch: %s\ninput-agent: sha256:%s\n' \
+    "$VERSION" "$SUITE" "$ARCH" "$agent_sha"
+}
+
+# Prints the URIs of enabled one-line entries "deb [opts] URI SUITE COMPONENTS..." for $SUITE/main.
+mirrors_from_list_file() {
+  awk -v suite="$SUITE" '
+    { sub(/#.*/, ""); gsub(/\[[^]]*\]/, " ") }
+    $1 != "deb" || NF < 4 || $3 != suite { next }
+    { for (i = 4; i <= NF; i++) if ($i == "main") { print $2; next } }
+  ' "$1"
+}
+
+# Prints the first URI of each enabled deb822 stanza with Types: deb, Suites: $SUITE, main.
+mirrors_from_sources_file() {
+  awk -v suite="$SUITE" '
+    function has(list, word,   n, i, w) {
+      n = split(list, w, /[ \t]+/)
+      for (i = 1; i <= n; i++) if (w[i] == word) return 1
+      return 0
+    }
+    function flush(   u) {
+      if (has(f["types"], "deb") && has(f["suites"], suite) && has(f["components"], "main") &&
+          tolower(f["enabled"]) != "no" && split(f["uris"], u, /[ \t]+/) > 0) print u[1]
+      split("", f); key = ""
+    }
+    /^#/ { next }
+    /^[ \t]*$/ { flush(); next }
+    { sub(/[ \t]+$/, "") }
+    /^[ \t]/ { sub(/^[ \t]+/, ""); if (key != "") f[key] = f[key] (f[key] == "" ? "" : " ") $0; next }
+    {
+      i = index($0, ":"); key = tolower(substr($0, 1, i - 1))
+      f[key] = substr($0, i + 1); sub(/^[ \t]+/, "", f[key])
+    }
+    END { flush() }
+  ' "$1"
+}
+
+# The Debian mirror this machine's apt uses for $SUITE, in the order apt reads its sources.
+detect_mirror() {
+  if [[ -n ${AIRLOCK_DEBIAN_MIRROR:-} ]]; then
+    printf '%s\n' "$AIRLOCK_DEBIAN_MIRROR"
+    return
+  fi
+  local f mirror=""
+  for f in /etc/apt/sources.list /etc/apt/sources.list.d/*; do
+    [[ -f $f ]] || continue
+    case $f in
+      *.list) mirror=$(mirrors_from_list_file "$f" | grep -m1 -E '^(https?|file):' || true) ;;
+      *.sources) mirror=$(mirrors_from_sources_file "$f" | grep -m1 -E '^(https?|file):' || true) ;;
+    esac
+    if [[ -n $mirror ]]; then break; fi
+  done
+  [[ -n $mirror ]] || die "no 'deb' source for $SUITE/main in /etc/apt/sources.list{,.d/}; set AIRLOCK_DEBIAN_MIRROR"
+  printf '%s\n' "${mirror%/}"
+}
+
+read_packages() { awk '{ sub(/#.*/, ""); for (i = 1; i <= NF; i++) print $i }' "$PACKAGES_FILE"; }
+
+# Unmounts whatever is still mounted below $1 (debootstrap mounts /proc and /sys in the tree and
+# leaves them mounted if it is killed), deepest first.
+unmount_below() {
+  local mnt
+  awk -v dir="$1/" 'index($2, dir) == 1 { print $2 }' /proc/self/mounts | sort -r |
+    while IFS= read -r mnt; do umount -l -- "$mnt" || true; done
+}
+
+cleanup() {
+  local rc=$?
+  if [[ -n $WORK_DIR && -d $WORK_DIR ]]; then
+    unmount_below "$WORK_DIR"
+    rm -rf --one-file-system -- "$WORK_DIR" || log "could not remove $WORK_DIR"
+  fi
+  ((rc == 0)) || log "build failed (exit $rc); the work directory was removed"
+}
+
+make_work_dir() {
+  WORK_DIR=$(mktemp -d -- "$CACHE_DIR/build.XXXXXX")
+  log "work directory: $WORK_DIR"
+}
+
+run_debootstrap() {
+  local tree=$1 mirror=$2 include
+  include=$(read_packages | paste -sd, -)
+  mkdir -p -- "$CACHE_DIR/debs"
+  log "debootstrap $SUITE ($ARCH, minbase + $include) from $mirror"
+  debootstrap --variant=minbase --arch="$ARCH" --include="$include" \
+    --cache-dir="$CACHE_DIR/debs" "$SUITE" "$tree" "$mirror"
+}
+
+# The time stamp used for the file system: SOURCE_DATE_EPOCH, else the date of the suite's Release
+# file that debootstrap fetched (so it names the archive state, not the build time).
+source_epoch() {
+  local tree=$1 release date
+  if [[ -n ${SOURCE_DATE_EPOCH:-} ]]; then
+    printf '%s\n' "$SOURCE_DATE_EPOCH"
+    return
+  fi
+  release=$(find "$tree/var/lib/apt/lists" -maxdepth 1 -name "*_dists_${SUITE}_Release" | head -n1)
+  [[ -n $release ]] || die "debootstrap left no Release file for $SUITE"
+  date=$(sed -n 's/^Date: //p' "$release")
+  date -u -d "$date" +%s
+}
+
+install_agent() {
+  local tree=$1
+  [[ ! -e $tree/sbin/init && ! -L $tree/sbin/init ]] || die "the tree already has /sbin/init"
+  install -m 0755 -- "$AGENT_BIN" "$tree/usr/sbin/airlock-agent"
+  # /sbin is a symlink to usr/sbin (merged /usr), so this is /usr/sbin/init -> airlock-agent.
+  ln -s airlock-agent "$tree/usr/sbin/init"
+}
+
+# Links each busybox applet whose name no package provides, at the path busybox suggests
+# (bin/, sbin/, usr/bin/, usr/sbin/; all land in /usr under merged /usr). apt packages installed
+# later replace these links instead of being shadowed by them. Prints the applets it linked.
+link_busybox_applets() {
+  local tree=$1 path name dir found
+  while IFS= read -r path; do
+    name=${path##*/}
+    case $name in init | linuxrc) continue ;; esac # /sbin/init is airlock-agent
+    found=""
+    for dir in usr/local/sbin usr/local/bin usr/sbin usr/bin; do
+      if [[ -e $tree/$dir/$name || -L $tree/$dir/$name ]]; then found=1; fi
+    done
+    [[ -z $found ]] || continue
+    ln -s /bin/busybox "$tree/$path"
+    printf '%s\n' "/$path"
+  done < <(chroot "$tree" /bin/busybox --list-full)
+}
+
+write_system_files() {
+  local tree=$1
+  printf 'airlock\n' >"$tree/etc/hostname"
+  cat >"$tree/etc/hosts" <<'EOF'
+127.0.0.1	localhost
+127.0.1.1	airlock
+::1	localhost ip6-localhost ip6-loopback
+EOF
+  # Placeholder only: debootstrap copies the build machine's resolv.conf, which must not leak.
+  printf '# Airlock: written at sandbox start when the sandbox has a network.\n' >"$tree/etc/resolv.conf"
+  cat >"$tree/etc/fstab" <<'EOF'
+# Airlock: the kernel mounts the root file system; airlock-agent (/sbin/init) mounts /proc, /sys
+# and /dev itself. Nothing else is mounted from here.
+EOF
+  # debootstrap copied hostname and resolv.conf with the build machine's modes (0755 in Docker).
+  chmod 0644 "$tree/etc/hostname" "$tree/etc/hosts" "$tree/etc/resolv.conf" "$tree/etc/fstab"
+}
+
+make_mount_points() {
+  local tree=$1 dir
+  for dir in proc sys dev run tmp root; do
+    mkdir -p -- "$tree/$dir"
+  done
+  chmod 1777 "$tree/tmp"
+  chmod 0700 "$tree/root"
+}
+
+add_sandbox_user() {
+  local tree=$1 u=$SANDBOX_USER id=$SANDBOX_ID
+  if grep -q "^$u:" "$tree/etc/passwd" || grep -q "^[^:]*:[^:]*:$id:" "$tree/etc/passwd"; then
+    die "user $u or uid $id already exists in the tree"
+  fi
+  printf '%s:x:%s:%s:Airlock sandbox:/home/%s:/bin/sh\n' "$u" "$id" "$id" "$u" >>"$tree/etc/passwd"
+  printf '%s:x:%s:\n' "$u" "$id" >>"$tree/etc/group"
+  printf '%s:!::0:99999:7:::\n' "$u" >>"$tree/etc/shadow"
+  if [[ -f $tree/etc/gshadow ]]; then printf '%s:!::\n' "$u" >>"$tree/etc/gshadow"; fi
+  install -d -m 0750 -o "$id" -g "$id" -- "$tree/home/$u"
+}
+
+# Keeps future `apt-get install` runs in the sandbox as lean as this image.
+write_dpkg_excludes() {
+  cat >"$1/etc/dpkg/dpkg.cfg.d/01-airlock-nodoc" <<'EOF'
+# Airlock base image: no documentation or translations (licences are kept).
+path-exclude=/usr/share/doc/*
+path-include=/usr/share/doc/*/copyright
+path-exclude=/usr/share/man/*
+path-exclude=/usr/share/info/*
+path-exclude=/usr/share/locale/*
+path-include=/usr/share/locale/locale.alias
+path-exclude=/usr/share/lintian/*
+EOF
+}
+
+# Removes what a sandbox does not need; dpkg's database and apt's configuration stay, so
+# `apt-get update && apt-get install` still work.
+trim_tree() {
+  local tree=$1
+  find "$tree/usr/share/doc" -mindepth 1 ! -type d ! -name copyright -delete
+  find "$tree/usr/share/doc" -mindepth 1 -type d -empty -delete
+  local dir
+  for dir in usr/share/man usr/share/info usr/share/lintian; do
+    if [[ -d $tree/$dir ]]; then find "$tree/$dir" -mindepth 1 -delete; fi
+  done
+  find "$tree/usr/share/locale" -mindepth 1 ! -name locale.alias -delete
+  find "$tree/usr/lib/locale" -mindepth 1 -maxdepth 1 ! -name C.utf8 -exec rm -rf -- {} +
+  find "$tree/var/lib/apt/lists" "$tree/var/cache/apt" -type f -delete
+  find "$tree/var/cache/debconf" -name '*-old' -delete
+  find "$tree/var/log" -type f -delete
+}
+
+# Sets every newer time stamp in the tree to $2 so that the image does not carry the build time.
+clamp_mtimes() {
+  find "$1" -newermt "@$2" -exec touch -h -d "@$2" -- {} +
+}
+
+# A UUID (version 8, "custom") made from the input hash: the same inputs give the same UUID.
+uuid_from_hash() {
+  local h=$1
+  printf '%s-%s-8%s-a%s-%s\n' "${h:0:8}" "${h:8:4}" "${h:13:3}" "${h:17:3}" "${h:20:12}"
+}
+
+# Size: the tree's disk usage plus $HEADROOM_PERCENT %, rounded up to whole MiB. Prints MiB.
+image_size_mib() {
+  local kib
+  kib=$(du -sk --one-file-system -- "$1" | cut -f1)
+  echo $(((kib * (100 + HEADROOM_PERCENT) / 100 + 1023) / 1024))
+}
+
+# No journal: the base image is read-only (each sandbox gets a throwaway copy or overlay), so a
+# journal would only cost 4+ MiB and a replay check at mount. -m 0: no root reserve in an image
+# this small. -i 16384: one inode per 16 KiB (mke2fs would pick its "small" profile, 4 KiB, for
+# an image under 512 MiB, spending 10 MiB on inode tables). lazy_itable_init=0: inode tables are
+# zeroed here, so a writable copy never starts the kernel's ext4lazyinit thread in the guest.
+make_image() {
+  local tree=$1 out=$2 uuid=$3 epoch=$4 size
+  size=$(image_size_mib "$tree")
+  log "mkfs.ext4: ${size} MiB, UUID $uuid"
+  E2FSPROGS_FAKE_TIME=$epoch mkfs.ext4 -q -F -d "$tree" -L "$LABEL" -U "$uuid" \
+    -b 4096 -I 256 -i 16384 -m 0 -O ^has_journal \
+    -E "root_owner=0:0,hash_seed=$uuid,lazy_itable_init=0" -- "$out" "${size}M"
+}
+
+write_manifest() {
+  local tree=$1 image=$2 out=$3 inputs=$4 mirror=$5 hash=$6 applets=$7 name=$8
+  {
+    printf 'name: %s\nversion: %s\ninput-hash: sha256:%s\n' "$name" "$VERSION" "$hash"
+    printf '%s\n' "$inputs"
+    printf 'debian-suite: %s\ndebian-arch: %s\nmirror: %s\n' "$SUITE" "$ARCH" "$mirror"
+    printf 'build-date: %s\nbuild-host-mkfs: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
+      "$(mkfs.ext4 -V 2>&1 | head -n1)"
+    printf 'agent-sha256: %s\nimage-sha256: %s\nimage-bytes: %s\n' \
+      "$(sha256_of "$tree/usr/sbin/airlock-agent")" "$(sha256_of "$image")" "$(stat -c %s -- "$image")"
+    dumpe2fs -h -- "$image" 2>/dev/null | sed -n 's/^Filesystem \(UUID\|features\): */fs-\L\1\E: /p'
+    printf 'busybox-links: %s\n' "$(wc -l <<<"$applets")"
+    awk '{ print "  " $0 }' <<<"$applets"
+    printf 'packages: %s\n' "$(dpkg-query --admindir="$tree/var/lib/dpkg" -W | wc -l)"
+    dpkg-query --admindir="$tree/var/lib/dpkg" -W | sed 's/^/  /'
+  } >"$out"
+}
+
+# Moves the finished files into the cache without ever replacing an existing image: ln fails if
+# the name exists. The manifest goes first, so an image in the cache always has its manifest.
+publish() {
+  local tmp_image=$1 tmp_manifest=$2 image=$3 manifest=${3%.ext4}.manifest
+  mv -f -- "$tmp_manifest" "$manifest"
+  ln -- "$tmp_image" "$image" || die "could not publish $image"
+}
+
+build_tree() {
+  local tree=$1 mirror=$2
+  run_debootstrap "$tree" "$mirror"
+  install_agent "$tree"
+  write_system_files "$tree"
+  make_mount_points "$tree"
+  add_sandbox_user "$tree"
+  write_dpkg_excludes "$tree"
+}
+
+main() {
+  redirect_output
+  check_host
+  build_agent
+  local agent_sha inputs hash image
+  agent_sha=$(sha256_of "$AGENT_BIN")
+  inputs=$(describe_inputs "$agent_sha")
+  hash=$(sha256sum <<<"$inputs" | cut -d' ' -f1)
+  image="$CACHE_DIR/$LABEL-$VERSION-${hash:0:12}.ext4"
+  mkdir -p -- "$CACHE_DIR"
+  exec 9>"$CACHE_DIR/.lock"
+  flock 9 # one build at a time per cache directory
+  if [[ -f $image ]]; then
+    log "cached: $image"
+    printf '%s\n' "$image" >&3
+    return
+  fi
+
+  local mirror tree epoch applets
+  mirror=$(detect_mirror)
+  trap cleanup EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM
+  make_work_dir
+  tree="$WORK_DIR/tree"
+  build_tree "$tree" "$mirror"
+  epoch=$(source_epoch "$tree") # before trim_tree, which deletes the Release file
+  applets=$(link_busybox_applets "$tree")
+  trim_tree "$tree"
+  clamp_mtimes "$tree" "$epoch"
+  make_image "$tree" "$WORK_DIR/image.ext4" "$(uuid_from_hash "$hash")" "$epoch"
+  write_manifest "$tree" "$WORK_DIR/image.ext4" "$WORK_DIR/manifest" "$inputs" "$mirror" \
+    "$hash" "$applets" "${image##*/}"
+  publish "$WORK_DIR/image.ext4" "$WORK_DIR/manifest" "$image"
+  log "built: $image ($(du -h --apparent-size -- "$image" | cut -f1))"
+  printf '%s\n' "$image" >&3
+}
+
+main "$@"
