@@ -292,7 +292,7 @@ image_size_mib() {
 }
 
 # No journal: the base image is read-only (each sandbox gets a throwaway copy or overlay), so a
-# journal would only cost 4+ MiB and a replay check at mount. -m 0: no root reserve in an image
+# journal would only cost 16 MiB and a replay check at mount. -m 0: no root reserve in an image
 # this small. -i 16384: one inode per 16 KiB (mke2fs would pick its "small" profile, 4 KiB, for
 # an image under 512 MiB, spending 10 MiB on inode tables). lazy_itable_init=0: inode tables are
 # zeroed here, so a writable copy never starts the kernel's ext4lazyinit thread in the guest.
