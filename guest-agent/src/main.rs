@@ -26,6 +26,11 @@ fn main() {
     // One write for the whole line so that it reaches the console in one piece.
     let _ = out.write_all(format!("{READY_LINE}\n").as_bytes());
     let _ = out.flush();
+    // After the readiness line, so it costs the boot nothing: which CPUs the kernel brought up.
+    if let Ok(cpus) = std::fs::read_to_string("/sys/devices/system/cpu/online") {
+        let _ = out.write_all(format!("airlock: cpus online {}\n", cpus.trim()).as_bytes());
+        let _ = out.flush();
+    }
     drop(out);
     sys::sync();
     match sys::reboot() {

@@ -107,8 +107,17 @@ impl VmConfig {
 pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet tsc=reliable \
     no_timer_check clocksource=kvm-clock io_delay=none root=/dev/vda ro rootfstype=ext4";
 
-/// Enables the guest-kernel patches for the nested paravirtual KVM (see `kernel-config/`).
-pub const NESTED_CMDLINE: &str = "airlock_nested";
+/// Guest arguments on the nested paravirtual KVM (`kvm_pvm`, the build machines).
+///
+/// That hypervisor replaces CPUID leaves 1, 7 and 0xd with the host's values whatever the VMM
+/// sets (measured: `KVM_SET_CPUID2` then `KVM_GET_CPUID2` and the guest's own `cpuid` both show
+/// the host's bits), so the CPU template cannot hide features there. The guest kernel is told
+/// instead, and its emulated kernel code then avoids instructions the emulator stops at:
+/// - `airlock_nested`: enables our guest-kernel patches (see `kernel-config/`);
+/// - `noxsave`: no XSAVE family (`xrstor` in FPU init);
+/// - `clearcpuid=`: CX16 (141, SLUB's `cmpxchg16b`), POPCNT (151), RDRAND (158), FSGSBASE
+///   (288), SMEP (295), RDSEED (306), SMAP (308, `clac`/`stac` on every kernel entry).
+pub const NESTED_CMDLINE: &str = "airlock_nested noxsave clearcpuid=141,151,158,288,295,306,308";
 
 /// Builds the guest command line: the base, the nested-KVM flag where needed, one
 /// `virtio_mmio.device=` per device slot `(address, irq)`, then the user's extra arguments.
@@ -189,7 +198,7 @@ mod tests {
     #[test]
     fn nested_template_adds_the_workaround_flag() {
         let s = as_string(&build_cmdline(CpuTemplate::NestedPvm, &[], "").unwrap());
-        assert!(s.contains(" airlock_nested"));
+        assert!(s.contains(" airlock_nested noxsave clearcpuid="));
     }
 
     #[test]

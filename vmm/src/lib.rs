@@ -8,6 +8,7 @@ pub mod config;
 pub mod devices;
 pub mod exit;
 pub mod logger;
+pub mod memstat;
 pub mod vcpu;
 pub mod vm;
 pub mod vmm;

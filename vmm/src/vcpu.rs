@@ -34,6 +34,8 @@ pub enum VcpuEvent {
     Resume,
     Pause,
     Finish,
+    /// Report where the vCPU is (answered with [`VcpuResponse::State`]; the state is unchanged).
+    ReportState,
 }
 
 /// Answers to [`VcpuEvent`]s, and the unsolicited report that the guest stopped.
@@ -43,6 +45,11 @@ pub enum VcpuResponse {
     Paused,
     /// The vCPU stopped for good; the VM should end with this reason.
     Exited(VmExit),
+    /// Where the vCPU is: RIP and up to 16 instruction bytes there.
+    State {
+        rip: u64,
+        insn: Vec<u8>,
+    },
 }
 
 /// The state of a vCPU thread.
@@ -198,6 +205,7 @@ impl Vcpu {
                     Ok(VcpuEvent::Pause) => {
                         reply(responses, VcpuResponse::Paused, VcpuState::Paused)
                     }
+                    Ok(VcpuEvent::ReportState) => self.report_state(responses, VcpuState::Paused),
                     Ok(VcpuEvent::Finish) | Err(_) => break,
                 },
                 VcpuState::Running => match events.try_recv() {
@@ -207,6 +215,7 @@ impl Vcpu {
                     Ok(VcpuEvent::Resume) => {
                         reply(responses, VcpuResponse::Resumed, VcpuState::Running)
                     }
+                    Ok(VcpuEvent::ReportState) => self.report_state(responses, VcpuState::Running),
                     Ok(VcpuEvent::Finish) | Err(TryRecvError::Disconnected) => break,
                     Err(TryRecvError::Empty) => match self.run_once() {
                         RunOutcome::Continue | RunOutcome::Interrupted => VcpuState::Running,
@@ -219,6 +228,7 @@ impl Vcpu {
                 },
                 VcpuState::Exited => match events.recv() {
                     Ok(VcpuEvent::Finish) | Err(_) => break,
+                    Ok(VcpuEvent::ReportState) => self.report_state(responses, VcpuState::Exited),
                     // Nothing runs any more; say so instead of pretending to resume.
                     Ok(_) => VcpuState::Exited,
                 },
@@ -277,6 +287,25 @@ impl Vcpu {
         }
     }
 
+    /// RIP and the instruction bytes there, read through the guest's page tables.
+    fn rip_and_insn(&self) -> (u64, Vec<u8>) {
+        match (self.fd.get_regs(), self.fd.get_sregs()) {
+            (Ok(r), Ok(s)) => {
+                let at = s.cs.base.wrapping_add(r.rip);
+                (
+                    r.rip,
+                    read_virt::<_, 16>(&self.mem, s.cr0, s.cr3, s.efer, at),
+                )
+            }
+            _ => (0, Vec::new()),
+        }
+    }
+
+    fn report_state(&self, responses: &Sender<VcpuResponse>, state: VcpuState) -> VcpuState {
+        let (rip, insn) = self.rip_and_insn();
+        reply(responses, VcpuResponse::State { rip, insn }, state)
+    }
+
     /// Collects what KVM and guest memory say about an internal error: the suberror, KVM's
     /// data words, the RIP and up to 16 instruction bytes read through the guest page tables.
     fn internal_error(&mut self) -> VmExit {
@@ -286,20 +315,7 @@ impl Vcpu {
         let internal = unsafe { run.__bindgen_anon_1.internal };
         let ndata = (internal.ndata as usize).min(internal.data.len());
         let data = internal.data[..ndata].to_vec();
-        let (rip, insn) = match (self.fd.get_regs(), self.fd.get_sregs()) {
-            (Ok(r), Ok(s)) => {
-                let cs_base = s.cs.base;
-                let insn = read_virt::<_, 16>(
-                    &self.mem,
-                    s.cr0,
-                    s.cr3,
-                    s.efer,
-                    cs_base.wrapping_add(r.rip),
-                );
-                (r.rip, insn)
-            }
-            _ => (0, Vec::new()),
-        };
+        let (rip, insn) = self.rip_and_insn();
         VmExit::InternalError {
             cpu: self.index,
             suberror: internal.suberror,

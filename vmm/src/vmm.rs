@@ -175,6 +175,7 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
         boot_timeout: config.boot_timeout,
         state: control.clone(),
         ready_logged: AtomicBool::new(false),
+        guest_ranges: guest_host_ranges(vm.memory()),
     };
     events.add_subscriber(Arc::new(Mutex::new(watcher)));
     for s in devices.subscribers {
@@ -331,8 +332,38 @@ impl Vmm {
                 break exit;
             }
         };
+        if matches!(exit, VmExit::BootTimeout { .. }) {
+            self.log_vcpu_states();
+        }
         self.shutdown();
         Ok(exit)
+    }
+
+    /// Logs where every vCPU is, for a VM that is about to be stopped from outside.
+    fn log_vcpu_states(&self) {
+        for v in &self.vcpus {
+            v.send(VcpuEvent::ReportState);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            // Earlier answers (Resumed) may still be queued; skip to the report.
+            let state = std::iter::from_fn(|| {
+                v.responses
+                    .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                    .ok()
+            })
+            .find_map(|r| match r {
+                VcpuResponse::State { rip, insn } => Some((rip, insn)),
+                _ => None,
+            });
+            match state {
+                Some((rip, insn)) => {
+                    log::warn!(
+                        "vcpu{} at rip={rip:#x}, instruction bytes {insn:02x?}",
+                        v.index
+                    )
+                }
+                None => log::warn!("vcpu{}: no state report", v.index),
+            }
+        }
     }
 
     fn collect_vcpu_exit(&self) -> Option<VmExit> {
@@ -398,6 +429,13 @@ struct ExitWatcher {
     boot_timeout: Option<Duration>,
     state: Arc<Mutex<ControlState>>,
     ready_logged: AtomicBool,
+    /// Host address ranges of guest RAM, excluded from the VMM's own footprint.
+    guest_ranges: Vec<(u64, u64)>,
+}
+
+fn guest_host_ranges(mem: &GuestMemoryMmap) -> Vec<(u64, u64)> {
+    use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+    mem.iter().map(|r| (r.as_ptr() as u64, r.len())).collect()
 }
 
 /// How long the console may keep printing after a panic before the VM is stopped anyway
@@ -417,6 +455,9 @@ impl ExitWatcher {
         {
             log::info!("guest reached userspace after {:.3} s", us as f64 / 1e6);
             let _ = self.deadline.clear();
+            if let Some(kib) = crate::memstat::self_rss_excluding_kib(&self.guest_ranges) {
+                log::info!("vmm overhead: {kib} KiB resident outside guest memory");
+            }
         }
         if self.console.panicked() {
             log::warn!("guest kernel panicked");

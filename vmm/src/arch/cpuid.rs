@@ -5,7 +5,15 @@
 //! - [`CpuTemplate::NestedPvm`] (this project's build machines, nested paravirtual KVM): hide every
 //!   feature whose instructions the hypervisor's kernel-mode emulator cannot run (see
 //!   `shared/guides/nested-kvm.md`): XSAVE, SMAP/SMEP (all of leaf 7), POPCNT, the SSE4/AVX/AES
-//!   family, PCID, RDRAND, 1 GiB pages and RDTSCP. Leaf 7 also carries `ARCH_CAPABILITIES`, whose
+//!   family, PCID, RDRAND, 1 GiB pages and RDTSCP; and CMPXCHG16B, which SLUB's lockless
+//!   fast path uses in the kernel and the emulator stops at (measured: `lock cmpxchg16b` in
+//!   `___slab_alloc`).
+//!
+//! Measured on the nested host: `kvm_pvm` replaces leaves 1, 7 and 0xd with the host's values
+//! after `KVM_SET_CPUID2`, so there the masks of those leaves do not reach the guest and the
+//! same features are hidden from the guest kernel with `noxsave clearcpuid=...` on its command
+//! line (see [`crate::config::NESTED_CMDLINE`]). The masks stay: they are what a hypervisor that
+//! honours `KVM_SET_CPUID2` shows, and the other leaves are honoured here too. Leaf 7 also carries `ARCH_CAPABILITIES`, whose
 //!   MSR this host refuses.
 
 use kvm_bindings::kvm_cpuid_entry2;
@@ -34,6 +42,7 @@ impl CpuTemplate {
 const ECX_PCLMULQDQ: u32 = 1 << 1;
 const ECX_SSSE3: u32 = 1 << 9;
 const ECX_FMA: u32 = 1 << 12;
+const ECX_CX16: u32 = 1 << 13;
 const ECX_PCID: u32 = 1 << 17;
 const ECX_SSE41: u32 = 1 << 19;
 const ECX_SSE42: u32 = 1 << 20;
@@ -54,11 +63,21 @@ const EXT_EDX_RDTSCP: u32 = 1 << 27;
 // Leaf 0x8000_0008 EBX: XSAVEERPTR. With it the guest kernel skips the AMD "FXSAVE leak"
 // workaround, whose x87 instructions the nested emulator cannot run.
 const EXT8_EBX_XSAVEERPTR: u32 = 1 << 2;
+// KVM paravirtual features (leaf 0x4000_0001 EAX) whose hypercalls stall on the nested host:
+// with PV IPIs the second vCPU's first IPI never completes (measured: vcpu1 parked in
+// `__send_ipi_mask` at `vmcall`, vcpu0 spinning in `queued_spin_lock_slowpath`).
+const KVM_FEATURE_PV_UNHALT: u32 = 1 << 7;
+const KVM_FEATURE_PV_SEND_IPI: u32 = 1 << 11;
+const KVM_FEATURE_PV_SCHED_YIELD: u32 = 1 << 13;
+/// KVM paravirtual features hidden on the nested host: each one is a hypercall.
+pub const NESTED_HIDDEN_KVM_FEATURES: u32 =
+    KVM_FEATURE_PV_UNHALT | KVM_FEATURE_PV_SEND_IPI | KVM_FEATURE_PV_SCHED_YIELD;
 
 /// Leaf 1 ECX features hidden on the nested host.
 pub const NESTED_HIDDEN_LEAF1_ECX: u32 = ECX_PCLMULQDQ
     | ECX_SSSE3
     | ECX_FMA
+    | ECX_CX16
     | ECX_PCID
     | ECX_SSE41
     | ECX_SSE42
@@ -103,6 +122,7 @@ fn apply_nested_template(entries: &mut [kvm_cpuid_entry2]) {
             }
             (0x8000_0001, _) => e.edx &= !(EXT_EDX_PDPE1GB | EXT_EDX_RDTSCP),
             (0x8000_0008, _) => e.ebx |= EXT8_EBX_XSAVEERPTR,
+            (0x4000_0001, _) => e.eax &= !NESTED_HIDDEN_KVM_FEATURES,
             _ => {}
         }
     }
@@ -178,6 +198,7 @@ mod tests {
             entry(0xd, 0, 0x207),
             entry(0x8000_0001, 0, u32::MAX),
             entry(0x8000_0008, 0, 0),
+            entry(0x4000_0001, 0, u32::MAX),
         ]
     }
 
@@ -190,7 +211,10 @@ mod tests {
         let mut e = sample();
         filter_cpuid(&mut e, CpuTemplate::NestedPvm, 0, 1);
         let l1 = find(&e, 1, 0);
-        assert_eq!(l1.ecx & (ECX_XSAVE | ECX_POPCNT | ECX_OSXSAVE | ECX_AVX), 0);
+        assert_eq!(
+            l1.ecx & (ECX_XSAVE | ECX_POPCNT | ECX_OSXSAVE | ECX_AVX | ECX_CX16),
+            0
+        );
         for sub in [0, 1] {
             let l7 = find(&e, 7, sub);
             assert_eq!(
@@ -203,6 +227,7 @@ mod tests {
         assert_eq!(ext1.edx & (EXT_EDX_PDPE1GB | EXT_EDX_RDTSCP), 0);
         assert_ne!(find(&e, 0x8000_0008, 0).ebx & EXT8_EBX_XSAVEERPTR, 0);
         assert_eq!(find(&e, 0xd, 0).eax, 0);
+        assert_eq!(find(&e, 0x4000_0001, 0).eax & NESTED_HIDDEN_KVM_FEATURES, 0);
     }
 
     #[test]
