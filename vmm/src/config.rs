@@ -39,12 +39,24 @@ pub struct DiskConfig {
     pub id: String,
 }
 
+/// A virtio-vsock device whose host side is a Unix socket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VsockConfig {
+    /// The guest's context id (3 or more).
+    pub guest_cid: u64,
+    /// Host connections arrive here (`CONNECT <port>\n`); guest connections to host port P go
+    /// to `<uds_path>_P`.
+    pub uds_path: PathBuf,
+}
+
 /// Everything needed to boot one VM.
 #[derive(Clone, Debug)]
 pub struct VmConfig {
     pub kernel: PathBuf,
     /// The first disk is the root filesystem (`/dev/vda`).
     pub disks: Vec<DiskConfig>,
+    /// The vsock device, if any (the guest agent is reached through it).
+    pub vsock: Option<VsockConfig>,
     pub vcpus: u8,
     pub mem_mib: u64,
     /// Appended to the default command line.
@@ -68,6 +80,7 @@ impl VmConfig {
                 read_only: true,
                 id: "airlock-root".into(),
             }],
+            vsock: None,
             vcpus: 1,
             mem_mib: 256,
             cmdline_extra: String::new(),

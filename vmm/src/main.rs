@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use vmm::arch::cpuid::CpuTemplate;
-use vmm::config::{ConsoleOutput, DiskConfig, VmConfig};
+use vmm::config::{ConsoleOutput, DiskConfig, VmConfig, VsockConfig};
 use vmm::exit::code;
 
 const USAGE: &str = "\
@@ -26,12 +26,17 @@ options:
                             0 = no deadline)
   --console-limit-mib N     console bytes kept (default 64 MiB; the rest is dropped)
   --cpu-template T          auto (default), host, or nested
+  --vsock PATH              add a virtio-vsock device whose host side is the Unix socket PATH
+                            (connect and write `CONNECT <port>\n` to reach a guest port; guest
+                            connections to host port P arrive at PATH_P)
+  --vsock-cid N             the guest's vsock CID (default 3)
 environment: AIRLOCK_LOG=error|warn|info|debug (default info)";
 
 fn parse_boot(args: &[String]) -> Result<VmConfig, String> {
     let mut kernel = None;
     let mut rootfs = None;
     let mut cfg = VmConfig::new(PathBuf::new(), PathBuf::new());
+    let mut vsock_cid = 3;
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut value = || {
@@ -70,6 +75,13 @@ fn parse_boot(args: &[String]) -> Result<VmConfig, String> {
                     other => return Err(format!("--cpu-template: unknown template {other}")),
                 }
             }
+            "--vsock" => {
+                cfg.vsock = Some(VsockConfig {
+                    guest_cid: 0,
+                    uds_path: PathBuf::from(value()?),
+                })
+            }
+            "--vsock-cid" => vsock_cid = num(value()?)?,
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown option {other}")),
         }
@@ -77,6 +89,9 @@ fn parse_boot(args: &[String]) -> Result<VmConfig, String> {
     cfg.kernel = kernel.ok_or("--kernel is required")?;
     let rootfs = rootfs.ok_or("--rootfs is required")?;
     cfg.disks[0].path = rootfs;
+    if let Some(v) = cfg.vsock.as_mut() {
+        v.guest_cid = vsock_cid;
+    }
     cfg.validate().map_err(|e| e.to_string())?;
     Ok(cfg)
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
-use kvm_ioctls::{IoEventAddress, NoDatamatch};
+use kvm_ioctls::IoEventAddress;
 use linux_loader::loader::{Elf, KernelLoader, load_cmdline};
 use thiserror::Error;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
@@ -27,6 +27,7 @@ use crate::devices::bus::{Bus, BusError};
 use crate::devices::legacy::{ConsoleEvents, ConsoleSink, EventFdTrigger, I8042, SerialDevice};
 use crate::devices::virtio::block::{Block, BlockError, BlockEventHandler};
 use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::vsock::{Vsock, VsockError, VsockEventHandler};
 use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
 use crate::exit::VmExit;
 use crate::vcpu::{Vcpu, VcpuEvent, VcpuHandle, VcpuResponse, register_kick_handler};
@@ -53,6 +54,8 @@ pub enum BuildError {
     Regs(#[from] regs::RegsError),
     #[error("attach a disk")]
     Block(#[from] BlockError),
+    #[error("attach the vsock device")]
+    Vsock(#[from] VsockError),
     #[error("place a device on the bus")]
     Bus(#[from] BusError),
     #[error("too many virtio devices (at most {VIRTIO_MMIO_MAX_SLOTS})")]
@@ -99,6 +102,7 @@ struct DeviceSet {
     mmio: Bus,
     virtio_slots: Vec<(u64, u32)>,
     blocks: Vec<Arc<Mutex<Block>>>,
+    vsock: Option<Arc<Mutex<Vsock>>>,
     subscribers: Vec<Subscriber>,
 }
 
@@ -118,11 +122,15 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
         mmio: Bus::default(),
         virtio_slots: Vec::new(),
         blocks: Vec::new(),
+        vsock: None,
         subscribers: Vec::new(),
     };
     attach_legacy_devices(&vm, &mut devices, config, console.clone(), &reset_evt)?;
     for disk in &config.disks {
         attach_block_device(&vm, &mut devices, disk)?;
+    }
+    if let Some(vsock) = &config.vsock {
+        attach_vsock_device(&vm, &mut devices, vsock)?;
     }
 
     let entry = load_kernel(&vm, config)?;
@@ -223,46 +231,70 @@ fn attach_legacy_devices(
     Ok(())
 }
 
-/// Adds a virtio-blk device in the next virtio-mmio slot: irqfd on its GSI, ioeventfd on its
-/// queue-notify register, an event-loop subscriber, and a command-line declaration.
-fn attach_block_device(
+/// Puts `device` in the next virtio-mmio slot: irqfd on its GSI, an ioeventfd per queue on the
+/// queue-notify register, the transport on the MMIO bus, and a command-line declaration.
+fn attach_virtio_device(
     vm: &Vm,
     devices: &mut DeviceSet,
-    disk: &crate::config::DiskConfig,
+    device: Arc<Mutex<dyn VirtioDevice>>,
 ) -> Result<(), BuildError> {
     let slot = devices.virtio_slots.len() as u64;
     if slot >= VIRTIO_MMIO_MAX_SLOTS {
         return Err(BuildError::TooManyDevices);
     }
     let (addr, gsi) = (virtio_mmio_addr(slot), virtio_irq(slot));
-    let block = Arc::new(Mutex::new(Block::new(
-        &disk.path,
-        disk.read_only,
-        &disk.id,
-    )?));
     let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
     vm.fd()
         .register_irqfd(&irqfd, gsi)
         .map_err(BuildError::RegisterEvent)?;
     {
-        let dev = block.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = device.lock().unwrap_or_else(|e| e.into_inner());
         let notify = addr + u64::from(virtio_bindings::virtio_mmio::VIRTIO_MMIO_QUEUE_NOTIFY);
         for (i, evt) in dev.queue_events().iter().enumerate() {
+            // The queue index written to QueueNotify selects the eventfd.
             vm.fd()
                 .register_ioevent(evt, &IoEventAddress::Mmio(notify), i as u32)
                 .map_err(BuildError::RegisterEvent)?;
         }
     }
     let interrupt = Arc::new(VirtioInterrupt::new(irqfd));
-    let transport = MmioTransport::new(vm.memory().clone(), block.clone(), interrupt);
+    let transport = MmioTransport::new(vm.memory().clone(), device, interrupt);
     devices
         .mmio
         .insert(Arc::new(Mutex::new(transport)), addr, VIRTIO_MMIO_SLOT_SIZE)?;
+    devices.virtio_slots.push((addr, gsi));
+    Ok(())
+}
+
+/// Adds a virtio-blk device for `disk`.
+fn attach_block_device(
+    vm: &Vm,
+    devices: &mut DeviceSet,
+    disk: &crate::config::DiskConfig,
+) -> Result<(), BuildError> {
+    let block = Arc::new(Mutex::new(Block::new(
+        &disk.path,
+        disk.read_only,
+        &disk.id,
+    )?));
+    attach_virtio_device(vm, devices, block.clone())?;
     let handler = BlockEventHandler::new(block.clone()).map_err(BuildError::EventFd)?;
     devices.subscribers.push(Arc::new(Mutex::new(handler)));
     devices.blocks.push(block);
-    devices.virtio_slots.push((addr, gsi));
-    let _ = NoDatamatch; // ioevents above match the queue index as data
+    Ok(())
+}
+
+/// Adds the virtio-vsock device with its Unix-socket host side.
+fn attach_vsock_device(
+    vm: &Vm,
+    devices: &mut DeviceSet,
+    config: &crate::config::VsockConfig,
+) -> Result<(), BuildError> {
+    let vsock = Arc::new(Mutex::new(Vsock::new(config.guest_cid, &config.uds_path)?));
+    attach_virtio_device(vm, devices, vsock.clone())?;
+    let handler = VsockEventHandler::new(vsock.clone()).map_err(BuildError::EventFd)?;
+    devices.subscribers.push(Arc::new(Mutex::new(handler)));
+    devices.vsock = Some(vsock);
     Ok(())
 }
 

@@ -2,6 +2,7 @@
 
 pub mod block;
 pub mod mmio;
+pub mod vsock;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};

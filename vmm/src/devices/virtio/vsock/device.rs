@@ -1,0 +1,256 @@
+//! The virtio-vsock device model: RX, TX and event queues around the [`Muxer`].
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use thiserror::Error;
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::muxer::{Muxer, MuxerError};
+use super::packet::{read_packet, rx_capacity, write_packet};
+use crate::devices::virtio::{
+    ActivateError, VIRTIO_F_VERSION_1, VirtioDevice, VirtioInterrupt, read_config_bytes,
+};
+
+/// Virtio device type of vsock.
+pub const TYPE_VSOCK: u32 = 19;
+/// Queues: RX (device → driver), TX (driver → device), event.
+pub const RXQ: usize = 0;
+pub const TXQ: usize = 1;
+pub const EVQ: usize = 2;
+const QUEUE_SIZES: &[u16] = &[256, 256, 256];
+/// `VIRTIO_VSOCK_EVENT_TRANSPORT_RESET`.
+const EVENT_TRANSPORT_RESET: u32 = 0;
+
+/// Errors creating the device.
+#[derive(Debug, Error)]
+pub enum VsockError {
+    #[error("guest CID {0} is reserved (CIDs 0-2 and u32::MAX are not guest CIDs)")]
+    BadCid(u64),
+    #[error("set up the host socket")]
+    Muxer(#[from] MuxerError),
+    #[error("create queue event")]
+    EventFd(#[source] std::io::Error),
+}
+
+struct Active {
+    mem: GuestMemoryMmap,
+    queues: Vec<Queue>,
+    interrupt: Arc<VirtioInterrupt>,
+}
+
+/// A virtio-vsock device whose host side is a Unix socket (see [`Muxer`]).
+pub struct Vsock {
+    guest_cid: u64,
+    pub muxer: Muxer,
+    acked_features: u64,
+    queue_evts: Vec<EventFd>,
+    active: Option<Active>,
+}
+
+impl std::fmt::Debug for Vsock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vsock")
+            .field("guest_cid", &self.guest_cid)
+            .finish()
+    }
+}
+
+impl Vsock {
+    /// A device for guest `guest_cid` whose host side listens on `uds_path`.
+    pub fn new(guest_cid: u64, uds_path: &Path) -> Result<Self, VsockError> {
+        if guest_cid <= 2 || guest_cid >= u64::from(u32::MAX) {
+            return Err(VsockError::BadCid(guest_cid));
+        }
+        let queue_evts = QUEUE_SIZES
+            .iter()
+            .map(|_| EventFd::new(libc::EFD_NONBLOCK).map_err(VsockError::EventFd))
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            guest_cid,
+            muxer: Muxer::new(guest_cid, uds_path)?,
+            acked_features: 0,
+            queue_evts,
+            active: None,
+        })
+    }
+
+    /// Moves every packet the guest queued to the host side, then delivers replies.
+    pub fn process_tx(&mut self) {
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        let metrics = self.muxer.metrics.clone();
+        let mut used = 0;
+        loop {
+            let chain = match active.queues[TXQ].iter(&active.mem) {
+                Ok(mut it) => it.next(),
+                Err(e) => {
+                    metrics.bad_packets.fetch_add(1, Ordering::Relaxed);
+                    crate::warn_ratelimited!("vsock: TX queue unusable: {e}");
+                    None
+                }
+            };
+            let Some(chain) = chain else { break };
+            let head = chain.head_index();
+            match chain
+                .reader(&active.mem)
+                .map_err(|_| None)
+                .and_then(|mut r| read_packet(&mut r).map_err(Some))
+            {
+                Ok(pkt) => {
+                    metrics.tx_packets.fetch_add(1, Ordering::Relaxed);
+                    self.muxer.send_to_host(pkt);
+                }
+                Err(why) => {
+                    metrics.bad_packets.fetch_add(1, Ordering::Relaxed);
+                    crate::warn_ratelimited!("vsock: dropped malformed TX packet ({why:?})");
+                }
+            }
+            if active.queues[TXQ].add_used(&active.mem, head, 0).is_err() {
+                break;
+            }
+            used += 1;
+        }
+        if used > 0 {
+            active.interrupt.signal_used_queue();
+        }
+        self.process_rx();
+    }
+
+    /// Fills the guest's RX buffers with whatever the host side has for it.
+    pub fn process_rx(&mut self) {
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        let metrics = self.muxer.metrics.clone();
+        let mut used = 0;
+        while self.muxer.has_rx() {
+            let chain = match active.queues[RXQ].iter(&active.mem) {
+                Ok(mut it) => it.next(),
+                Err(_) => None,
+            };
+            // No buffer: the guest notifies the RX queue when it adds some.
+            let Some(chain) = chain else { break };
+            let head = chain.head_index();
+            let mut writer = match chain.writer(&active.mem) {
+                Ok(w) => w,
+                Err(_) => {
+                    metrics.bad_packets.fetch_add(1, Ordering::Relaxed);
+                    let _ = active.queues[RXQ].add_used(&active.mem, head, 0);
+                    used += 1;
+                    continue;
+                }
+            };
+            let Some(cap) = rx_capacity(&writer) else {
+                metrics.bad_packets.fetch_add(1, Ordering::Relaxed);
+                let _ = active.queues[RXQ].add_used(&active.mem, head, 0);
+                used += 1;
+                continue;
+            };
+            let Some(pkt) = self.muxer.next_rx(cap) else {
+                active.queues[RXQ].go_to_previous_position();
+                break;
+            };
+            let len = write_packet(&mut writer, &pkt).unwrap_or(0);
+            metrics.rx_packets.fetch_add(1, Ordering::Relaxed);
+            if active.queues[RXQ].add_used(&active.mem, head, len).is_err() {
+                break;
+            }
+            used += 1;
+        }
+        if used > 0 {
+            active.interrupt.signal_used_queue();
+        }
+    }
+
+    /// Tells the guest driver that every connection is gone (after a snapshot restore) and
+    /// drops the host side of all of them.
+    pub fn send_transport_reset(&mut self) -> bool {
+        self.muxer.reset_all();
+        let Some(active) = self.active.as_mut() else {
+            return false;
+        };
+        let Some(chain) = active.queues[EVQ]
+            .iter(&active.mem)
+            .ok()
+            .and_then(|mut it| it.next())
+        else {
+            return false;
+        };
+        let head = chain.head_index();
+        let ok = chain.writer(&active.mem).is_ok_and(|mut w| {
+            std::io::Write::write_all(&mut w, &EVENT_TRANSPORT_RESET.to_le_bytes()).is_ok()
+        });
+        let _ = active.queues[EVQ].add_used(&active.mem, head, if ok { 4 } else { 0 });
+        active.interrupt.signal_used_queue();
+        ok
+    }
+}
+
+impl VirtioDevice for Vsock {
+    fn device_type(&self) -> u32 {
+        TYPE_VSOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        QUEUE_SIZES
+    }
+
+    fn avail_features(&self) -> u64 {
+        1 << VIRTIO_F_VERSION_1
+    }
+
+    fn set_acked_features(&mut self, features: u64) {
+        self.acked_features = features;
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        // struct virtio_vsock_config { le64 guest_cid; }
+        read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
+    }
+
+    fn write_config(&mut self, offset: u64, _data: &[u8]) {
+        crate::warn_ratelimited!("vsock: ignored config write at {offset:#x}");
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        interrupt: Arc<VirtioInterrupt>,
+    ) -> Result<(), ActivateError> {
+        if self.active.is_some() {
+            return Err(ActivateError::AlreadyActive);
+        }
+        if queues.len() != QUEUE_SIZES.len() {
+            return Err(ActivateError::QueueCount {
+                got: queues.len(),
+                want: QUEUE_SIZES.len(),
+            });
+        }
+        self.active = Some(Active {
+            mem,
+            queues,
+            interrupt,
+        });
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.active = None;
+        self.acked_features = 0;
+        self.muxer.reset_all();
+    }
+
+    fn is_activated(&self) -> bool {
+        self.active.is_some()
+    }
+
+    fn queue_events(&self) -> &[EventFd] {
+        &self.queue_evts
+    }
+}
