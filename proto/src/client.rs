@@ -1,0 +1,804 @@
+//! A small synchronous client for the agent protocol.
+//!
+//! [`AgentClient`] works over any `Read` + `Write` pair, typically a [`UnixStream`] and its
+//! `try_clone()`. It reads and checks the agent's `Ready` frame when it is created, hands out
+//! request ids, and keeps track of the requests in flight so that a response to a request it
+//! never sent is a protocol error (the guest is untrusted).
+//!
+//! Responses of other requests that arrive while a helper waits for its own (output of another
+//! execution, say) are **buffered**, in order, and returned later by [`AgentClient::recv`] or by
+//! the helper waiting for them. The buffer is bounded ([`MAX_STASHED_BYTES`]); past it the
+//! client fails with [`ClientError::Backlog`] rather than grow without limit.
+//!
+//! The client sends one request and then reads; it never pipelines large requests, so it cannot
+//! deadlock against an agent that is itself blocked writing output. A caller that sends many
+//! requests without reading must read concurrently.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+use prost::Message;
+
+use crate::frame::{FrameError, read_frame, write_frame};
+use crate::pb::{
+    self, ErrorCode, ExecExit, ExecStarted, FileData, FileStat, Ready, Request, Response,
+    StreamKind, exec_exit, request, response,
+};
+use crate::{MAX_FILE_BYTES, MAX_FILE_CHUNK, PROTOCOL_VERSION};
+
+/// Most bytes of responses buffered for requests nobody is waiting for yet.
+pub const MAX_STASHED_BYTES: usize = 32 << 20;
+/// Longest reply line of the hybrid-vsock `CONNECT` handshake.
+const MAX_HANDSHAKE_LINE: usize = 64;
+
+/// Why a client call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// Connecting to the agent's socket failed.
+    #[error("connecting to {path}")]
+    Connect {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+    /// The VMM's hybrid-vsock socket did not answer `CONNECT` with `OK`.
+    #[error("vsock handshake failed: {0}")]
+    Handshake(String),
+    /// Reading or writing a frame failed.
+    #[error("agent connection failed")]
+    Frame(#[from] FrameError),
+    /// The agent closed the connection.
+    #[error("the agent closed the connection")]
+    Closed,
+    /// The first frame was not `Ready`.
+    #[error("the agent's first frame was not Ready: {0}")]
+    NotReady(String),
+    /// The agent speaks another protocol version.
+    #[error("the agent speaks protocol version {got}, this client speaks {PROTOCOL_VERSION}")]
+    Version { got: u32 },
+    /// The agent answered the request with an `Error`.
+    #[error("the agent refused the request ({code:?}): {message}")]
+    Agent { code: ErrorCode, message: String },
+    /// The agent sent something the protocol does not allow.
+    #[error("the agent broke the protocol: {0}")]
+    Protocol(String),
+    /// Too many responses for other requests arrived while waiting.
+    #[error("more than {MAX_STASHED_BYTES} bytes of responses are waiting to be read")]
+    Backlog,
+    /// The caller's request cannot be sent (zero or duplicate id).
+    #[error("invalid request: {0}")]
+    InvalidRequest(&'static str),
+}
+
+impl ClientError {
+    /// The agent's error code, if the agent refused the request.
+    pub fn agent_code(&self) -> Option<ErrorCode> {
+        match self {
+            Self::Agent { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+/// What a request in flight still expects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pending {
+    /// One response.
+    Single,
+    /// ExecStarted, Output..., then ExecExit (or one Error).
+    Exec,
+}
+
+/// A synchronous connection to one agent.
+#[derive(Debug)]
+pub struct AgentClient<R: Read, W: Write> {
+    reader: BufReader<R>,
+    writer: W,
+    ready: Ready,
+    last_id: u64,
+    in_flight: HashMap<u64, Pending>,
+    stash: VecDeque<Response>,
+    stash_bytes: usize,
+}
+
+impl AgentClient<UnixStream, UnixStream> {
+    /// Connects to an agent listening on a Unix socket (`airlock-agent --listen unix:PATH`).
+    pub fn connect_unix(path: impl AsRef<Path>) -> Result<Self, ClientError> {
+        let stream = connect(path.as_ref())?;
+        Self::from_unix_stream(stream)
+    }
+
+    /// Connects to the agent inside a VM through the VMM's hybrid-vsock Unix socket: sends
+    /// `CONNECT <port>\n`, expects `OK <host port>\n`, then reads `Ready`.
+    pub fn connect_vsock(uds_path: impl AsRef<Path>, port: u32) -> Result<Self, ClientError> {
+        let mut stream = connect(uds_path.as_ref())?;
+        stream
+            .write_all(format!("CONNECT {port}\n").as_bytes())
+            .map_err(|e| ClientError::Handshake(format!("sending CONNECT: {e}")))?;
+        let line = read_line(&mut stream)?;
+        if !line.starts_with("OK ") {
+            return Err(ClientError::Handshake(format!(
+                "expected `OK <port>`, got {line:?}"
+            )));
+        }
+        Self::from_unix_stream(stream)
+    }
+
+    /// Uses a connected Unix stream (and a clone of it for writing).
+    pub fn from_unix_stream(stream: UnixStream) -> Result<Self, ClientError> {
+        let writer = stream.try_clone().map_err(FrameError::Io)?;
+        Self::from_stream(stream, writer)
+    }
+}
+
+fn connect(path: &Path) -> Result<UnixStream, ClientError> {
+    UnixStream::connect(path).map_err(|source| ClientError::Connect {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// Reads one `\n`-terminated line byte by byte, so nothing after it is consumed.
+fn read_line(stream: &mut UnixStream) -> Result<String, ClientError> {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.len() < MAX_HANDSHAKE_LINE {
+        match stream.read(&mut byte) {
+            Ok(0) => return Err(ClientError::Handshake("connection closed".into())),
+            Ok(_) if byte[0] == b'\n' => return Ok(String::from_utf8_lossy(&line).into_owned()),
+            Ok(_) => line.push(byte[0]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(ClientError::Handshake(format!("reading reply: {e}"))),
+        }
+    }
+    Err(ClientError::Handshake("reply line too long".into()))
+}
+
+impl<R: Read, W: Write> AgentClient<R, W> {
+    /// Wraps a connected stream pair and reads the agent's `Ready` frame, which must come
+    /// first, carry id 0 and this crate's [`PROTOCOL_VERSION`].
+    pub fn from_stream(reader: R, writer: W) -> Result<Self, ClientError> {
+        let mut reader = BufReader::with_capacity(64 << 10, reader);
+        let first: Response = read_frame(&mut reader)?.ok_or(ClientError::Closed)?;
+        let ready = match first.kind {
+            Some(response::Kind::Ready(ready)) if first.id == 0 => ready,
+            other => return Err(ClientError::NotReady(format!("id {}: {other:?}", first.id))),
+        };
+        if ready.protocol_version != PROTOCOL_VERSION {
+            return Err(ClientError::Version {
+                got: ready.protocol_version,
+            });
+        }
+        Ok(Self {
+            reader,
+            writer,
+            ready,
+            last_id: 0,
+            in_flight: HashMap::new(),
+            stash: VecDeque::new(),
+            stash_bytes: 0,
+        })
+    }
+
+    /// The agent's `Ready` frame.
+    pub fn ready(&self) -> &Ready {
+        &self.ready
+    }
+
+    /// The read half (e.g. to set a read timeout on a socket).
+    pub fn reader(&self) -> &R {
+        self.reader.get_ref()
+    }
+
+    /// The write half.
+    pub fn writer(&self) -> &W {
+        &self.writer
+    }
+
+    /// A fresh request id (1, 2, 3, ...).
+    pub fn next_id(&mut self) -> u64 {
+        self.last_id += 1;
+        self.last_id
+    }
+
+    /// Sends a request; its id must be non-zero and not already in flight.
+    pub fn send(&mut self, req: &Request) -> Result<(), ClientError> {
+        if req.id == 0 {
+            return Err(ClientError::InvalidRequest("request id 0 is reserved"));
+        }
+        if self.in_flight.contains_key(&req.id) {
+            return Err(ClientError::InvalidRequest("request id already in flight"));
+        }
+        let pending = match req.kind {
+            Some(request::Kind::Exec(_)) => Pending::Exec,
+            _ => Pending::Single,
+        };
+        write_frame(&mut self.writer, req)?;
+        self.writer.flush().map_err(FrameError::Io)?;
+        self.in_flight.insert(req.id, pending);
+        Ok(())
+    }
+
+    /// Sends `kind` with a fresh id and returns the id.
+    pub fn send_kind(&mut self, kind: request::Kind) -> Result<u64, ClientError> {
+        let id = self.next_id();
+        self.send(&Request {
+            id,
+            kind: Some(kind),
+        })?;
+        Ok(id)
+    }
+
+    /// The next response: a buffered one first, else the next frame from the agent.
+    pub fn recv(&mut self) -> Result<Response, ClientError> {
+        if let Some(resp) = self.stash.pop_front() {
+            self.stash_bytes -= resp.encoded_len();
+            return Ok(resp);
+        }
+        self.read_response()
+    }
+
+    /// The next response to request `id`; responses to other requests are buffered.
+    pub fn recv_for(&mut self, id: u64) -> Result<Response, ClientError> {
+        if let Some(pos) = self.stash.iter().position(|r| r.id == id)
+            && let Some(resp) = self.stash.remove(pos)
+        {
+            self.stash_bytes -= resp.encoded_len();
+            return Ok(resp);
+        }
+        loop {
+            let resp = self.read_response()?;
+            if resp.id == id {
+                return Ok(resp);
+            }
+            self.stash_response(resp)?;
+        }
+    }
+
+    /// Sends `kind` and waits for its single answer; an `Error` answer becomes
+    /// [`ClientError::Agent`].
+    pub fn call(&mut self, kind: request::Kind) -> Result<response::Kind, ClientError> {
+        let id = self.send_kind(kind)?;
+        let resp = self.recv_for(id)?;
+        into_kind(resp)
+    }
+
+    /// Runs `exec` to completion: output chunks go to `on_output` in order per stream, and the
+    /// final `ExecExit` is returned. Responses to other requests are buffered meanwhile.
+    pub fn exec_collect(
+        &mut self,
+        exec: pb::Exec,
+        mut on_output: impl FnMut(StreamKind, &[u8]),
+    ) -> Result<ExecExit, ClientError> {
+        let id = self.send_kind(request::Kind::Exec(exec))?;
+        let started = self.exec_started(id)?;
+        let mut expected = [0u64; 2];
+        loop {
+            match into_kind(self.recv_for(id)?)? {
+                response::Kind::Output(out) => {
+                    let (stream, slot) = match StreamKind::try_from(out.stream) {
+                        Ok(StreamKind::Stdout) => (StreamKind::Stdout, 0),
+                        Ok(StreamKind::Stderr) => (StreamKind::Stderr, 1),
+                        _ => return Err(protocol(format!("output stream {}", out.stream))),
+                    };
+                    if out.exec_id != started.exec_id || out.offset != expected[slot] {
+                        return Err(protocol(format!(
+                            "output of exec {} at offset {}, expected exec {} offset {}",
+                            out.exec_id, out.offset, started.exec_id, expected[slot]
+                        )));
+                    }
+                    expected[slot] += out.data.len() as u64;
+                    on_output(stream, &out.data);
+                }
+                response::Kind::ExecExit(exit) if exit.exec_id == started.exec_id => {
+                    return Ok(exit);
+                }
+                other => return Err(protocol(format!("unexpected in exec stream: {other:?}"))),
+            }
+        }
+    }
+
+    /// Waits for the `ExecStarted` of the exec request `id` (or its `Error`).
+    pub fn exec_started(&mut self, id: u64) -> Result<ExecStarted, ClientError> {
+        match into_kind(self.recv_for(id)?)? {
+            response::Kind::ExecStarted(started) => Ok(started),
+            other => Err(protocol(format!("expected ExecStarted, got {other:?}"))),
+        }
+    }
+
+    /// Writes `data` to `path` (created with mode 0644 and missing parents), in chunks of
+    /// [`MAX_FILE_CHUNK`]; the first chunk truncates.
+    pub fn write_file(&mut self, path: &str, data: &[u8]) -> Result<(), ClientError> {
+        let template = pb::WriteFile {
+            path: path.to_owned(),
+            create_parents: true,
+            ..Default::default()
+        };
+        self.write_file_with(&template, data)
+    }
+
+    /// Like [`write_file`](Self::write_file) with `path`, `mode`, `root` and `create_parents`
+    /// taken from `template` (its `data`, `offset` and `truncate` are ignored).
+    pub fn write_file_with(
+        &mut self,
+        template: &pb::WriteFile,
+        data: &[u8],
+    ) -> Result<(), ClientError> {
+        let mut offset = 0usize;
+        loop {
+            let end = data.len().min(offset + MAX_FILE_CHUNK);
+            let chunk = data.get(offset..end).unwrap_or_default();
+            let req = pb::WriteFile {
+                offset: offset as u64,
+                data: chunk.to_vec(),
+                truncate: offset == 0,
+                ..template.clone()
+            };
+            expect_ok(self.call(request::Kind::WriteFile(req))?)?;
+            offset = end;
+            if offset >= data.len() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Reads the whole file at `path` in chunks of [`MAX_FILE_CHUNK`] (at most
+    /// [`MAX_FILE_BYTES`]).
+    pub fn read_file(&mut self, path: &str) -> Result<Vec<u8>, ClientError> {
+        self.read_file_in(path, "")
+    }
+
+    /// Like [`read_file`](Self::read_file), with `path` resolved inside `root`.
+    pub fn read_file_in(&mut self, path: &str, root: &str) -> Result<Vec<u8>, ClientError> {
+        let mut out = Vec::new();
+        loop {
+            let chunk = self.read_chunk(path, root, out.len() as u64)?;
+            if chunk.data.is_empty() && !chunk.eof {
+                return Err(protocol("empty FileData before end of file".into()));
+            }
+            out.extend_from_slice(&chunk.data);
+            if out.len() as u64 > MAX_FILE_BYTES {
+                return Err(protocol(format!("file larger than {MAX_FILE_BYTES} bytes")));
+            }
+            if chunk.eof {
+                return Ok(out);
+            }
+        }
+    }
+
+    fn read_chunk(&mut self, path: &str, root: &str, offset: u64) -> Result<FileData, ClientError> {
+        let req = pb::ReadFile {
+            path: path.to_owned(),
+            offset,
+            length: MAX_FILE_CHUNK as u64,
+            root: root.to_owned(),
+        };
+        match self.call(request::Kind::ReadFile(req))? {
+            response::Kind::FileData(data) if data.data.len() <= MAX_FILE_CHUNK => Ok(data),
+            other => Err(protocol(format!("expected FileData, got {other:?}"))),
+        }
+    }
+
+    /// Describes `path` (a symlink itself, not its target).
+    pub fn stat(&mut self, path: &str) -> Result<FileStat, ClientError> {
+        let req = pb::Stat {
+            path: path.to_owned(),
+            root: String::new(),
+        };
+        match self.call(request::Kind::Stat(req))? {
+            response::Kind::FileStat(stat) => Ok(stat),
+            other => Err(protocol(format!("expected FileStat, got {other:?}"))),
+        }
+    }
+
+    /// Lists the directory `path`.
+    pub fn list_dir(&mut self, path: &str) -> Result<pb::DirListing, ClientError> {
+        let req = pb::ListDir {
+            path: path.to_owned(),
+            root: String::new(),
+        };
+        match self.call(request::Kind::ListDir(req))? {
+            response::Kind::DirListing(listing) => Ok(listing),
+            other => Err(protocol(format!("expected DirListing, got {other:?}"))),
+        }
+    }
+
+    /// Creates the directory `path` (and its parents if `parents`), mode 0755.
+    pub fn mkdir(&mut self, path: &str, parents: bool) -> Result<(), ClientError> {
+        let req = pb::Mkdir {
+            path: path.to_owned(),
+            parents,
+            ..Default::default()
+        };
+        expect_ok(self.call(request::Kind::Mkdir(req))?)
+    }
+
+    /// Removes `path` (a non-empty directory only if `recursive`).
+    pub fn remove(&mut self, path: &str, recursive: bool) -> Result<(), ClientError> {
+        let req = pb::Remove {
+            path: path.to_owned(),
+            recursive,
+            root: String::new(),
+        };
+        expect_ok(self.call(request::Kind::Remove(req))?)
+    }
+
+    /// Sends `signal` to every process of execution `exec_id`.
+    pub fn signal(&mut self, exec_id: u64, signal: i32) -> Result<(), ClientError> {
+        let req = pb::Signal { exec_id, signal };
+        expect_ok(self.call(request::Kind::Signal(req))?)
+    }
+
+    /// Writes `data` to the stdin of execution `exec_id` (closing it after if `eof`); returns
+    /// once the agent has written it to the process's pipe.
+    pub fn stdin(&mut self, exec_id: u64, data: &[u8], eof: bool) -> Result<(), ClientError> {
+        let req = pb::Stdin {
+            exec_id,
+            data: data.to_vec(),
+            eof,
+        };
+        expect_ok(self.call(request::Kind::Stdin(req))?)
+    }
+
+    /// Round trip; returns the guest's uptime in milliseconds.
+    pub fn ping(&mut self) -> Result<pb::Pong, ClientError> {
+        match self.call(request::Kind::Ping(pb::Ping {}))? {
+            response::Kind::Pong(pong) => Ok(pong),
+            other => Err(protocol(format!("expected Pong, got {other:?}"))),
+        }
+    }
+
+    /// Asks the agent to power the VM off (in host mode: to exit); returns once it said Ok.
+    pub fn power_off(&mut self) -> Result<(), ClientError> {
+        expect_ok(self.call(request::Kind::PowerOff(pb::PowerOff {}))?)
+    }
+
+    /// Reads one frame and checks it against the requests in flight.
+    fn read_response(&mut self) -> Result<Response, ClientError> {
+        let resp: Response = read_frame(&mut self.reader)?.ok_or(ClientError::Closed)?;
+        if resp.id == 0 {
+            return match resp.kind {
+                // The agent could not decode a frame of ours; it closes the connection next.
+                Some(response::Kind::Error(e)) => Err(agent_error(e)),
+                other => Err(protocol(format!("response with id 0: {other:?}"))),
+            };
+        }
+        let Some(&pending) = self.in_flight.get(&resp.id) else {
+            return Err(protocol(format!("response to unknown request {}", resp.id)));
+        };
+        let last = match (&resp.kind, pending) {
+            (_, Pending::Single) => true,
+            (Some(response::Kind::ExecExit(_) | response::Kind::Error(_)), Pending::Exec) => true,
+            (_, Pending::Exec) => false,
+        };
+        if last {
+            self.in_flight.remove(&resp.id);
+        }
+        Ok(resp)
+    }
+
+    fn stash_response(&mut self, resp: Response) -> Result<(), ClientError> {
+        let len = resp.encoded_len();
+        if self.stash_bytes + len > MAX_STASHED_BYTES {
+            return Err(ClientError::Backlog);
+        }
+        self.stash_bytes += len;
+        self.stash.push_back(resp);
+        Ok(())
+    }
+}
+
+fn protocol(msg: String) -> ClientError {
+    ClientError::Protocol(msg)
+}
+
+fn agent_error(e: pb::Error) -> ClientError {
+    ClientError::Agent {
+        code: ErrorCode::try_from(e.code).unwrap_or(ErrorCode::Unspecified),
+        message: e.message,
+    }
+}
+
+/// The response's kind, with an `Error` turned into [`ClientError::Agent`].
+fn into_kind(resp: Response) -> Result<response::Kind, ClientError> {
+    match resp.kind {
+        Some(response::Kind::Error(e)) => Err(agent_error(e)),
+        Some(kind) => Ok(kind),
+        None => Err(protocol(format!("response {} without a kind", resp.id))),
+    }
+}
+
+fn expect_ok(kind: response::Kind) -> Result<(), ClientError> {
+    match kind {
+        response::Kind::Ok(_) => Ok(()),
+        other => Err(protocol(format!("expected Ok, got {other:?}"))),
+    }
+}
+
+/// How an execution ended, in words (for logs and CLIs): `exit 3`, `signal 9`, or `unknown`.
+pub fn describe_exit(exit: &ExecExit) -> String {
+    let mut s = match exit.status {
+        Some(exec_exit::Status::ExitCode(code)) => format!("exit {code}"),
+        Some(exec_exit::Status::Signal(sig)) => format!("signal {sig}"),
+        None => "unknown".to_owned(),
+    };
+    for (flag, word) in [
+        (exit.timed_out, "timed out"),
+        (exit.killed, "killed"),
+        (exit.oom_killed, "out of memory"),
+        (exit.output_truncated, "output truncated"),
+    ] {
+        if flag {
+            s.push_str(", ");
+            s.push_str(word);
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::encode_frame;
+    use crate::pb::{Output, Pong};
+
+    /// A client whose agent side is the given frames.
+    fn client_with(frames: &[Response]) -> AgentClient<io::Cursor<Vec<u8>>, Vec<u8>> {
+        let mut wire = encode_frame(&ready_frame(PROTOCOL_VERSION)).unwrap();
+        for f in frames {
+            wire.extend(encode_frame(f).unwrap());
+        }
+        AgentClient::from_stream(io::Cursor::new(wire), Vec::new()).unwrap()
+    }
+
+    fn ready_frame(version: u32) -> Response {
+        Response {
+            id: 0,
+            kind: Some(response::Kind::Ready(Ready {
+                protocol_version: version,
+                ..Default::default()
+            })),
+        }
+    }
+
+    fn resp(id: u64, kind: response::Kind) -> Response {
+        Response {
+            id,
+            kind: Some(kind),
+        }
+    }
+
+    fn output(exec_id: u64, stream: StreamKind, offset: u64, data: &[u8]) -> response::Kind {
+        response::Kind::Output(Output {
+            exec_id,
+            stream: stream as i32,
+            offset,
+            data: data.to_vec(),
+        })
+    }
+
+    fn sent_requests(client: &AgentClient<io::Cursor<Vec<u8>>, Vec<u8>>) -> Vec<Request> {
+        let mut wire = client.writer().as_slice();
+        let mut out = Vec::new();
+        while let Some(req) = read_frame(&mut wire).unwrap() {
+            out.push(req);
+        }
+        out
+    }
+
+    #[test]
+    fn from_stream_rejects_other_protocol_version() {
+        let wire = encode_frame(&ready_frame(2)).unwrap();
+        let err = AgentClient::from_stream(io::Cursor::new(wire), Vec::new()).unwrap_err();
+        assert!(matches!(err, ClientError::Version { got: 2 }), "{err:?}");
+    }
+
+    #[test]
+    fn from_stream_rejects_a_first_frame_that_is_not_ready() {
+        let wire = encode_frame(&resp(0, response::Kind::Pong(Pong::default()))).unwrap();
+        let err = AgentClient::from_stream(io::Cursor::new(wire), Vec::new()).unwrap_err();
+        assert!(matches!(err, ClientError::NotReady(_)), "{err:?}");
+    }
+
+    #[test]
+    fn from_stream_on_empty_stream_is_closed() {
+        let err = AgentClient::from_stream(io::Cursor::new(Vec::new()), Vec::new()).unwrap_err();
+        assert!(matches!(err, ClientError::Closed), "{err:?}");
+    }
+
+    #[test]
+    fn ping_sends_id_one_and_returns_pong() {
+        let mut c = client_with(&[resp(1, response::Kind::Pong(Pong { uptime_ms: 5 }))]);
+        assert_eq!(c.ping().unwrap().uptime_ms, 5);
+        let sent = sent_requests(&c);
+        assert_eq!(sent.len(), 1);
+        assert_eq!(sent[0].id, 1);
+        assert!(matches!(sent[0].kind, Some(request::Kind::Ping(_))));
+    }
+
+    #[test]
+    fn agent_error_becomes_client_error_with_code() {
+        let err = pb::Error {
+            code: ErrorCode::NotFound as i32,
+            message: "nope".into(),
+        };
+        let mut c = client_with(&[resp(1, response::Kind::Error(err))]);
+        let e = c.stat("/x").unwrap_err();
+        assert_eq!(e.agent_code(), Some(ErrorCode::NotFound));
+    }
+
+    #[test]
+    fn response_to_unknown_request_is_a_protocol_error() {
+        let mut c = client_with(&[resp(9, response::Kind::Pong(Pong::default()))]);
+        let e = c.ping().unwrap_err();
+        assert!(matches!(e, ClientError::Protocol(_)), "{e:?}");
+    }
+
+    #[test]
+    fn exec_collect_streams_output_and_buffers_other_responses() {
+        let exit = ExecExit {
+            exec_id: 7,
+            status: Some(exec_exit::Status::ExitCode(3)),
+            ..Default::default()
+        };
+        let started = ExecStarted { exec_id: 7, pid: 1 };
+        // Request 1 is a ping sent first by hand; its Pong arrives in the middle of the exec.
+        let mut c = client_with(&[
+            resp(2, response::Kind::ExecStarted(started)),
+            resp(2, output(7, StreamKind::Stdout, 0, b"ab")),
+            resp(1, response::Kind::Pong(Pong { uptime_ms: 1 })),
+            resp(2, output(7, StreamKind::Stderr, 0, b"x")),
+            resp(2, output(7, StreamKind::Stdout, 2, b"c")),
+            resp(2, response::Kind::ExecExit(exit)),
+        ]);
+        let ping_id = c.send_kind(request::Kind::Ping(pb::Ping {})).unwrap();
+        let mut got = Vec::new();
+        let result = c
+            .exec_collect(pb::Exec::default(), |s, d| got.push((s, d.to_vec())))
+            .unwrap();
+        assert_eq!(result, exit);
+        assert_eq!(
+            got,
+            vec![
+                (StreamKind::Stdout, b"ab".to_vec()),
+                (StreamKind::Stderr, b"x".to_vec()),
+                (StreamKind::Stdout, b"c".to_vec()),
+            ]
+        );
+        let pong = c.recv().unwrap();
+        assert_eq!(pong.id, ping_id);
+    }
+
+    #[test]
+    fn exec_collect_rejects_a_gap_in_output_offsets() {
+        let mut c = client_with(&[
+            resp(
+                1,
+                response::Kind::ExecStarted(ExecStarted { exec_id: 1, pid: 1 }),
+            ),
+            resp(1, output(1, StreamKind::Stdout, 5, b"late")),
+        ]);
+        let e = c.exec_collect(pb::Exec::default(), |_, _| {}).unwrap_err();
+        assert!(matches!(e, ClientError::Protocol(_)), "{e:?}");
+    }
+
+    #[test]
+    fn exec_collect_reports_a_spawn_error() {
+        let err = pb::Error {
+            code: ErrorCode::NotFound as i32,
+            message: "no such program".into(),
+        };
+        let mut c = client_with(&[resp(1, response::Kind::Error(err))]);
+        let e = c.exec_collect(pb::Exec::default(), |_, _| {}).unwrap_err();
+        assert_eq!(e.agent_code(), Some(ErrorCode::NotFound));
+    }
+
+    #[test]
+    fn write_file_splits_into_chunks_and_truncates_only_first() {
+        let ok = || response::Kind::Ok(pb::Ok {});
+        let mut c = client_with(&[resp(1, ok()), resp(2, ok()), resp(3, ok())]);
+        let data = vec![7u8; 2 * MAX_FILE_CHUNK + 10];
+        c.write_file("/f", &data).unwrap();
+        let sent = sent_requests(&c);
+        let chunks: Vec<_> = sent
+            .iter()
+            .map(|r| match &r.kind {
+                Some(request::Kind::WriteFile(w)) => (w.offset, w.data.len(), w.truncate),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let (one, two) = (MAX_FILE_CHUNK as u64, 2 * MAX_FILE_CHUNK as u64);
+        assert_eq!(
+            chunks,
+            vec![
+                (0, MAX_FILE_CHUNK, true),
+                (one, MAX_FILE_CHUNK, false),
+                (two, 10, false)
+            ]
+        );
+    }
+
+    #[test]
+    fn write_file_of_empty_data_sends_one_truncating_chunk() {
+        let mut c = client_with(&[resp(1, response::Kind::Ok(pb::Ok {}))]);
+        c.write_file("/empty", &[]).unwrap();
+        let sent = sent_requests(&c);
+        assert_eq!(sent.len(), 1);
+    }
+
+    #[test]
+    fn read_file_loops_until_eof() {
+        let data = |d: &[u8], eof| {
+            response::Kind::FileData(FileData {
+                data: d.to_vec(),
+                eof,
+                size: 5,
+            })
+        };
+        let mut c = client_with(&[resp(1, data(b"abc", false)), resp(2, data(b"de", true))]);
+        assert_eq!(c.read_file("/f").unwrap(), b"abcde");
+        let offsets: Vec<_> = sent_requests(&c)
+            .iter()
+            .map(|r| match &r.kind {
+                Some(request::Kind::ReadFile(rf)) => rf.offset,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(offsets, vec![0, 3]);
+    }
+
+    #[test]
+    fn read_file_rejects_empty_chunk_before_eof() {
+        let empty = response::Kind::FileData(FileData::default());
+        let mut c = client_with(&[resp(1, empty)]);
+        let e = c.read_file("/f").unwrap_err();
+        assert!(matches!(e, ClientError::Protocol(_)), "{e:?}");
+    }
+
+    #[test]
+    fn send_refuses_id_zero_and_duplicates() {
+        let mut c = client_with(&[]);
+        let ping = |id| Request {
+            id,
+            kind: Some(request::Kind::Ping(pb::Ping {})),
+        };
+        assert!(matches!(
+            c.send(&ping(0)),
+            Err(ClientError::InvalidRequest(_))
+        ));
+        c.send(&ping(4)).unwrap();
+        assert!(matches!(
+            c.send(&ping(4)),
+            Err(ClientError::InvalidRequest(_))
+        ));
+    }
+
+    #[test]
+    fn id_zero_error_is_reported_as_agent_error() {
+        let err = pb::Error {
+            code: ErrorCode::TooLarge as i32,
+            message: "frame".into(),
+        };
+        let mut c = client_with(&[resp(0, response::Kind::Error(err))]);
+        let e = c.ping().unwrap_err();
+        assert_eq!(e.agent_code(), Some(ErrorCode::TooLarge));
+    }
+
+    #[test]
+    fn closed_stream_while_waiting_is_closed() {
+        let mut c = client_with(&[]);
+        assert!(matches!(c.ping().unwrap_err(), ClientError::Closed));
+    }
+
+    #[test]
+    fn describe_exit_lists_status_and_flags() {
+        let exit = ExecExit {
+            status: Some(exec_exit::Status::Signal(9)),
+            timed_out: true,
+            ..Default::default()
+        };
+        assert_eq!(describe_exit(&exit), "signal 9, timed out");
+    }
+}
