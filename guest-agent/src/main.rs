@@ -1,44 +1,219 @@
-//! `airlock-agent`: PID 1 inside every Airlock microVM.
+//! `airlock-agent`: PID 1 inside every Airlock microVM, and the host side's only way in.
 //!
-//! Today it is the base image's init: it mounts the kernel filesystems, prints the stable
-//! readiness line [`READY_LINE`] on the console and ends the VM. The guest-agent issue grows it
-//! into the vsock agent that runs user code; the readiness line stays the same.
+//! As PID 1 it mounts the kernel filesystems (and cgroup2, /tmp, /run), sets the host name,
+//! reaps orphans, listens on vsock port 52 and prints [`init::READY_LINE`] on the console; then it
+//! serves the protocol of `proto/agent.proto`: executions with streamed output, stdin, signals
+//! and limits (one cgroup per execution), and file operations. Started as an ordinary process
+//! with `--listen unix:PATH` (or `vsock:PORT`) it skips the init work and serves the same
+//! protocol on that socket; the protocol tests run it that way.
 //!
-//! Every system call costs real time on the nested-KVM build machines (the guest kernel is
-//! emulated), so the start-up path does as few as it can.
+//! Code map: `init` (PID 1 work, console lines), `server` (listening, connections, dispatch),
+//! `exec` (validation, the table of executions, Signal/Stdin), `exec_loop` (one execution's
+//! poll loop and exit record), `reaper` (the only place that reaps children), `cgroup`,
+//! `files`, `agent` (shared state, Ready), `error`, and `sys` (all unsafe code).
 #![deny(unsafe_code)]
 
+mod agent;
+mod cgroup;
+mod error;
+mod exec;
+mod exec_loop;
+mod files;
+mod init;
+mod reaper;
+mod server;
 mod sys;
 
-use std::io::Write;
+use std::io;
+use std::path::PathBuf;
+use std::sync::Arc;
 
-/// Printed on the console once userspace is up; tests and benchmarks wait for it.
-pub const READY_LINE: &str = "airlock: userspace up";
+use agent::{Agent, CPUS_ONLINE};
+use cgroup::CgroupRoot;
+use reaper::Reaper;
+use server::{ListenAddr, Listener};
 
-fn main() {
-    for m in sys::BASE_MOUNTS {
-        if let Err(e) = sys::mount_fs(m) {
-            // Not fatal: a missing /sys must not stop the agent from reporting.
-            eprintln!("airlock-agent: mount {} on {}: {e}", m.fstype, m.target);
+const USAGE: &str = "usage: airlock-agent --listen unix:PATH|vsock:PORT [--cgroup-root DIR]
+  (as PID 1 it takes no options: it initialises the VM and listens on vsock port 52)
+  --listen ADDR        serve the agent protocol on this socket
+  --cgroup-root DIR    run each execution in a cgroup under DIR (created; its parent must be a
+                       cgroup v2 directory); without it, process groups are used";
+
+/// Exit code for bad command-line arguments (host mode only).
+const EXIT_USAGE: i32 = 2;
+/// Exit code when the agent cannot start serving (host mode only).
+const EXIT_START: i32 = 1;
+
+/// How the agent runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Options {
+    listen: ListenAddr,
+    cgroup_root: Option<PathBuf>,
+}
+
+impl Options {
+    fn pid1() -> Self {
+        Self {
+            listen: ListenAddr::Vsock(airlock_proto::AGENT_VSOCK_PORT),
+            cgroup_root: Some(PathBuf::from(init::CGROUP_ROOT)),
         }
     }
-    let mut out = std::io::stdout().lock();
-    // One write for the whole line so that it reaches the console in one piece.
-    let _ = out.write_all(format!("{READY_LINE}\n").as_bytes());
-    let _ = out.flush();
-    // After the readiness line, so it costs the boot nothing: which CPUs the kernel brought up.
-    if let Ok(cpus) = std::fs::read_to_string("/sys/devices/system/cpu/online") {
-        let _ = out.write_all(format!("airlock: cpus online {}\n", cpus.trim()).as_bytes());
-        let _ = out.flush();
+
+    fn parse(args: &[String]) -> Result<Self, String> {
+        let mut listen = None;
+        let mut cgroup_root = None;
+        let mut it = args.iter();
+        while let Some(arg) = it.next() {
+            let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
+            match arg.as_str() {
+                "--listen" => listen = Some(value()?.parse()?),
+                "--cgroup-root" => cgroup_root = Some(PathBuf::from(value()?)),
+                other => return Err(format!("unknown argument {other:?}")),
+            }
+        }
+        let listen = listen.ok_or("--listen is required")?;
+        Ok(Self {
+            listen,
+            cgroup_root,
+        })
     }
-    drop(out);
+}
+
+/// Why the agent could not start serving.
+#[derive(Debug, thiserror::Error)]
+enum StartError {
+    #[error("blocking SIGCHLD")]
+    Signals(#[source] io::Error),
+    #[error("starting the reaper")]
+    Reaper(#[source] io::Error),
+    #[error("listening on {addr}")]
+    Listen {
+        addr: ListenAddr,
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn main() {
+    let pid1 = std::process::id() == 1;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if !pid1 && args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return;
+    }
+    let options = if pid1 {
+        // The kernel may pass command-line words to init; there are no options as PID 1.
+        Options::pid1()
+    } else {
+        Options::parse(&args).unwrap_or_else(|e| {
+            eprintln!("airlock-agent: {e}\n{USAGE}");
+            std::process::exit(EXIT_USAGE);
+        })
+    };
+    let err = run(pid1, &options);
+    eprintln!("airlock-agent: {err}: {}", source_text(&err));
+    if !pid1 {
+        std::process::exit(EXIT_START);
+    }
+    park()
+}
+
+/// Starts everything and serves; returns only if serving cannot start.
+fn run(pid1: bool, options: &Options) -> StartError {
+    // Before any thread exists, so that every thread inherits the mask.
+    if let Err(e) = sys::block_sigchld() {
+        return StartError::Signals(e);
+    }
+    // Files the agent creates get exactly the requested modes; children get 022.
+    sys::set_umask(0);
+    if pid1 {
+        init::init_system();
+    } else if let Err(e) = sys::set_child_subreaper() {
+        eprintln!("airlock-agent: cannot become a subreaper (orphans go elsewhere): {e}");
+    }
+    let cgroups = options.cgroup_root.as_deref().and_then(|dir| {
+        CgroupRoot::setup(dir)
+            .inspect_err(|e| {
+                eprintln!("airlock-agent: no per-execution cgroups, using process groups: {e}");
+            })
+            .ok()
+    });
+    let reaper = match Reaper::start() {
+        Ok(r) => r,
+        Err(e) => return StartError::Reaper(e),
+    };
+    if pid1 && !init::vsock_device_present() {
+        power_off_without_vsock();
+    }
+    let listener = match Listener::bind(&options.listen) {
+        Ok(l) => l,
+        Err(source) => {
+            let addr = options.listen.clone();
+            return StartError::Listen { addr, source };
+        }
+    };
+    let boot_time = sys::boottime();
+    init::console(init::READY_LINE);
+    let cpus_online = std::fs::read_to_string(CPUS_ONLINE).unwrap_or_default();
+    let ready = agent::build_ready(boot_time, &cpus_online, cgroups.as_ref());
+    let agent = Arc::new(Agent::new(pid1, reaper, cgroups, ready));
+    // After the readiness line, so it costs the boot nothing.
+    init::console(&init::cpus_line(&cpus_online));
+    server::serve_forever(&agent, &listener)
+}
+
+/// A VM without a vsock device has nobody to serve (a plain boot test): report that userspace
+/// came up, then power off as the base image's init always did.
+fn power_off_without_vsock() -> ! {
+    init::console(init::READY_LINE);
+    if let Ok(cpus) = std::fs::read_to_string(CPUS_ONLINE) {
+        init::console(&init::cpus_line(&cpus));
+    }
+    eprintln!("airlock-agent: no virtio-vsock device: nothing to serve, powering off");
     sys::sync();
-    match sys::reboot() {
-        Ok(()) => {}
-        Err(e) => eprintln!("airlock-agent: reboot: {e}"),
+    if let Err(e) = sys::reboot() {
+        eprintln!("airlock-agent: reboot: {e}");
     }
-    // PID 1 must never exit: that panics the kernel. Park until the VM is torn down.
+    park()
+}
+
+/// PID 1 must never exit (that panics the kernel): wait until the VM is torn down.
+fn park() -> ! {
     loop {
         sys::pause();
+    }
+}
+
+fn source_text(err: &StartError) -> String {
+    std::error::Error::source(err).map_or_else(String::new, ToString::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn parse_takes_listen_and_cgroup_root() {
+        let o = Options::parse(&args(&["--listen", "unix:/a", "--cgroup-root", "/cg"])).unwrap();
+        assert_eq!(o.listen, ListenAddr::Unix("/a".into()));
+        assert_eq!(o.cgroup_root, Some(PathBuf::from("/cg")));
+    }
+
+    #[test]
+    fn parse_requires_listen_and_rejects_unknown_arguments() {
+        assert!(Options::parse(&[]).is_err());
+        assert!(Options::parse(&args(&["--listen"])).is_err());
+        assert!(Options::parse(&args(&["--listen", "unix:/a", "--bogus"])).is_err());
+    }
+
+    #[test]
+    fn pid1_listens_on_vsock_52_with_cgroups() {
+        let o = Options::pid1();
+        assert_eq!(o.listen, ListenAddr::Vsock(52));
+        assert_eq!(o.cgroup_root, Some(PathBuf::from(init::CGROUP_ROOT)));
     }
 }

@@ -35,16 +35,24 @@ pub enum FrameError {
 
 /// Encodes `msg` as one complete frame (length prefix included), ready for a single write.
 pub fn encode_frame(msg: &impl Message) -> Result<Vec<u8>, FrameError> {
+    let mut buf = Vec::with_capacity(HEADER_BYTES + msg.encoded_len());
+    append_frame(&mut buf, msg)?;
+    Ok(buf)
+}
+
+/// Appends `msg` as one complete frame to `buf` (to send several frames with one write).
+/// On error `buf` is unchanged.
+pub fn append_frame(buf: &mut Vec<u8>, msg: &impl Message) -> Result<(), FrameError> {
     let len = msg.encoded_len();
     let prefix = u32::try_from(len)
         .ok()
         .filter(|_| len <= MAX_FRAME_BYTES)
         .ok_or(FrameError::TooLarge { len })?;
-    let mut buf = Vec::with_capacity(HEADER_BYTES + len);
+    buf.reserve(HEADER_BYTES + len);
     buf.extend_from_slice(&prefix.to_le_bytes());
     // Encoding into a Vec cannot run out of space.
-    msg.encode_raw(&mut buf);
-    Ok(buf)
+    msg.encode_raw(buf);
+    Ok(())
 }
 
 /// Writes `msg` as one frame with a single `write_all`.
@@ -125,6 +133,16 @@ mod tests {
         let buf = encode_frame(&ping(7)).unwrap();
         let len = u32::from_le_bytes(buf[..4].try_into().unwrap()) as usize;
         assert_eq!(len, buf.len() - 4);
+    }
+
+    #[test]
+    fn append_frame_concatenates_frames() {
+        let mut buf = Vec::new();
+        append_frame(&mut buf, &ping(1)).unwrap();
+        append_frame(&mut buf, &ping(2)).unwrap();
+        let mut expected = encode_frame(&ping(1)).unwrap();
+        expected.extend(encode_frame(&ping(2)).unwrap());
+        assert_eq!(buf, expected);
     }
 
     #[test]

@@ -20,7 +20,7 @@ pub mod pb {
 }
 
 pub use client::{AgentClient, ClientError};
-pub use frame::{FrameError, MAX_FRAME_BYTES, encode_frame, read_frame, write_frame};
+pub use frame::{FrameError, MAX_FRAME_BYTES, append_frame, encode_frame, read_frame, write_frame};
 
 /// The vsock port the agent listens on inside the guest.
 pub const AGENT_VSOCK_PORT: u32 = 52;

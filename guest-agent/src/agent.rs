@@ -1,0 +1,144 @@
+//! The agent's shared state and the facts it reports in `Ready`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use airlock_proto::PROTOCOL_VERSION;
+use airlock_proto::pb::Ready;
+
+use crate::cgroup::CgroupRoot;
+use crate::exec::ExecTable;
+use crate::reaper::Reaper;
+use crate::server::millis;
+use crate::sys;
+
+/// Where the kernel lists the online CPUs (`0-3,5`).
+pub const CPUS_ONLINE: &str = "/sys/devices/system/cpu/online";
+
+/// State shared by every connection and execution.
+#[derive(Debug)]
+pub struct Agent {
+    /// Running as PID 1 in a VM (power-off reboots) rather than as an ordinary process.
+    pub pid1: bool,
+    pub reaper: Arc<Reaper>,
+    /// Per-execution cgroups, where cgroup v2 is available.
+    pub cgroups: Option<CgroupRoot>,
+    pub execs: ExecTable,
+    ready: Ready,
+}
+
+impl Agent {
+    pub fn new(pid1: bool, reaper: Arc<Reaper>, cgroups: Option<CgroupRoot>, ready: Ready) -> Self {
+        Self {
+            pid1,
+            reaper,
+            cgroups,
+            execs: ExecTable::default(),
+            ready,
+        }
+    }
+
+    /// The first frame of every connection.
+    pub fn ready(&self) -> &Ready {
+        &self.ready
+    }
+
+    /// Kills every execution, syncs, and powers the VM off (PID 1) or exits (host mode).
+    pub fn power_off(&self) -> ! {
+        self.execs.kill_all();
+        sys::sync();
+        if !self.pid1 {
+            std::process::exit(0);
+        }
+        if let Err(e) = sys::reboot() {
+            eprintln!("airlock-agent: reboot: {e}");
+        }
+        // PID 1 must never exit: that panics the kernel.
+        loop {
+            sys::pause();
+        }
+    }
+}
+
+/// The optional features this agent offers (see `Ready.capabilities` in agent.proto).
+pub fn capabilities(cgroups: Option<&CgroupRoot>) -> Vec<String> {
+    let mut caps = vec!["exec", "stdin", "signal", "files"];
+    match cgroups {
+        Some(root) => {
+            caps.push("cgroups");
+            let c = root.controllers();
+            if c.pids {
+                caps.push("cgroup-pids");
+            }
+            if c.memory {
+                caps.push("cgroup-memory");
+            }
+        }
+        None => caps.push("process-groups"),
+    }
+    caps.into_iter().map(String::from).collect()
+}
+
+/// The `Ready` frame: `boot_time` is CLOCK_BOOTTIME when the agent began listening, `cpus_online`
+/// the text of [`CPUS_ONLINE`].
+pub fn build_ready(boot_time: Duration, cpus_online: &str, cgroups: Option<&CgroupRoot>) -> Ready {
+    Ready {
+        protocol_version: PROTOCOL_VERSION,
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        capabilities: capabilities(cgroups),
+        boot_time_ms: millis(boot_time),
+        hostname: sys::hostname().unwrap_or_default(),
+        cpus: count_cpus(cpus_online),
+        mem_total_bytes: sys::mem_total_bytes().unwrap_or(0),
+    }
+}
+
+/// Counts the CPUs in a kernel CPU list such as `0-3,5` (0 if it does not parse).
+pub fn count_cpus(list: &str) -> u32 {
+    let mut total = 0u32;
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+        match (lo.parse::<u32>(), hi.parse::<u32>()) {
+            (Ok(lo), Ok(hi)) if hi >= lo => total = total.saturating_add(hi - lo + 1),
+            _ => return 0,
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn count_cpus_reads_ranges_and_singles() {
+        assert_eq!(count_cpus("0\n"), 1);
+        assert_eq!(count_cpus("0-1"), 2);
+        assert_eq!(count_cpus("0-3,5,7-8\n"), 7);
+    }
+
+    #[test]
+    fn count_cpus_of_garbage_is_zero() {
+        assert_eq!(count_cpus(""), 0);
+        assert_eq!(count_cpus("a-b"), 0);
+        assert_eq!(count_cpus("3-1"), 0);
+    }
+
+    #[test]
+    fn capabilities_without_cgroups_name_process_groups() {
+        let caps = capabilities(None);
+        assert!(caps.iter().any(|c| c == "exec"));
+        assert!(caps.iter().any(|c| c == "process-groups"));
+        assert!(!caps.iter().any(|c| c == "cgroups"));
+    }
+
+    #[test]
+    fn ready_carries_version_and_machine_facts() {
+        let ready = build_ready(Duration::from_millis(1234), "0-1\n", None);
+        assert_eq!(ready.protocol_version, PROTOCOL_VERSION);
+        assert_eq!(ready.boot_time_ms, 1234);
+        assert_eq!(ready.cpus, 2);
+        assert!(ready.mem_total_bytes > 0);
+        assert!(!ready.hostname.is_empty());
+    }
+}

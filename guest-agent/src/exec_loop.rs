@@ -1,0 +1,561 @@
+//! The life of one execution, on its own thread: spawn, then one `poll` loop over the process's
+//! stdout and stderr pipes, its stdin pipe, and a waker (exit delivered by the reaper, stdin
+//! queued by the connection), until the process has exited and its output is drained; then the
+//! exit record.
+//!
+//! Output is read in large pieces (the pipes are enlarged) and sent as ≤64 KiB Output frames,
+//! all frames of one wake-up in one write. Sending blocks while the host is slow to read, and
+//! then the loop stops reading the pipes: backpressure reaches the process, memory stays
+//! bounded.
+//!
+//! When the main process exits, whatever it left running is killed (its cgroup or process
+//! group), so an execution never outlives its main process; the pipes are then drained until
+//! they close, or for [`DRAIN_GRACE`] at most (a process that escaped the process group, where
+//! there are no cgroups, may hold them open).
+
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use airlock_proto::MAX_OUTPUT_CHUNK;
+use airlock_proto::pb::{
+    self, ErrorCode, ExecExit, ExecStarted, Output, Response, StreamKind, exec_exit, response,
+};
+
+use crate::agent::Agent;
+use crate::cgroup::CgroupStats;
+use crate::error::ReqError;
+use crate::exec::{ExecPlace, ExecSpec, Execution, KillTarget, StdinChunk, StdinQueue};
+use crate::reaper::{ExitSlot, Waker};
+use crate::server::ConnWriter;
+use crate::sys::{self, Reaped};
+
+/// Capacity asked for each output pipe (the default is 64 KiB).
+const PIPE_BYTES: usize = 256 << 10;
+/// How long output is drained after the main process exited.
+pub const DRAIN_GRACE: Duration = Duration::from_secs(2);
+
+/// Runs the execution `spec` answering request `request_id` on `conn`, from spawn to ExecExit.
+pub fn run(
+    agent: &Arc<Agent>,
+    conn: Arc<ConnWriter>,
+    request_id: u64,
+    spec: ExecSpec,
+    place: ExecPlace,
+) {
+    let exec_id = agent.execs.next_id();
+    let mut run = match launch(agent, &conn, exec_id, request_id, &spec) {
+        Ok(run) => run,
+        Err(e) => {
+            conn.send(&e.response(request_id));
+            return;
+        }
+    };
+    agent.execs.insert(Arc::clone(&run.exec));
+    let started = ExecStarted {
+        exec_id,
+        pid: u32::try_from(run.exec.pid).unwrap_or(0),
+    };
+    conn.send(&reply(request_id, response::Kind::ExecStarted(started)));
+    run.pump();
+    let exit = run.finish();
+    agent.execs.remove(exec_id);
+    // Give the place back before the host hears of the exit, so that it may start another.
+    drop(place);
+    conn.send(&reply(request_id, response::Kind::ExecExit(exit)));
+}
+
+fn reply(id: u64, kind: response::Kind) -> Response {
+    Response {
+        id,
+        kind: Some(kind),
+    }
+}
+
+/// One output stream of the process.
+#[derive(Debug)]
+struct OutStream {
+    kind: StreamKind,
+    pipe: Option<File>,
+    /// Bytes the process wrote (kept or not).
+    total: u64,
+    cap: u64,
+}
+
+/// The loop's state.
+#[derive(Debug)]
+struct Run {
+    exec: Arc<Execution>,
+    request_id: u64,
+    out: [OutStream; 2],
+    stdin: Option<File>,
+    /// The stdin chunk being written and how much of it is written.
+    current: Option<(StdinChunk, usize)>,
+    started: Instant,
+    deadline: Option<Instant>,
+    exited: Option<(Reaped, Instant)>,
+    drain_until: Option<Instant>,
+    truncated: bool,
+    buf: Vec<u8>,
+}
+
+/// Creates the cgroup, spawns the process and builds the loop's state.
+fn launch(
+    agent: &Agent,
+    conn: &Arc<ConnWriter>,
+    exec_id: u64,
+    request_id: u64,
+    spec: &ExecSpec,
+) -> Result<Run, ReqError> {
+    let cgroup = match &agent.cgroups {
+        Some(root) => Some(root.create(exec_id).map_err(|e| {
+            ReqError::new(ErrorCode::Internal, format!("creating the cgroup: {e}"))
+        })?),
+        None => None,
+    };
+    let (program, args) = spec
+        .argv
+        .split_first()
+        .ok_or_else(|| ReqError::invalid("argv is empty"))?;
+    let wants_stdin = spec.stdin_open || !spec.stdin.is_empty();
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .env_clear()
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .current_dir(&spec.cwd)
+        .stdin(if wants_stdin {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    sys::prepare_child(&mut cmd, cgroup.as_ref().map(|c| c.procs_fd()));
+    let waker = Arc::new(Waker::new().map_err(|e| ReqError::io("creating an eventfd", &e))?);
+    let exit = Arc::new(ExitSlot::new(Arc::clone(&waker)));
+    let started = Instant::now();
+    let mut child = match agent.reaper.spawn(&mut cmd, Arc::clone(&exit)) {
+        Ok(child) => child,
+        Err(e) => {
+            if let Some(cg) = cgroup {
+                let _ = cg.kill_and_remove();
+            }
+            return Err(ReqError::io(&format!("starting {program}"), &e));
+        }
+    };
+    let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
+    let target = match cgroup {
+        Some(cg) => KillTarget::Cgroup(cg),
+        None => KillTarget::Group(pid),
+    };
+    let pipe = |fd: Option<OwnedFd>| fd.map(File::from);
+    let stdout = pipe(child.stdout.take().map(OwnedFd::from));
+    let stderr = pipe(child.stderr.take().map(OwnedFd::from));
+    let stdin = pipe(child.stdin.take().map(OwnedFd::from));
+    for p in stdout.iter().chain(&stderr) {
+        // Fewer, larger reads; the default size works too.
+        let _ = sys::set_pipe_size(p.as_fd(), PIPE_BYTES);
+    }
+    if let Some(p) = &stdin {
+        sys::set_nonblocking(p.as_fd()).map_err(|e| ReqError::io("stdin pipe", &e))?;
+    }
+    let mut queue = StdinQueue {
+        accepting: spec.stdin_open,
+        ..StdinQueue::default()
+    };
+    if wants_stdin && (!spec.stdin.is_empty() || !spec.stdin_open) {
+        queue.pending_bytes = spec.stdin.len();
+        queue.chunks.push_back(StdinChunk {
+            request_id: None,
+            data: spec.stdin.clone(),
+            eof: !spec.stdin_open,
+        });
+    }
+    let exec = Arc::new(Execution {
+        exec_id,
+        conn: Arc::clone(conn),
+        pid,
+        target,
+        waker,
+        exit,
+        stdin: Mutex::new(queue),
+        killed: AtomicBool::new(false),
+        timed_out: AtomicBool::new(false),
+    });
+    let stream = |kind, pipe| OutStream {
+        kind,
+        pipe,
+        total: 0,
+        cap: spec.max_output_bytes,
+    };
+    Ok(Run {
+        exec,
+        request_id,
+        out: [
+            stream(StreamKind::Stdout, stdout),
+            stream(StreamKind::Stderr, stderr),
+        ],
+        stdin,
+        current: None,
+        started,
+        deadline: spec.timeout.map(|t| started + t),
+        exited: None,
+        drain_until: None,
+        truncated: false,
+        buf: vec![0u8; PIPE_BYTES],
+    })
+}
+
+/// What a pollfd in the loop's set stands for.
+#[derive(Debug, Clone, Copy)]
+enum Slot {
+    Waker,
+    Out(usize),
+    Stdin,
+}
+
+impl Run {
+    /// The loop: until the process exited and its output is drained.
+    fn pump(&mut self) {
+        // Exec.stdin (if any) is queued already.
+        self.exec.waker.wake();
+        loop {
+            let now = Instant::now();
+            self.check_deadline(now);
+            if self.done(now) {
+                return;
+            }
+            let mut batch = Vec::new();
+            self.poll_once(now, &mut batch);
+            self.exec.conn.send_all(&batch);
+        }
+    }
+
+    fn check_deadline(&mut self, now: Instant) {
+        if self.deadline.is_some_and(|d| now >= d) && self.exited.is_none() {
+            self.deadline = None;
+            self.exec.timed_out.store(true, Ordering::SeqCst);
+            self.exec.kill_all();
+        }
+    }
+
+    fn done(&self, now: Instant) -> bool {
+        let drained = self.out.iter().all(|s| s.pipe.is_none());
+        self.exited.is_some() && (drained || self.drain_until.is_some_and(|d| now >= d))
+    }
+
+    fn poll_once(&mut self, now: Instant, batch: &mut Vec<Response>) {
+        let mut fds = vec![pollfd(self.exec.waker.as_raw_fd(), libc::POLLIN)];
+        let mut slots = vec![Slot::Waker];
+        for (i, s) in self.out.iter().enumerate() {
+            if let Some(p) = &s.pipe {
+                fds.push(pollfd(p.as_raw_fd(), libc::POLLIN));
+                slots.push(Slot::Out(i));
+            }
+        }
+        if let (Some(p), Some(_)) = (&self.stdin, &self.current) {
+            fds.push(pollfd(p.as_raw_fd(), libc::POLLOUT));
+            slots.push(Slot::Stdin);
+        }
+        let wake_at = [self.deadline, self.drain_until]
+            .into_iter()
+            .flatten()
+            .min();
+        if let Err(e) = sys::poll(&mut fds, wake_at.map(|t| t.saturating_duration_since(now))) {
+            // Cannot happen with valid descriptors; do not spin on it.
+            eprintln!("airlock-agent: exec {}: poll: {e}", self.exec.exec_id);
+            std::thread::sleep(Duration::from_millis(10));
+            return;
+        }
+        for (fd, slot) in fds.iter().zip(slots) {
+            if fd.revents == 0 {
+                continue;
+            }
+            match slot {
+                Slot::Waker => self.on_wake(batch),
+                Slot::Out(i) => self.read_output(i, batch),
+                Slot::Stdin => self.write_stdin(batch),
+            }
+        }
+    }
+
+    /// The reaper delivered the exit, or the connection queued stdin.
+    fn on_wake(&mut self, batch: &mut Vec<Response>) {
+        self.exec.waker.drain();
+        if self.exited.is_none()
+            && let Some(exit) = self.exec.exit.take()
+        {
+            self.exited = Some(exit);
+            self.drain_until = Some(Instant::now() + DRAIN_GRACE);
+            // Whatever the main process left behind ends with it.
+            self.exec.kill_all();
+            self.close_stdin("the process exited", batch);
+            return;
+        }
+        self.write_stdin(batch);
+    }
+
+    fn read_output(&mut self, i: usize, batch: &mut Vec<Response>) {
+        let Some(stream) = self.out.get_mut(i) else {
+            return;
+        };
+        let Some(pipe) = &mut stream.pipe else {
+            return;
+        };
+        match pipe.read(&mut self.buf) {
+            Ok(0) => stream.pipe = None,
+            Ok(n) => {
+                let data = self.buf.get(..n).unwrap_or_default();
+                if emit(stream, self.exec.exec_id, self.request_id, data, batch) {
+                    self.truncated = true;
+                }
+            }
+            Err(e) if is_transient(&e) => {}
+            Err(_) => stream.pipe = None,
+        }
+    }
+
+    /// Writes queued stdin until the pipe is full or the queue empty.
+    fn write_stdin(&mut self, batch: &mut Vec<Response>) {
+        loop {
+            if self.current.is_none() {
+                let next = self.exec.stdin_queue().chunks.pop_front();
+                match next {
+                    Some(chunk) => self.current = Some((chunk, 0)),
+                    None => return,
+                }
+            }
+            let Some((chunk, written)) = &mut self.current else {
+                return;
+            };
+            let Some(pipe) = &mut self.stdin else {
+                self.close_stdin("stdin is closed", batch);
+                return;
+            };
+            if let Some(rest) = chunk.data.get(*written..).filter(|r| !r.is_empty()) {
+                match pipe.write(rest) {
+                    Ok(n) => *written += n,
+                    Err(e) if is_transient(&e) => return,
+                    Err(e) => {
+                        let why = if e.raw_os_error() == Some(libc::EPIPE) {
+                            "the process closed its stdin".to_owned()
+                        } else {
+                            format!("writing stdin: {e}")
+                        };
+                        self.close_stdin(&why, batch);
+                        return;
+                    }
+                }
+                continue;
+            }
+            self.complete_chunk(batch);
+        }
+    }
+
+    /// The current chunk is fully written: answer its request, close stdin after an eof.
+    fn complete_chunk(&mut self, batch: &mut Vec<Response>) {
+        let Some((chunk, _)) = self.current.take() else {
+            return;
+        };
+        {
+            let mut q = self.exec.stdin_queue();
+            q.pending_bytes = q.pending_bytes.saturating_sub(chunk.data.len());
+        }
+        if chunk.eof {
+            self.stdin = None;
+        }
+        if let Some(id) = chunk.request_id {
+            batch.push(reply(id, response::Kind::Ok(pb::Ok {})));
+        }
+    }
+
+    /// Closes stdin for good: queued chunks fail with `why`, later Stdin requests are refused.
+    fn close_stdin(&mut self, why: &str, batch: &mut Vec<Response>) {
+        self.stdin = None;
+        let mut failed: Vec<StdinChunk> = self.current.take().map(|(c, _)| c).into_iter().collect();
+        {
+            let mut q = self.exec.stdin_queue();
+            q.accepting = false;
+            q.pending_bytes = 0;
+            failed.extend(q.chunks.drain(..));
+        }
+        for id in failed.iter().filter_map(|c| c.request_id) {
+            batch.push(ReqError::new(ErrorCode::Io, why).response(id));
+        }
+    }
+
+    /// Ends the execution: kills what is left, collects accounting, removes the cgroup.
+    fn finish(self) -> ExecExit {
+        let (reaped, exited_at) = self.exited.unwrap_or_else(|| {
+            (
+                Reaped {
+                    pid: self.exec.pid,
+                    status: 0,
+                    rusage: sys::Rusage::default(),
+                },
+                Instant::now(),
+            )
+        });
+        let cgroup_stats = match &self.exec.target {
+            KillTarget::Cgroup(cg) => {
+                let (stats, removed) = cg.kill_and_remove();
+                if let Err(e) = removed {
+                    eprintln!("airlock-agent: removing {}: {e}", cg.path().display());
+                }
+                Some(stats)
+            }
+            KillTarget::Group(_) => {
+                self.exec.kill_all();
+                None
+            }
+        };
+        exit_record(&self, &reaped, exited_at, cgroup_stats)
+    }
+}
+
+fn exit_record(
+    run: &Run,
+    reaped: &Reaped,
+    exited_at: Instant,
+    cgroup: Option<CgroupStats>,
+) -> ExecExit {
+    let status = if libc::WIFSIGNALED(reaped.status) {
+        exec_exit::Status::Signal(libc::WTERMSIG(reaped.status))
+    } else {
+        exec_exit::Status::ExitCode(libc::WEXITSTATUS(reaped.status))
+    };
+    let ru = reaped.rusage;
+    let (user, system, peak, oom) = match cgroup {
+        Some(c) => (
+            c.user_us,
+            c.system_us,
+            c.peak_memory_bytes.unwrap_or(ru.max_rss_bytes),
+            c.oom_kills > 0,
+        ),
+        None => (ru.user_us, ru.system_us, ru.max_rss_bytes, false),
+    };
+    let wall = exited_at.saturating_duration_since(run.started);
+    ExecExit {
+        exec_id: run.exec.exec_id,
+        status: Some(status),
+        timed_out: run.exec.timed_out.load(Ordering::SeqCst),
+        killed: run.exec.killed.load(Ordering::SeqCst),
+        oom_killed: oom,
+        cpu_user_us: user,
+        cpu_system_us: system,
+        peak_memory_bytes: peak,
+        wall_us: u64::try_from(wall.as_micros()).unwrap_or(u64::MAX),
+        stdout_bytes: run.out[0].total,
+        stderr_bytes: run.out[1].total,
+        output_truncated: run.truncated,
+    }
+}
+
+/// Queues `data` from `stream` as Output frames, up to the stream's cap. Returns whether
+/// anything was cut off.
+fn emit(
+    stream: &mut OutStream,
+    exec_id: u64,
+    request_id: u64,
+    data: &[u8],
+    batch: &mut Vec<Response>,
+) -> bool {
+    let offset = stream.total;
+    stream.total += data.len() as u64;
+    let room = usize::try_from(stream.cap.saturating_sub(offset)).unwrap_or(usize::MAX);
+    let kept = data.get(..room.min(data.len())).unwrap_or_default();
+    let mut chunk_offset = offset;
+    for chunk in kept.chunks(MAX_OUTPUT_CHUNK) {
+        let out = Output {
+            exec_id,
+            stream: stream.kind as i32,
+            offset: chunk_offset,
+            data: chunk.to_vec(),
+        };
+        batch.push(reply(request_id, response::Kind::Output(out)));
+        chunk_offset += chunk.len() as u64;
+    }
+    kept.len() < data.len()
+}
+
+fn pollfd(fd: i32, events: libc::c_short) -> libc::pollfd {
+    libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    }
+}
+
+fn is_transient(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stream(cap: u64) -> OutStream {
+        OutStream {
+            kind: StreamKind::Stderr,
+            pipe: None,
+            total: 0,
+            cap,
+        }
+    }
+
+    fn outputs(batch: &[Response]) -> Vec<(u64, usize)> {
+        batch
+            .iter()
+            .map(|r| match &r.kind {
+                Some(response::Kind::Output(o)) => (o.offset, o.data.len()),
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn emit_splits_into_64_kib_chunks_with_offsets() {
+        let mut s = stream(u64::MAX);
+        let mut batch = Vec::new();
+        let data = vec![1u8; 2 * MAX_OUTPUT_CHUNK + 5];
+        assert!(!emit(&mut s, 3, 9, &data, &mut batch));
+        let k = MAX_OUTPUT_CHUNK;
+        assert_eq!(outputs(&batch), [(0, k), (k as u64, k), (2 * k as u64, 5)]);
+        assert!(batch.iter().all(|r| r.id == 9));
+        assert_eq!(s.total, data.len() as u64);
+    }
+
+    #[test]
+    fn emit_continues_offsets_across_calls() {
+        let mut s = stream(u64::MAX);
+        let mut batch = Vec::new();
+        emit(&mut s, 1, 1, b"abc", &mut batch);
+        emit(&mut s, 1, 1, b"de", &mut batch);
+        assert_eq!(outputs(&batch), [(0, 3), (3, 2)]);
+    }
+
+    #[test]
+    fn emit_cuts_at_the_cap_and_keeps_counting() {
+        let mut s = stream(4);
+        let mut batch = Vec::new();
+        assert!(emit(&mut s, 1, 1, b"abcdef", &mut batch));
+        assert!(emit(&mut s, 1, 1, b"gh", &mut batch));
+        assert_eq!(outputs(&batch), [(0, 4)]);
+        assert_eq!(s.total, 8);
+    }
+
+    #[test]
+    fn emit_of_nothing_past_the_cap_sends_nothing() {
+        let mut s = stream(0);
+        let mut batch = Vec::new();
+        assert!(emit(&mut s, 1, 1, b"x", &mut batch));
+        assert!(batch.is_empty());
+    }
+}

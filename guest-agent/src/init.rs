@@ -1,0 +1,133 @@
+//! What the agent does as PID 1 before it serves: kernel filesystems, scratch space, host name;
+//! and the console lines that tests and benchmarks wait for.
+//!
+//! Every system call costs real time on the nested-KVM build machines (the guest kernel is
+//! emulated), so this path does as few as it can and nothing it does not need.
+
+use std::io::Write;
+use std::path::Path;
+
+use crate::sys::{self, MountSpec};
+
+/// Printed on the console once the agent can serve; tests and benchmarks wait for it.
+pub const READY_LINE: &str = "airlock: userspace up";
+/// Where the per-execution cgroups go inside the VM.
+pub const CGROUP_ROOT: &str = "/sys/fs/cgroup/airlock";
+
+const NOSUID_NODEV: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV;
+
+/// Mounted in this order; a failure is reported and the agent carries on.
+const MOUNTS: &[MountSpec] = &[
+    MountSpec {
+        source: "proc",
+        target: "/proc",
+        fstype: "proc",
+        flags: NOSUID_NODEV | libc::MS_NOEXEC,
+        data: None,
+    },
+    MountSpec {
+        source: "sysfs",
+        target: "/sys",
+        fstype: "sysfs",
+        flags: NOSUID_NODEV | libc::MS_NOEXEC,
+        data: None,
+    },
+    MountSpec {
+        source: "devtmpfs",
+        target: "/dev",
+        fstype: "devtmpfs",
+        flags: libc::MS_NOSUID,
+        data: None,
+    },
+    MountSpec {
+        source: "cgroup2",
+        target: "/sys/fs/cgroup",
+        fstype: "cgroup2",
+        flags: NOSUID_NODEV | libc::MS_NOEXEC,
+        data: None,
+    },
+    MountSpec {
+        source: "tmpfs",
+        target: "/tmp",
+        fstype: "tmpfs",
+        flags: NOSUID_NODEV,
+        data: Some("mode=1777"),
+    },
+    MountSpec {
+        source: "tmpfs",
+        target: "/run",
+        fstype: "tmpfs",
+        flags: NOSUID_NODEV,
+        data: Some("mode=0755"),
+    },
+    MountSpec {
+        source: "tmpfs",
+        target: "/dev/shm",
+        fstype: "tmpfs",
+        flags: NOSUID_NODEV,
+        data: Some("mode=1777"),
+    },
+];
+
+/// Mounts the filesystems every process expects and sets the host name from /etc/hostname.
+pub fn init_system() {
+    for m in MOUNTS {
+        let mut result = sys::mount_fs(m);
+        if matches!(&result, Err(e) if e.kind() == std::io::ErrorKind::NotFound) {
+            // devtmpfs has no /dev/shm, a minimal image may lack /run: create and retry.
+            result = std::fs::create_dir(m.target).and_then(|()| sys::mount_fs(m));
+        }
+        if let Err(e) = result {
+            eprintln!("airlock-agent: mount {} on {}: {e}", m.fstype, m.target);
+        }
+    }
+    set_hostname(Path::new("/etc/hostname"));
+}
+
+fn set_hostname(file: &Path) {
+    let Ok(text) = std::fs::read_to_string(file) else {
+        return;
+    };
+    let name = text.trim();
+    if !name.is_empty()
+        && let Err(e) = sys::set_hostname(name)
+    {
+        eprintln!("airlock-agent: sethostname {name:?}: {e}");
+    }
+}
+
+/// Whether the VM has a virtio-vsock device (a guest-to-host vsock transport with a CID).
+pub fn vsock_device_present() -> bool {
+    sys::vsock_local_cid().is_ok_and(|cid| cid != libc::VMADDR_CID_ANY)
+}
+
+/// Prints `line` on the console (stdout) in one write.
+pub fn console(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(format!("{line}\n").as_bytes());
+    let _ = out.flush();
+}
+
+/// The line after [`READY_LINE`]: which CPUs the kernel brought up.
+pub fn cpus_line(cpus_online: &str) -> String {
+    format!("airlock: cpus online {}", cpus_online.trim())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpus_line_is_trimmed() {
+        assert_eq!(cpus_line("0-1\n"), "airlock: cpus online 0-1");
+    }
+
+    #[test]
+    fn mounts_start_with_proc_sys_dev() {
+        let targets: Vec<_> = MOUNTS.iter().map(|m| m.target).collect();
+        assert_eq!(targets[..3], ["/proc", "/sys", "/dev"]);
+        assert!(targets.contains(&"/sys/fs/cgroup"));
+        assert!(targets.contains(&"/tmp"));
+        assert!(targets.contains(&"/run"));
+    }
+}
