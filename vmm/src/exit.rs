@@ -2,7 +2,7 @@
 //!
 //! | code | meaning |
 //! | ---: | --- |
-//! | 0 | the guest ended itself (keyboard-controller reset, `reboot=k`): a clean power-off |
+//! | 0 | the guest ended itself (keyboard-controller reset, `reboot=k`): a clean power-off; or the host stopped the VM on request |
 //! | 1 | VMM error: the host could not build or run the VM (bad image, KVM refused an ioctl) |
 //! | 2 | usage error: bad command line |
 //! | 64 | guest kernel panic (seen on the console) |
@@ -33,6 +33,8 @@ pub mod code {
 pub enum VmExit {
     /// The guest reset itself through the i8042 controller: its way of powering off.
     GuestReset,
+    /// The host asked the VMM to stop the VM (see `Vmm::stop_handle`).
+    Stopped,
     /// The guest kernel printed a panic.
     GuestPanic,
     /// A triple fault on `cpu`.
@@ -57,7 +59,7 @@ impl VmExit {
     /// The process exit code documented above.
     pub fn exit_code(&self) -> u8 {
         match self {
-            VmExit::GuestReset => code::OK,
+            VmExit::GuestReset | VmExit::Stopped => code::OK,
             VmExit::GuestPanic => code::GUEST_PANIC,
             VmExit::TripleFault { .. } => code::TRIPLE_FAULT,
             VmExit::InternalError { .. } => code::INTERNAL_ERROR,
@@ -69,7 +71,7 @@ impl VmExit {
 
     /// Whether this is the guest's own, orderly end.
     pub fn is_clean(&self) -> bool {
-        *self == VmExit::GuestReset
+        matches!(self, VmExit::GuestReset | VmExit::Stopped)
     }
 }
 
@@ -84,6 +86,7 @@ impl fmt::Display for VmExit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             VmExit::GuestReset => write!(f, "guest powered off (reset)"),
+            VmExit::Stopped => write!(f, "stopped by the host"),
             VmExit::GuestPanic => write!(f, "guest kernel panic"),
             VmExit::TripleFault { cpu, rip } => {
                 write!(f, "triple fault on vcpu{cpu} at rip={rip:#x}")

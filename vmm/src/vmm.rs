@@ -86,6 +86,8 @@ pub struct Vmm {
     started: Instant,
     /// Keeps devices alive (and reachable for metrics) for the VM's lifetime.
     blocks: Vec<Arc<Mutex<Block>>>,
+    /// Written to stop the VM from another thread.
+    stop: EventFd,
 }
 
 impl std::fmt::Debug for Vmm {
@@ -116,6 +118,7 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
     let vm = Vm::new(config.mem_bytes())?;
     let console = Arc::new(ConsoleEvents::new(started).map_err(BuildError::EventFd)?);
     let reset_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+    let stop_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
 
     let mut devices = DeviceSet {
         pio: Bus::default(),
@@ -174,8 +177,10 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
         EventManager::new().map_err(BuildError::EventManager)?;
     let deadline = TimerFd::new().map_err(|e| BuildError::EventFd(e.into()))?;
     let grace = TimerFd::new().map_err(|e| BuildError::EventFd(e.into()))?;
+    let stop = stop_evt.try_clone().map_err(BuildError::EventFd)?;
     let watcher = ExitWatcher {
         reset_evt,
+        stop_evt,
         vcpu_exit_evt,
         console: console.clone(),
         deadline,
@@ -197,6 +202,7 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
         console,
         started,
         blocks: devices.blocks,
+        stop,
     })
 }
 
@@ -407,6 +413,11 @@ impl Vmm {
         })
     }
 
+    /// A handle that stops the VM ([`VmExit::Stopped`]) when written, from any thread.
+    pub fn stop_handle(&self) -> std::io::Result<EventFd> {
+        self.stop.try_clone()
+    }
+
     /// Microseconds from start to `airlock: userspace up`, if the guest printed it.
     pub fn ready_after(&self) -> Option<Duration> {
         self.console.ready_after_us().map(Duration::from_micros)
@@ -454,6 +465,7 @@ struct ControlState {
 /// (ready line, kernel panic) and the boot deadline.
 struct ExitWatcher {
     reset_evt: EventFd,
+    stop_evt: EventFd,
     vcpu_exit_evt: EventFd,
     console: Arc<ConsoleEvents>,
     deadline: TimerFd,
@@ -509,6 +521,9 @@ impl MutEventSubscriber for ExitWatcher {
                 VmExit::GuestReset
             };
             self.set_exit(exit);
+        } else if fd == self.stop_evt.as_raw_fd() {
+            let _ = self.stop_evt.read();
+            self.set_exit(VmExit::Stopped);
         } else if fd == self.vcpu_exit_evt.as_raw_fd() {
             let _ = self.vcpu_exit_evt.read();
             self.state
@@ -537,6 +552,7 @@ impl MutEventSubscriber for ExitWatcher {
         }
         let fds = [
             self.reset_evt.as_raw_fd(),
+            self.stop_evt.as_raw_fd(),
             self.vcpu_exit_evt.as_raw_fd(),
             self.console.notify.as_raw_fd(),
             self.deadline.as_raw_fd(),

@@ -1,0 +1,227 @@
+//! Command-line parsing and reporting shared by the subcommands.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use vmm::arch::cpuid::CpuTemplate;
+use vmm::config::{ConsoleOutput, DiskConfig, VmConfig, VsockConfig};
+use vmm::exit::VmExit;
+
+pub const USAGE: &str = "\
+usage: airlock-vmm boot --kernel PATH --rootfs PATH [options]
+       airlock-vmm run  --kernel PATH --rootfs PATH [options] [run options] -- CMD [ARGS...]
+
+boot: boots the kernel with the root filesystem image as /dev/vda (read-only) and exits when the
+guest powers off. Exit codes: 0 clean power-off, 1 VMM error, 2 usage, 64 guest panic, 65 triple
+fault, 66 KVM internal error, 67 KVM entry failure, 68 boot deadline passed, 69 vCPU error.
+
+run: boots, waits for the guest agent, runs CMD in the guest with its stdout and stderr streamed
+to ours, powers the guest off and exits with CMD's status (128+N if a signal N ended it). If the
+VM ends before CMD does, the exit code is the VM's (above).
+
+options:
+  --vcpus N                 vCPUs (default 1, at most 32)
+  --mem-mib M               guest memory in MiB (default 256)
+  --scratch PATH            writable disk image attached as /dev/vdb
+  --console PATH            write the guest console to PATH (boot: default stdout; run: default
+                            discarded, its tail is shown if the VM fails)
+  --cmdline-extra ARGS      appended to the kernel command line
+  --boot-timeout SECS       end the VM if `airlock: userspace up` has not appeared (default 300,
+                            0 = no deadline)
+  --console-limit-mib N     console bytes kept (default 64 MiB; the rest is dropped)
+  --cpu-template T          auto (default), host, or nested
+  --vsock PATH              add a virtio-vsock device whose host side is the Unix socket PATH
+                            (connect and write `CONNECT <port>\\n` to reach a guest port; guest
+                            connections to host port P arrive at PATH_P); run: default a
+                            temporary socket
+  --vsock-cid N             the guest's vsock CID (default 3)
+run options:
+  --timeout SECS            kill CMD (its whole process tree) after SECS (default: none)
+  --cwd DIR                 working directory of CMD in the guest (default /)
+  --env KEY=VALUE           environment for CMD (repeatable)
+environment: AIRLOCK_LOG=error|warn|info|debug (default info)";
+
+/// What `run` needs beyond the VM.
+#[derive(Debug)]
+pub struct RunOptions {
+    pub vm: VmConfig,
+    pub argv: Vec<String>,
+    pub timeout: Option<Duration>,
+    pub cwd: String,
+    pub env: Vec<(String, String)>,
+    /// Whether the user chose where the console goes.
+    pub console_given: bool,
+}
+
+/// Parses the VM options; with `allow_run`, also the run options. Returns the config and the
+/// run-only options it saw.
+pub fn parse_vm_options(
+    args: &[String],
+    allow_run: bool,
+) -> Result<(VmConfig, RunOptions), String> {
+    let mut kernel = None;
+    let mut rootfs = None;
+    let mut cfg = VmConfig::new(PathBuf::new(), PathBuf::new());
+    let mut run = RunOptions {
+        vm: VmConfig::new(PathBuf::new(), PathBuf::new()),
+        argv: Vec::new(),
+        timeout: None,
+        cwd: String::new(),
+        env: Vec::new(),
+        console_given: false,
+    };
+    let mut vsock_cid = 3;
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .cloned()
+                .ok_or_else(|| format!("{flag} needs a value"))
+        };
+        let num = |v: String| {
+            v.parse::<u64>()
+                .map_err(|_| format!("{flag}: not a number: {v}"))
+        };
+        match flag.as_str() {
+            "--kernel" => kernel = Some(PathBuf::from(value()?)),
+            "--rootfs" => rootfs = Some(PathBuf::from(value()?)),
+            "--scratch" => cfg.disks.push(DiskConfig {
+                path: PathBuf::from(value()?),
+                read_only: false,
+                id: "airlock-scratch".into(),
+            }),
+            "--vcpus" => {
+                cfg.vcpus = u8::try_from(num(value()?)?).map_err(|_| "--vcpus: too many")?;
+            }
+            "--mem-mib" => cfg.mem_mib = num(value()?)?,
+            "--console" => {
+                cfg.console = ConsoleOutput::File(PathBuf::from(value()?));
+                run.console_given = true;
+            }
+            "--cmdline-extra" => cfg.cmdline_extra = value()?,
+            "--boot-timeout" => {
+                let s = num(value()?)?;
+                cfg.boot_timeout = (s > 0).then(|| Duration::from_secs(s));
+            }
+            "--console-limit-mib" => cfg.console_limit = num(value()?)?.saturating_mul(1 << 20),
+            "--cpu-template" => cfg.cpu_template = parse_template(&value()?)?,
+            "--vsock" => {
+                cfg.vsock = Some(VsockConfig {
+                    guest_cid: 0,
+                    uds_path: PathBuf::from(value()?),
+                })
+            }
+            "--vsock-cid" => vsock_cid = num(value()?)?,
+            "--timeout" if allow_run => {
+                run.timeout = Some(Duration::from_secs(num(value()?)?)).filter(|d| !d.is_zero())
+            }
+            "--cwd" if allow_run => run.cwd = value()?,
+            "--env" if allow_run => {
+                let kv = value()?;
+                let (k, v) = kv
+                    .split_once('=')
+                    .ok_or(format!("--env {kv}: expected KEY=VALUE"))?;
+                run.env.push((k.to_owned(), v.to_owned()));
+            }
+            "-h" | "--help" => return Err(String::new()),
+            other => return Err(format!("unknown option {other}")),
+        }
+    }
+    cfg.kernel = kernel.ok_or("--kernel is required")?;
+    cfg.disks[0].path = rootfs.ok_or("--rootfs is required")?;
+    if let Some(v) = cfg.vsock.as_mut() {
+        v.guest_cid = vsock_cid;
+    }
+    cfg.validate().map_err(|e| e.to_string())?;
+    Ok((cfg, run))
+}
+
+fn parse_template(v: &str) -> Result<Option<CpuTemplate>, String> {
+    match v {
+        "auto" => Ok(None),
+        "host" => Ok(Some(CpuTemplate::Host)),
+        "nested" => Ok(Some(CpuTemplate::NestedPvm)),
+        other => Err(format!("--cpu-template: unknown template {other}")),
+    }
+}
+
+/// Parses `run`: options, `--`, then the command.
+pub fn parse_run(args: &[String]) -> Result<RunOptions, String> {
+    let split = args
+        .iter()
+        .position(|a| a == "--")
+        .ok_or("run needs `-- CMD [ARGS...]`")?;
+    let (opts, cmd) = (&args[..split], &args[split + 1..]);
+    if cmd.is_empty() {
+        return Err("run needs a command after `--`".into());
+    }
+    let (vm, mut run) = parse_vm_options(opts, true)?;
+    run.vm = vm;
+    run.argv = cmd.to_vec();
+    Ok(run)
+}
+
+/// Logs how the VM ended and returns its exit code.
+pub fn log_vm_exit(exit: &VmExit) -> u8 {
+    let c = exit.exit_code();
+    if exit.is_clean() {
+        log::info!("vm ended: {exit} (exit code {c})");
+    } else {
+        log::error!("vm ended: {exit} (exit code {c})");
+    }
+    c
+}
+
+/// "outer: inner: innermost", the whole `source()` chain on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        cur = inner.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn run_splits_options_from_the_command() {
+        let r = parse_run(&args(
+            "--kernel k --rootfs r --timeout 2 --env A=b -- sh -c true",
+        ))
+        .unwrap();
+        assert_eq!(r.argv, vec!["sh", "-c", "true"]);
+        assert_eq!(r.timeout, Some(Duration::from_secs(2)));
+        assert_eq!(r.env, vec![("A".to_owned(), "b".to_owned())]);
+        assert_eq!(r.vm.kernel, PathBuf::from("k"));
+    }
+
+    #[test]
+    fn run_without_a_command_is_an_error() {
+        assert!(parse_run(&args("--kernel k --rootfs r")).is_err());
+        assert!(parse_run(&args("--kernel k --rootfs r --")).is_err());
+    }
+
+    #[test]
+    fn boot_rejects_run_options() {
+        assert!(parse_vm_options(&args("--kernel k --rootfs r --timeout 3"), false).is_err());
+    }
+
+    #[test]
+    fn vsock_cid_applies_to_the_vsock_device() {
+        let (c, _) = parse_vm_options(
+            &args("--kernel k --rootfs r --vsock /s --vsock-cid 9"),
+            false,
+        )
+        .unwrap();
+        assert_eq!(c.vsock.unwrap().guest_cid, 9);
+    }
+}

@@ -1,0 +1,267 @@
+//! `airlock-vmm run`: boot, wait for the agent, run one command, stream its output, power off.
+//!
+//! The VM's event loop runs on the main thread as for `boot`; a client thread talks to the
+//! agent through the VM's hybrid-vsock socket, sends the command's result back over a channel,
+//! then asks the agent to power the guest off (and stops the VM itself if the guest does not).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Sender, channel};
+use std::time::{Duration, Instant};
+
+use airlock_proto::client::describe_exit;
+use airlock_proto::pb::{self, StreamKind, exec_exit};
+use airlock_proto::{AGENT_VSOCK_PORT, AgentClient, ClientError};
+use vmm::config::{ConsoleOutput, VsockConfig};
+use vmm::exit::code;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::cli::{self, RunOptions};
+
+/// How often to retry connecting while the guest boots.
+const CONNECT_RETRY: Duration = Duration::from_millis(100);
+/// How long the guest may take to power off after the command before the VM is stopped.
+const POWER_OFF_GRACE: Duration = Duration::from_secs(30);
+/// Exit code when the command's timeout killed it (as coreutils `timeout`).
+const TIMED_OUT: u8 = 124;
+
+/// What the client thread reports.
+enum Outcome {
+    Finished(pb::ExecExit),
+    Failed(String),
+}
+
+/// Removes the temporary directory (socket, console) on drop.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn temp_dir() -> std::io::Result<TempDir> {
+    let dir = std::env::temp_dir().join(format!("airlock-vmm-run-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(TempDir(dir))
+}
+
+pub fn run(mut opts: RunOptions, started: Instant) -> ExitCode {
+    let tmp = match temp_dir() {
+        Ok(t) => t,
+        Err(e) => {
+            log::error!("create a temporary directory: {e}");
+            return ExitCode::from(code::VMM_ERROR);
+        }
+    };
+    let console_path = tmp.0.join("console.log");
+    if !opts.console_given {
+        opts.vm.console = ConsoleOutput::File(console_path.clone());
+    }
+    let uds = match &opts.vm.vsock {
+        Some(v) => v.uds_path.clone(),
+        None => {
+            let path = tmp.0.join("vsock.sock");
+            opts.vm.vsock = Some(VsockConfig {
+                guest_cid: 3,
+                uds_path: path.clone(),
+            });
+            path
+        }
+    };
+    let vmm = match vmm::build_microvm_for_boot(&opts.vm, started) {
+        Ok(v) => v,
+        Err(e) => {
+            log::error!("{}", cli::error_chain(&e));
+            return ExitCode::from(code::VMM_ERROR);
+        }
+    };
+    let stop = match vmm.stop_handle() {
+        Ok(s) => s,
+        Err(e) => {
+            log::error!("stop handle: {e}");
+            return ExitCode::from(code::VMM_ERROR);
+        }
+    };
+    let vm_gone = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = channel();
+    let exec = build_exec(&opts);
+    let connect_deadline = opts.vm.boot_timeout.map(|t| Instant::now() + t);
+    let gone = vm_gone.clone();
+    let client = std::thread::Builder::new()
+        .name("agent-client".into())
+        .spawn(move || client_thread(&uds, exec, connect_deadline, &gone, &tx, &stop));
+    if let Err(e) = client {
+        log::error!("start the agent client thread: {e}");
+        return ExitCode::from(code::VMM_ERROR);
+    }
+    let vm_exit = vmm.run();
+    vm_gone.store(true, Ordering::Release);
+    let outcome = rx.recv_timeout(Duration::from_secs(1)).ok();
+    finish(vm_exit, outcome, &console_path, opts.console_given)
+}
+
+fn build_exec(opts: &RunOptions) -> pb::Exec {
+    pb::Exec {
+        command: Some(pb::exec::Command::Argv(pb::Argv {
+            args: opts.argv.clone(),
+        })),
+        cwd: opts.cwd.clone(),
+        env: opts.env.iter().cloned().collect(),
+        timeout_ms: opts.timeout.map_or(0, |t| t.as_millis() as u64),
+        ..Default::default()
+    }
+}
+
+fn client_thread(
+    uds: &Path,
+    exec: pb::Exec,
+    deadline: Option<Instant>,
+    vm_gone: &AtomicBool,
+    tx: &Sender<Outcome>,
+    stop: &EventFd,
+) {
+    let mut client = match connect(uds, deadline, vm_gone) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = tx.send(Outcome::Failed(e));
+            return;
+        }
+    };
+    log::info!(
+        "agent ready (boot {} ms); running the command",
+        client.ready().boot_time_ms
+    );
+    let result = client.exec_collect(exec, forward_output);
+    let outcome = match result {
+        Ok(exit) => Outcome::Finished(exit),
+        Err(e) => Outcome::Failed(format!("command failed: {}", cli::error_chain(&e))),
+    };
+    let _ = tx.send(outcome);
+    if let Err(e) = client.power_off() {
+        log::warn!("power off through the agent: {e}; stopping the VM");
+        let _ = stop.write(1);
+        return;
+    }
+    std::thread::sleep(POWER_OFF_GRACE);
+    if !vm_gone.load(Ordering::Acquire) {
+        log::warn!("the guest did not power off within {POWER_OFF_GRACE:?}; stopping the VM");
+        let _ = stop.write(1);
+    }
+}
+
+type Client = AgentClient<std::os::unix::net::UnixStream, std::os::unix::net::UnixStream>;
+
+/// Connects to the agent, retrying while the guest boots.
+fn connect(uds: &Path, deadline: Option<Instant>, vm_gone: &AtomicBool) -> Result<Client, String> {
+    loop {
+        match AgentClient::connect_vsock(uds, AGENT_VSOCK_PORT) {
+            Ok(c) => return Ok(c),
+            // Not listening yet (the guest resets the connection) or the socket is not bound yet.
+            Err(ClientError::Handshake(_) | ClientError::Connect { .. }) => {}
+            Err(e) => return Err(format!("connect to the agent: {}", cli::error_chain(&e))),
+        }
+        if vm_gone.load(Ordering::Acquire) {
+            return Err("the VM ended before the agent answered".into());
+        }
+        if deadline.is_some_and(|d| Instant::now() > d) {
+            return Err("the agent did not answer before the boot deadline".into());
+        }
+        std::thread::sleep(CONNECT_RETRY);
+    }
+}
+
+fn forward_output(stream: StreamKind, data: &[u8]) {
+    // Our own stdout/stderr going away must not abort the command in the guest.
+    let _ = match stream {
+        StreamKind::Stderr => {
+            let mut e = std::io::stderr().lock();
+            e.write_all(data).and_then(|()| e.flush())
+        }
+        _ => {
+            let mut o = std::io::stdout().lock();
+            o.write_all(data).and_then(|()| o.flush())
+        }
+    };
+}
+
+/// The process exit code for a finished command.
+fn command_exit_code(exit: &pb::ExecExit) -> u8 {
+    if exit.timed_out {
+        return TIMED_OUT;
+    }
+    match exit.status {
+        Some(exec_exit::Status::ExitCode(c)) => (c & 0xff) as u8,
+        Some(exec_exit::Status::Signal(s)) => 128u8.wrapping_add((s & 0x7f) as u8),
+        None => code::VMM_ERROR,
+    }
+}
+
+fn finish(
+    vm_exit: Result<vmm::VmExit, vmm::BuildError>,
+    outcome: Option<Outcome>,
+    console: &Path,
+    console_given: bool,
+) -> ExitCode {
+    let vm_code = match &vm_exit {
+        Ok(exit) => cli::log_vm_exit(exit),
+        Err(e) => {
+            log::error!("{}", cli::error_chain(e));
+            code::VMM_ERROR
+        }
+    };
+    match outcome {
+        Some(Outcome::Finished(exit)) => {
+            log::info!(
+                "command ended: {} (wall {} ms, cpu {} ms)",
+                describe_exit(&exit),
+                exit.wall_us / 1000,
+                (exit.cpu_user_us + exit.cpu_system_us) / 1000
+            );
+            ExitCode::from(command_exit_code(&exit))
+        }
+        other => {
+            if let Some(Outcome::Failed(msg)) = other {
+                log::error!("{msg}");
+            }
+            if !console_given {
+                show_console_tail(console);
+            }
+            ExitCode::from(if vm_code == code::OK {
+                code::VMM_ERROR
+            } else {
+                vm_code
+            })
+        }
+    }
+}
+
+fn show_console_tail(console: &Path) {
+    let Ok(text) = std::fs::read(console) else {
+        return;
+    };
+    let tail = &text[text.len().saturating_sub(4096)..];
+    eprintln!("--- guest console (last {} bytes) ---", tail.len());
+    eprintln!("{}", String::from_utf8_lossy(tail));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_codes_follow_the_shell_convention() {
+        let with = |status| pb::ExecExit {
+            status: Some(status),
+            ..Default::default()
+        };
+        assert_eq!(command_exit_code(&with(exec_exit::Status::ExitCode(3))), 3);
+        assert_eq!(command_exit_code(&with(exec_exit::Status::Signal(9))), 137);
+        let mut t = with(exec_exit::Status::Signal(9));
+        t.timed_out = true;
+        assert_eq!(command_exit_code(&t), TIMED_OUT);
+    }
+}
