@@ -305,6 +305,107 @@ mod tests {
         );
     }
 
+    /// A plain directory standing in for a cgroup: control files are ordinary files there.
+    struct FakeCgroup(PathBuf);
+
+    impl FakeCgroup {
+        fn new(tag: &str, files: &[(&str, &str)]) -> Self {
+            let dir = std::env::temp_dir()
+                .join(format!("airlock-fake-cgroup-{}-{tag}", std::process::id()));
+            let _ = fs::remove_dir_all(&dir);
+            fs::create_dir_all(&dir).unwrap();
+            for (name, content) in files {
+                fs::write(dir.join(name), content).unwrap();
+            }
+            Self(dir)
+        }
+
+        fn read(&self, name: &str) -> String {
+            fs::read_to_string(self.0.join(name)).unwrap()
+        }
+    }
+
+    impl Drop for FakeCgroup {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    const ALL: Controllers = Controllers {
+        pids: true,
+        memory: true,
+        cpu: true,
+    };
+
+    #[test]
+    fn configure_sets_pids_max_and_oom_group_where_controllers_are_on() {
+        let files = [
+            ("pids.max", "max"),
+            ("memory.oom.group", "0"),
+            ("cgroup.procs", ""),
+        ];
+        let fake = FakeCgroup::new("configure", &files);
+        ExecCgroup::configure(fake.0.clone(), ALL).unwrap();
+        assert_eq!(fake.read("pids.max"), "1024");
+        assert_eq!(fake.read("memory.oom.group"), "1");
+    }
+
+    #[test]
+    fn configure_without_controllers_touches_only_cgroup_procs() {
+        let fake = FakeCgroup::new("bare", &[("cgroup.procs", "")]);
+        assert!(ExecCgroup::configure(fake.0.clone(), Controllers::default()).is_ok());
+        let missing = FakeCgroup::new("missing", &[("cgroup.procs", "")]);
+        let err = ExecCgroup::configure(missing.0.clone(), ALL).unwrap_err();
+        assert!(matches!(err, CgroupError::Write { .. }), "{err:?}");
+    }
+
+    #[test]
+    fn kill_writes_one_to_cgroup_kill() {
+        let files = [("cgroup.procs", ""), ("cgroup.kill", "")];
+        let fake = FakeCgroup::new("kill", &files);
+        let cg = ExecCgroup::configure(fake.0.clone(), Controllers::default()).unwrap();
+        cg.kill().unwrap();
+        assert_eq!(fake.read("cgroup.kill"), "1");
+    }
+
+    #[test]
+    fn stats_read_cpu_peak_memory_and_oom_kills() {
+        let files = [
+            ("cgroup.procs", ""),
+            ("pids.max", ""),
+            ("memory.oom.group", ""),
+            (
+                "cpu.stat",
+                "usage_usec 700\nuser_usec 500\nsystem_usec 200\n",
+            ),
+            ("memory.peak", "123456\n"),
+            ("memory.events", "low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\n"),
+        ];
+        let fake = FakeCgroup::new("stats", &files);
+        let cg = ExecCgroup::configure(fake.0.clone(), ALL).unwrap();
+        let expected = CgroupStats {
+            user_us: 500,
+            system_us: 200,
+            peak_memory_bytes: Some(123_456),
+            oom_kills: 1,
+        };
+        assert_eq!(cg.stats(), expected);
+    }
+
+    #[test]
+    fn stats_without_memory_controller_have_no_peak() {
+        let files = [
+            ("cgroup.procs", ""),
+            ("cpu.stat", "user_usec 5\nsystem_usec 6\n"),
+        ];
+        let fake = FakeCgroup::new("nomem", &files);
+        let cg = ExecCgroup::configure(fake.0.clone(), Controllers::default()).unwrap();
+        let stats = cg.stats();
+        assert_eq!((stats.user_us, stats.system_us), (5, 6));
+        assert_eq!(stats.peak_memory_bytes, None);
+        assert_eq!(stats.oom_kills, 0);
+    }
+
     #[test]
     fn setup_refuses_a_directory_outside_cgroup2() {
         let err = CgroupRoot::setup(Path::new("/proc/airlock-nonexistent")).unwrap_err();

@@ -152,8 +152,8 @@ fn sigchld_set() -> io::Result<libc::sigset_t> {
 }
 
 /// Blocks SIGCHLD in the calling thread and in every thread it creates afterwards, so that only
-/// [`wait_sigchld`] receives it. Call before any other thread starts. (Children get an empty
-/// mask: std's `Command` resets it before exec.)
+/// [`wait_sigchld`] receives it. Call before any other thread starts. (Children must not inherit
+/// this mask, and std's `Command` does not reset it: [`prepare_child`] does.)
 pub fn block_sigchld() -> io::Result<()> {
     let set = sigchld_set()?;
     // SAFETY: `set` is initialised; the old mask is not requested.
@@ -250,6 +250,15 @@ pub fn killpg(pgid: i32, sig: i32) -> io::Result<()> {
 /// of files it creates are exactly those requested).
 pub fn prepare_child(cmd: &mut Command, cgroup_procs: Option<RawFd>) {
     let hook = move || -> io::Result<()> {
+        // The agent's threads block SIGCHLD; a shell that inherited that mask would never see
+        // its children exit (dash's `wait` hangs in sigsuspend).
+        // SAFETY: sigset_t is plain old data; sigemptyset initialises it before use.
+        let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `empty` is a valid sigset_t; sigemptyset is async-signal-safe.
+        check(unsafe { libc::sigemptyset(&mut empty) })?;
+        // SAFETY: sigprocmask(2) with an initialised set is async-signal-safe; after fork this
+        // process has a single thread.
+        check(unsafe { libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut()) })?;
         // SAFETY: setsid(2) is async-signal-safe; this runs in the forked child.
         check(unsafe { libc::setsid() })?;
         // SAFETY: umask(2) is async-signal-safe and cannot fail.
@@ -267,7 +276,7 @@ pub fn prepare_child(cmd: &mut Command, cgroup_procs: Option<RawFd>) {
         Ok(())
     };
     // SAFETY: the hook runs between fork and exec and only makes async-signal-safe system calls
-    // (setsid, umask, write); it allocates nothing and touches no state shared with other threads.
+    // (sigprocmask, setsid, umask, write); it allocates nothing and touches no state shared with other threads.
     unsafe {
         cmd.pre_exec(hook);
     }

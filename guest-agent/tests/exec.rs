@@ -91,6 +91,24 @@ fn stdin_data_is_written_and_closed() {
 }
 
 #[test]
+fn the_process_starts_with_no_blocked_signals_and_umask_022() {
+    let agent = AgentProcess::start();
+    let mut c = agent.client();
+    let out = run(&mut c, argv(&["grep", "SigBlk", "/proc/self/status"]));
+    assert_eq!(out.stdout_str().trim(), "SigBlk:\t0000000000000000");
+    let out = run(&mut c, shell("umask"));
+    assert_eq!(out.stdout_str().trim(), "0022");
+}
+
+#[test]
+fn a_shell_can_wait_for_its_background_jobs() {
+    let agent = AgentProcess::start();
+    let mut c = agent.client();
+    let out = run(&mut c, shell("(sleep 0.2; echo bg) & wait; echo after"));
+    assert_eq!(out.stdout, b"bg\nafter\n");
+}
+
+#[test]
 fn without_stdin_the_process_reads_eof() {
     let agent = AgentProcess::start();
     let mut c = agent.client();
