@@ -41,7 +41,12 @@ fn cgroup_of(pid: u32) -> String {
 }
 
 fn relative(path: &Path, mount: &Path) -> String {
-    format!("/{}", path.strip_prefix(mount).unwrap().display())
+    format!(
+        "/{}",
+        path.strip_prefix(mount)
+            .expect("path under mount")
+            .display()
+    )
 }
 
 #[test]

@@ -368,12 +368,15 @@ fn remove_of_the_root_directory_is_refused() {
 /// relative one.
 fn jail(agent: &AgentProcess) -> String {
     let j = agent.dir.join("jail");
-    std::fs::create_dir_all(j.join("sub")).unwrap();
-    std::fs::write(j.join("sub/inside.txt"), b"inside").unwrap();
-    std::fs::write(agent.dir.join("secret.txt"), b"secret").unwrap();
-    symlink("sub/inside.txt", j.join("ok-link")).unwrap();
-    symlink(agent.dir.path(), j.join("abs-escape")).unwrap();
-    symlink("../..", j.join("sub/rel-escape")).unwrap();
+    let setup = || -> std::io::Result<()> {
+        std::fs::create_dir_all(j.join("sub"))?;
+        std::fs::write(j.join("sub/inside.txt"), b"inside")?;
+        std::fs::write(agent.dir.join("secret.txt"), b"secret")?;
+        symlink("sub/inside.txt", j.join("ok-link"))?;
+        symlink(agent.dir.path(), j.join("abs-escape"))?;
+        symlink("../..", j.join("sub/rel-escape"))
+    };
+    setup().expect("build the jail");
     agent.dir.str("jail")
 }
 
