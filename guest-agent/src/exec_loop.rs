@@ -117,23 +117,7 @@ fn launch(
         })?),
         None => None,
     };
-    let (program, args) = spec
-        .argv
-        .split_first()
-        .ok_or_else(|| ReqError::invalid("argv is empty"))?;
-    let wants_stdin = spec.stdin_open || !spec.stdin.is_empty();
-    let mut cmd = Command::new(program);
-    cmd.args(args)
-        .env_clear()
-        .envs(spec.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(&spec.cwd)
-        .stdin(if wants_stdin {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let mut cmd = command(spec)?;
     sys::prepare_child(&mut cmd, cgroup.as_ref().map(|c| c.procs_fd()));
     let waker = Arc::new(Waker::new().map_err(|e| ReqError::io("creating an eventfd", &e))?);
     let exit = Arc::new(ExitSlot::new(Arc::clone(&waker)));
@@ -144,45 +128,20 @@ fn launch(
             if let Some(cg) = cgroup {
                 let _ = cg.kill_and_remove();
             }
+            let program = spec.argv.first().map_or("", String::as_str);
             return Err(ReqError::io(&format!("starting {program}"), &e));
         }
     };
     let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
-    let target = match cgroup {
-        Some(cg) => KillTarget::Cgroup(cg),
-        None => KillTarget::Group(pid),
-    };
-    let pipe = |fd: Option<OwnedFd>| fd.map(File::from);
-    let stdout = pipe(child.stdout.take().map(OwnedFd::from));
-    let stderr = pipe(child.stderr.take().map(OwnedFd::from));
-    let stdin = pipe(child.stdin.take().map(OwnedFd::from));
-    for p in stdout.iter().chain(&stderr) {
-        // Fewer, larger reads; the default size works too.
-        let _ = sys::set_pipe_size(p.as_fd(), PIPE_BYTES);
-    }
-    if let Some(p) = &stdin {
-        sys::set_nonblocking(p.as_fd()).map_err(|e| ReqError::io("stdin pipe", &e))?;
-    }
-    let mut queue = StdinQueue {
-        accepting: spec.stdin_open,
-        ..StdinQueue::default()
-    };
-    if wants_stdin && (!spec.stdin.is_empty() || !spec.stdin_open) {
-        queue.pending_bytes = spec.stdin.len();
-        queue.chunks.push_back(StdinChunk {
-            request_id: None,
-            data: spec.stdin.clone(),
-            eof: !spec.stdin_open,
-        });
-    }
+    let (stdin, stdout, stderr) = take_pipes(&mut child)?;
     let exec = Arc::new(Execution {
         exec_id,
         conn: Arc::clone(conn),
         pid,
-        target,
+        target: cgroup.map_or(KillTarget::Group(pid), KillTarget::Cgroup),
         waker,
         exit,
-        stdin: Mutex::new(queue),
+        stdin: Mutex::new(initial_stdin(spec)),
         killed: AtomicBool::new(false),
         timed_out: AtomicBool::new(false),
     });
@@ -202,12 +161,76 @@ fn launch(
         stdin,
         current: None,
         started,
-        deadline: spec.timeout.map(|t| started + t),
+        // A timeout too large to represent is no timeout.
+        deadline: spec.timeout.and_then(|t| started.checked_add(t)),
         exited: None,
         drain_until: None,
         truncated: false,
         buf: vec![0u8; PIPE_BYTES],
     })
+}
+
+/// Whether the process gets a stdin pipe (else /dev/null).
+fn wants_stdin(spec: &ExecSpec) -> bool {
+    spec.stdin_open || !spec.stdin.is_empty()
+}
+
+/// The command for `spec`: argv, a clean environment, cwd, and pipes.
+fn command(spec: &ExecSpec) -> Result<Command, ReqError> {
+    let (program, args) = spec
+        .argv
+        .split_first()
+        .ok_or_else(|| ReqError::invalid("argv is empty"))?;
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .env_clear()
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .current_dir(&spec.cwd)
+        .stdin(if wants_stdin(spec) {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    Ok(cmd)
+}
+
+/// Our ends of a child's stdin, stdout and stderr pipes (`None` where there is none).
+type Pipes = (Option<File>, Option<File>, Option<File>);
+
+/// Our ends of the child's pipes: stdin non-blocking, stdout and stderr enlarged.
+fn take_pipes(child: &mut std::process::Child) -> Result<Pipes, ReqError> {
+    let pipe = |fd: Option<OwnedFd>| fd.map(File::from);
+    let stdin = pipe(child.stdin.take().map(OwnedFd::from));
+    let stdout = pipe(child.stdout.take().map(OwnedFd::from));
+    let stderr = pipe(child.stderr.take().map(OwnedFd::from));
+    for p in stdout.iter().chain(&stderr) {
+        // Fewer, larger reads; the default size works too.
+        let _ = sys::set_pipe_size(p.as_fd(), PIPE_BYTES);
+    }
+    if let Some(p) = &stdin {
+        sys::set_nonblocking(p.as_fd()).map_err(|e| ReqError::io("stdin pipe", &e))?;
+    }
+    Ok((stdin, stdout, stderr))
+}
+
+/// The stdin queue at start: Exec.stdin as the first chunk, closing stdin after it unless
+/// stdin_open.
+fn initial_stdin(spec: &ExecSpec) -> StdinQueue {
+    let mut queue = StdinQueue {
+        accepting: spec.stdin_open,
+        ..StdinQueue::default()
+    };
+    if wants_stdin(spec) && (!spec.stdin.is_empty() || !spec.stdin_open) {
+        queue.pending_bytes = spec.stdin.len();
+        queue.chunks.push_back(StdinChunk {
+            request_id: None,
+            data: spec.stdin.clone(),
+            eof: !spec.stdin_open,
+        });
+    }
+    queue
 }
 
 /// What a pollfd in the loop's set stands for.

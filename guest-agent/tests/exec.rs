@@ -302,6 +302,18 @@ fn timeout_kills_the_process_group_in_about_the_timeout() {
 }
 
 #[test]
+fn extreme_timeout_and_cap_values_are_harmless() {
+    let agent = AgentProcess::start();
+    let mut c = agent.client();
+    let mut exec = argv(&["echo", "fine"]);
+    exec.timeout_ms = u64::MAX;
+    exec.max_output_bytes = u64::MAX;
+    let out = run(&mut c, exec);
+    assert_eq!(out.stdout, b"fine\n");
+    assert!(!out.exit.timed_out);
+}
+
+#[test]
 fn sigkill_kills_the_shell_and_its_background_child() {
     let agent = AgentProcess::start();
     let mut c = agent.client();

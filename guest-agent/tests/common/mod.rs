@@ -21,6 +21,15 @@ pub type Client = AgentClient<UnixStream, UnixStream>;
 pub const IO_TIMEOUT: Duration = Duration::from_secs(60);
 const READY_LINE: &str = "airlock: userspace up";
 
+/// The agent under test: `$AIRLOCK_AGENT_BIN` (e.g. the static release build that goes into the
+/// image), else the binary cargo built for these tests.
+pub fn agent_binary() -> PathBuf {
+    std::env::var_os("AIRLOCK_AGENT_BIN").map_or_else(
+        || PathBuf::from(env!("CARGO_BIN_EXE_airlock-agent")),
+        PathBuf::from,
+    )
+}
+
 /// A directory removed on drop.
 pub struct TempDir(pub PathBuf);
 
@@ -86,7 +95,7 @@ impl AgentProcess {
     fn spawn(cgroup_root: Option<PathBuf>) -> Self {
         let dir = TempDir::new("agent");
         let socket = dir.join("a.sock");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_airlock-agent"));
+        let mut cmd = Command::new(agent_binary());
         cmd.arg("--listen")
             .arg(format!("unix:{}", socket.display()));
         if let Some(root) = &cgroup_root {
