@@ -792,6 +792,55 @@ mod tests {
         assert!(matches!(c.ping().unwrap_err(), ClientError::Closed));
     }
 
+    /// A fake VMM hybrid-vsock socket: reads the CONNECT line, answers `reply`, then (if the
+    /// reply was OK) sends Ready. Returns the socket path and the line it received.
+    fn fake_vmm(
+        tag: &str,
+        reply: &'static [u8],
+    ) -> (std::path::PathBuf, std::thread::JoinHandle<String>) {
+        use std::os::unix::net::UnixListener;
+        let path = std::env::temp_dir().join(format!(
+            "airlock-proto-test-{}-{tag}.sock",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path).unwrap();
+        let handle = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let line = read_line(&mut s).unwrap();
+            s.write_all(reply).unwrap();
+            if reply.starts_with(b"OK") {
+                write_frame(&mut s, &ready_frame(PROTOCOL_VERSION)).unwrap();
+            }
+            line
+        });
+        (path, handle)
+    }
+
+    #[test]
+    fn connect_vsock_sends_connect_and_reads_ready_after_ok() {
+        let (path, vmm) = fake_vmm("ok", b"OK 1073741824\n");
+        let client = AgentClient::connect_vsock(&path, crate::AGENT_VSOCK_PORT).unwrap();
+        assert_eq!(client.ready().protocol_version, PROTOCOL_VERSION);
+        assert_eq!(vmm.join().unwrap(), "CONNECT 52");
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn connect_vsock_fails_when_the_vmm_does_not_say_ok() {
+        let (path, vmm) = fake_vmm("refused", b"ERR no listener\n");
+        let err = AgentClient::connect_vsock(&path, 52).unwrap_err();
+        assert!(matches!(err, ClientError::Handshake(_)), "{err:?}");
+        vmm.join().unwrap();
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn connect_unix_to_a_missing_socket_is_a_connect_error() {
+        let err = AgentClient::connect_unix("/nonexistent/airlock.sock").unwrap_err();
+        assert!(matches!(err, ClientError::Connect { .. }), "{err:?}");
+    }
+
     #[test]
     fn describe_exit_lists_status_and_flags() {
         let exit = ExecExit {
