@@ -96,9 +96,11 @@ fn set_hostname(file: &Path) {
     }
 }
 
-/// Whether the VM has a virtio-vsock device (a guest-to-host vsock transport with a CID).
+/// Whether the VM may have a virtio-vsock device: false only when the kernel says it has no
+/// guest-to-host transport (local CID `VMADDR_CID_ANY`); when it cannot be asked (no
+/// `/dev/vsock`), listening is tried.
 pub fn vsock_device_present() -> bool {
-    sys::vsock_local_cid().is_ok_and(|cid| cid != libc::VMADDR_CID_ANY)
+    sys::vsock_local_cid().map_or(true, |cid| cid != libc::VMADDR_CID_ANY)
 }
 
 /// Prints `line` on the console (stdout) in one write.

@@ -147,6 +147,10 @@ fn run(pid1: bool, options: &Options) -> StartError {
     }
     let listener = match Listener::bind(&options.listen) {
         Ok(l) => l,
+        Err(e) if pid1 => {
+            eprintln!("airlock-agent: listening on {}: {e}", options.listen);
+            power_off_without_vsock();
+        }
         Err(source) => {
             let addr = options.listen.clone();
             return StartError::Listen { addr, source };
@@ -162,14 +166,15 @@ fn run(pid1: bool, options: &Options) -> StartError {
     server::serve_forever(&agent, &listener)
 }
 
-/// A VM without a vsock device has nobody to serve (a plain boot test): report that userspace
-/// came up, then power off as the base image's init always did.
+/// A VM without a vsock device (or whose vsock cannot listen) has nobody to serve, as in a
+/// plain boot test: report that userspace came up, then power off as the base image's init
+/// always did.
 fn power_off_without_vsock() -> ! {
     init::console(init::READY_LINE);
     if let Ok(cpus) = std::fs::read_to_string(CPUS_ONLINE) {
         init::console(&init::cpus_line(&cpus));
     }
-    eprintln!("airlock-agent: no virtio-vsock device: nothing to serve, powering off");
+    eprintln!("airlock-agent: no usable virtio-vsock: nothing to serve, powering off");
     sys::sync();
     if let Err(e) = sys::reboot() {
         eprintln!("airlock-agent: reboot: {e}");
