@@ -17,6 +17,8 @@
 #   AIRLOCK_CACHE_DIR  cache root (default /var/cache/airlock); the kernel
 #                      lands in $AIRLOCK_CACHE_DIR/kernel/<key>/vmlinux.
 #   AIRLOCK_JOBS       make -j value (default: nproc).
+#   AIRLOCK_KEEP_BUILD 1 keeps the build tree of a failed build for debugging
+#                      (it is recreated from scratch by the next run anyway).
 set -euo pipefail
 
 readonly SRC_PKG=linux-source-6.1
@@ -184,8 +186,18 @@ install_artifacts() {
     install_atomic "$dir/vmlinux" "$out/vmlinux"
 }
 
+# Removes the build tree named in BUILD_TREE, if any (EXIT trap): a failed or
+# interrupted build leaves nothing behind unless AIRLOCK_KEEP_BUILD=1.
+cleanup_build_tree() {
+    if [[ -n ${BUILD_TREE:-} && ${AIRLOCK_KEEP_BUILD:-0} != 1 ]]; then
+        rm -rf -- "$BUILD_TREE"
+    fi
+}
+
 build_kernel() {
     local build=$1 out=$2
+    BUILD_TREE=$build
+    trap cleanup_build_tree EXIT
     unpack_source "$build"
     apply_patches "$build"
     configure_kernel "$build"
@@ -193,6 +205,7 @@ build_kernel() {
     compile_kernel "$build"
     install_artifacts "$build" "$out"
     rm -rf -- "$build"
+    BUILD_TREE=
 }
 
 main() {
