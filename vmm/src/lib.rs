@@ -9,6 +9,7 @@ pub mod devices;
 pub mod exit;
 pub mod logger;
 pub mod memstat;
+pub mod profile;
 pub mod vcpu;
 pub mod vm;
 pub mod vmm;

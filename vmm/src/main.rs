@@ -22,6 +22,9 @@ fn boot(cfg: &VmConfig, started: Instant) -> ExitCode {
             return ExitCode::from(code::VMM_ERROR);
         }
     };
+    if let Err(e) = vmm.stop_on_termination_signals() {
+        log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
+    }
     log::info!(
         "vm built in {:.1} ms; starting {} vcpu(s)",
         started.elapsed().as_secs_f64() * 1e3,

@@ -79,6 +79,9 @@ pub fn run(mut opts: RunOptions, started: Instant) -> ExitCode {
             return ExitCode::from(code::VMM_ERROR);
         }
     };
+    if let Err(e) = vmm.stop_on_termination_signals() {
+        log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
+    }
     let stop = match vmm.stop_handle() {
         Ok(s) => s,
         Err(e) => {

@@ -81,6 +81,21 @@ extern "C" fn handle_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc:
     }
 }
 
+/// The calling thread's pthread id.
+pub fn current_thread() -> libc::pthread_t {
+    // SAFETY: pthread_self has no preconditions.
+    unsafe { libc::pthread_self() }
+}
+
+/// Sends `signal` to thread `t` (a vCPU thread that has installed the kick handler).
+pub fn kick_thread(t: libc::pthread_t, signal: i32) {
+    // SAFETY: `t` is a thread of this process that outlives the sampler (the vCPU stops the
+    // sampler before it exits), and the signal has a handler installed process-wide.
+    unsafe {
+        libc::pthread_kill(t, signal);
+    }
+}
+
 /// Installs the kick signal handler (process-wide, once before any vCPU starts).
 pub fn register_kick_handler() -> Result<(), vmm_sys_util::errno::Error> {
     register_signal_handler(kick_signal(), handle_kick)
@@ -195,6 +210,11 @@ impl Vcpu {
     fn run_thread(mut self, events: &Receiver<VcpuEvent>, responses: &Sender<VcpuResponse>) {
         let run = self.fd.get_kvm_run();
         IMMEDIATE_EXIT.with(|c| c.set(&mut run.immediate_exit as *mut u8));
+        let profile = crate::profile::enabled();
+        let sampler = profile
+            .as_ref()
+            .map(|_| crate::profile::Sampler::start(kick_signal()));
+        let mut samples = crate::profile::Samples::default();
         let mut state = VcpuState::Paused;
         loop {
             state = match state {
@@ -218,7 +238,15 @@ impl Vcpu {
                     Ok(VcpuEvent::ReportState) => self.report_state(responses, VcpuState::Running),
                     Ok(VcpuEvent::Finish) | Err(TryRecvError::Disconnected) => break,
                     Err(TryRecvError::Empty) => match self.run_once() {
-                        RunOutcome::Continue | RunOutcome::Interrupted => VcpuState::Running,
+                        RunOutcome::Continue => VcpuState::Running,
+                        RunOutcome::Interrupted => {
+                            if sampler.is_some()
+                                && let Ok(r) = self.fd.get_regs()
+                            {
+                                samples.record(r.rip);
+                            }
+                            VcpuState::Running
+                        }
                         RunOutcome::Stop(exit) => {
                             let _ = responses.send(VcpuResponse::Exited(exit));
                             let _ = self.exit_evt.write(1);
@@ -235,6 +263,13 @@ impl Vcpu {
             };
         }
         IMMEDIATE_EXIT.with(|c| c.set(std::ptr::null_mut()));
+        if let (Some(prefix), Some(sampler)) = (profile, sampler) {
+            sampler.stop();
+            let path = format!("{prefix}.vcpu{}", self.index);
+            if let Err(e) = samples.write(&path) {
+                log::warn!("write profile {path}: {e}");
+            }
+        }
     }
 
     fn run_once(&mut self) -> RunOutcome {

@@ -413,6 +413,16 @@ impl Vmm {
         })
     }
 
+    /// Makes SIGTERM and SIGINT stop the VM ([`VmExit::Stopped`]) instead of killing the
+    /// process, so that devices flush and vCPU threads end in order. Process-wide; for binaries.
+    pub fn stop_on_termination_signals(&self) -> Result<(), vmm_sys_util::errno::Error> {
+        STOP_FD.store(self.stop.as_raw_fd(), Ordering::Release);
+        for sig in [libc::SIGTERM, libc::SIGINT] {
+            vmm_sys_util::signal::register_signal_handler(sig, handle_stop_signal)?;
+        }
+        Ok(())
+    }
+
     /// A handle that stops the VM ([`VmExit::Stopped`]) when written, from any thread.
     pub fn stop_handle(&self) -> std::io::Result<EventFd> {
         self.stop.try_clone()
@@ -451,6 +461,21 @@ impl Vmm {
             v.finish();
         }
         let _ = std::io::stdout().flush();
+    }
+}
+
+/// The stop eventfd for [`handle_stop_signal`]; -1 when none.
+static STOP_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+extern "C" fn handle_stop_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    let fd = STOP_FD.load(Ordering::Acquire);
+    if fd >= 0 {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: write(2) is async-signal-safe; `fd` is the VMM's stop eventfd, which lives as
+        // long as the `Vmm` (the process ends right after it), and the buffer is 8 valid bytes.
+        unsafe {
+            libc::write(fd, one.as_ptr().cast(), one.len());
+        }
     }
 }
 
