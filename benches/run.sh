@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Benchmarks. Usage: benches/run.sh boot|exec
+#   boot  time from process start to `airlock: userspace up`, airlock-vmm vs QEMU microvm
+#         (same kernel, image, vCPUs and memory, interleaved runs), and the VMM's resident
+#         memory outside guest RAM. RUNS (default 5), VCPUS (1), MEM_MIB (256).
+#   exec  exec round trip of `true` and stdout throughput (`head -c MIB M /dev/zero`) through
+#         the guest agent over virtio-vsock, and the same agent on the host over a Unix socket
+#         in the same run. RUNS (default 20), MIB (32), VCPUS (1), MEM_MIB (512).
+# AIRLOCK_KERNEL / AIRLOCK_ROOTFS default to the outputs of kernel-config/build.sh and
+# rootfs/build.sh. The last line of output is one JSON object.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+
+artifacts() {
+  if [[ -z "${AIRLOCK_KERNEL:-}" ]]; then
+    AIRLOCK_KERNEL=$("$root/kernel-config/build.sh" | tail -n1)
+  fi
+  if [[ -z "${AIRLOCK_ROOTFS:-}" ]]; then
+    AIRLOCK_ROOTFS=$("$root/rootfs/build.sh" | tail -n1)
+  fi
+  export AIRLOCK_KERNEL AIRLOCK_ROOTFS
+}
+
+build_release() {
+  (cd "$root" && cargo build --release -q -p airlock-vmm -p airlock-agent -p airlock-bench >&2)
+}
+
+bench_boot() {
+  command -v qemu-system-x86_64 >/dev/null || {
+    echo "qemu-system-x86_64 is missing: apt-get install -y qemu-system-x86" >&2
+    exit 1
+  }
+  artifacts
+  build_release
+  python3 "$root/benches/boot.py" \
+    --vmm "$root/target/release/airlock-vmm" \
+    --qemu "$root/kernel-config/qemu-boot.sh" \
+    --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" \
+    --runs "${RUNS:-5}" --vcpus "${VCPUS:-1}" --mem-mib "${MEM_MIB:-256}"
+}
+
+bench_exec() {
+  artifacts
+  build_release
+  "$root/target/release/airlock-bench" exec \
+    --vmm "$root/target/release/airlock-vmm" --agent "$root/target/release/airlock-agent" \
+    --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" \
+    --runs "${RUNS:-20}" --mib "${MIB:-32}" --vcpus "${VCPUS:-1}" --mem-mib "${MEM_MIB:-512}"
+}
+
+main() {
+  case "${1:-}" in
+    boot) bench_boot ;;
+    exec) bench_exec ;;
+    *)
+      sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2
+      exit 2
+      ;;
+  esac
+}
+
+main "$@"
