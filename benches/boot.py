@@ -21,10 +21,10 @@ READY = b"airlock: userspace up"
 OVERHEAD_RE = re.compile(rb"vmm overhead: (\d+) KiB")
 
 
-def run_once(cmd, timeout_s):
+def run_once(cmd, timeout_s, env=None):
     """Returns (ms to the ready line or None, exit code, stderr bytes)."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     ready_ms = None
     tail = b""
     err = b""
@@ -94,11 +94,12 @@ def main():
 
     ours_cmd = [a.vmm, "boot", "--kernel", a.kernel, "--rootfs", a.rootfs,
                 "--vcpus", str(a.vcpus), "--mem-mib", str(a.mem_mib)]
-    qemu_cmd = [a.qemu, a.kernel, a.rootfs, str(a.vcpus), str(a.mem_mib)]
+    qemu_cmd = [a.qemu, a.kernel, a.rootfs, str(a.vcpus)]
+    qemu_env = dict(os.environ, AIRLOCK_QEMU_MEM=str(a.mem_mib))
     ours, qemu, overhead, failures = [], [], [], []
     for i in range(a.runs):
-        for name, cmd, out in (("ours", ours_cmd, ours), ("qemu", qemu_cmd, qemu)):
-            ms, code, err = run_once(cmd, a.timeout)
+        for name, cmd, out, env in (("ours", ours_cmd, ours, None), ("qemu", qemu_cmd, qemu, qemu_env)):
+            ms, code, err = run_once(cmd, a.timeout, env)
             print(f"run {i + 1}/{a.runs} {name}: ready {ms and round(ms)} ms, exit {code}",
                   file=sys.stderr, flush=True)
             if ms is None:

@@ -254,3 +254,168 @@ impl VirtioDevice for Vsock {
         &self.queue_evts
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::virtio::vsock::muxer::HOST_CID;
+    use crate::devices::virtio::vsock::packet::{HDR_SIZE, Header, TYPE_STREAM, op};
+    use std::io::Read;
+    use std::os::unix::net::UnixListener;
+    use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use virtio_queue::desc::{RawDescriptor, split::Descriptor};
+    use virtio_queue::mock::MockSplitQueue;
+    use vm_memory::{Bytes, GuestAddress};
+
+    const GUEST_CID: u64 = 3;
+
+    fn desc(addr: u64, len: u32, flags: u32, next: u16) -> RawDescriptor {
+        RawDescriptor::from(Descriptor::new(addr, len, flags as u16, next))
+    }
+
+    fn sock_path(tag: &str) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("airlock-vsockdev-{tag}-{}", std::process::id()))
+    }
+
+    /// An activated device whose RX queue holds one 4 KiB buffer and whose TX queue holds one
+    /// packet at 0x40000 (header) + 0x41000 (payload).
+    fn setup<'a>(
+        mem: &'a GuestMemoryMmap,
+        path: &std::path::Path,
+        tx_hdr: Header,
+        payload: &[u8],
+    ) -> (
+        Vsock,
+        MockSplitQueue<'a, GuestMemoryMmap>,
+        Arc<VirtioInterrupt>,
+    ) {
+        let mut dev = Vsock::new(GUEST_CID, path).unwrap();
+        let rxq = MockSplitQueue::create(mem, GuestAddress(0x1000), 16);
+        rxq.add_desc_chains(&[desc(0x20000, 4096, VRING_DESC_F_WRITE, 0)], 0)
+            .unwrap();
+        let txq = MockSplitQueue::create(mem, GuestAddress(0x8000), 16);
+        mem.write_slice(&tx_hdr.to_bytes(), GuestAddress(0x40000))
+            .unwrap();
+        mem.write_slice(payload, GuestAddress(0x41000)).unwrap();
+        let chain: Vec<RawDescriptor> = if payload.is_empty() {
+            vec![desc(0x40000, HDR_SIZE as u32, 0, 0)]
+        } else {
+            vec![
+                desc(0x40000, HDR_SIZE as u32, VRING_DESC_F_NEXT, 1),
+                desc(0x41000, payload.len() as u32, 0, 0),
+            ]
+        };
+        txq.add_desc_chains(&chain, 0).unwrap();
+        let evq = MockSplitQueue::create(mem, GuestAddress(0xf000), 16);
+        let irq = Arc::new(VirtioInterrupt::new(
+            EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+        ));
+        let queues: Vec<Queue> = vec![
+            rxq.create_queue().unwrap(),
+            txq.create_queue().unwrap(),
+            evq.create_queue().unwrap(),
+        ];
+        dev.activate(mem.clone(), queues, irq.clone()).unwrap();
+        (dev, rxq, irq)
+    }
+
+    fn guest_hdr(op: u16, dst_port: u32, len: u32) -> Header {
+        Header {
+            src_cid: GUEST_CID,
+            dst_cid: HOST_CID,
+            src_port: 1234,
+            dst_port,
+            len,
+            type_: TYPE_STREAM,
+            op,
+            buf_alloc: 65536,
+            ..Header::default()
+        }
+    }
+
+    #[test]
+    fn guest_request_to_a_listening_host_port_is_answered_through_the_rx_queue() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let path = sock_path("request");
+        let listener = UnixListener::bind(format!("{}_7000", path.display())).unwrap();
+        let (mut dev, rxq, irq) = setup(&mem, &path, guest_hdr(op::REQUEST, 7000, 0), &[]);
+        dev.process_tx();
+        let used = rxq.used().ring().ref_at(0).unwrap().load();
+        assert_eq!(used.len() as usize, HDR_SIZE);
+        let mut raw = [0u8; HDR_SIZE];
+        mem.read_slice(&mut raw, GuestAddress(0x20000)).unwrap();
+        let reply = Header::from_bytes(&raw);
+        assert_eq!(
+            (reply.op, reply.dst_port, reply.src_port),
+            (op::RESPONSE, 1234, 7000)
+        );
+        assert_eq!((reply.src_cid, reply.dst_cid), (HOST_CID, GUEST_CID));
+        assert_ne!(irq.status(), 0);
+        assert!(listener.accept().is_ok());
+        let _ = std::fs::remove_file(&path);
+        let _ = std::fs::remove_file(format!("{}_7000", path.display()));
+    }
+
+    #[test]
+    fn payload_longer_than_its_descriptors_is_dropped_and_counted() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let path = sock_path("badlen");
+        // The header claims 4096 bytes; the chain carries 16.
+        let (mut dev, rxq, _) = setup(&mem, &path, guest_hdr(op::RW, 7000, 4096), &[0u8; 16]);
+        dev.process_tx();
+        assert_eq!(dev.muxer.metrics.bad_packets.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            rxq.used().idx().load(),
+            0,
+            "nothing is sent back for a dropped packet"
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn transport_reset_event_reaches_the_event_queue_and_drops_connections() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let path = sock_path("reset");
+        let listener = UnixListener::bind(format!("{}_7000", path.display())).unwrap();
+        let mut dev = Vsock::new(GUEST_CID, &path).unwrap();
+        let rxq = MockSplitQueue::create(&mem, GuestAddress(0x1000), 16);
+        rxq.add_desc_chains(&[desc(0x20000, 4096, VRING_DESC_F_WRITE, 0)], 0)
+            .unwrap();
+        let txq = MockSplitQueue::create(&mem, GuestAddress(0x8000), 16);
+        mem.write_slice(
+            &guest_hdr(op::REQUEST, 7000, 0).to_bytes(),
+            GuestAddress(0x40000),
+        )
+        .unwrap();
+        txq.add_desc_chains(&[desc(0x40000, HDR_SIZE as u32, 0, 0)], 0)
+            .unwrap();
+        let evq = MockSplitQueue::create(&mem, GuestAddress(0xf000), 16);
+        evq.add_desc_chains(&[desc(0x30000, 4, VRING_DESC_F_WRITE, 0)], 0)
+            .unwrap();
+        let irq = Arc::new(VirtioInterrupt::new(
+            EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+        ));
+        let queues = vec![
+            rxq.create_queue().unwrap(),
+            txq.create_queue().unwrap(),
+            evq.create_queue().unwrap(),
+        ];
+        dev.activate(mem.clone(), queues, irq).unwrap();
+        dev.process_tx();
+        let (mut host, _) = listener.accept().unwrap();
+        assert!(dev.send_transport_reset());
+        assert_eq!(
+            mem.read_obj::<u32>(GuestAddress(0x30000)).unwrap(),
+            EVENT_TRANSPORT_RESET
+        );
+        assert_eq!(evq.used().idx().load(), 1);
+        // The host side of the connection is closed: its stream reaches EOF.
+        for change in dev.muxer.take_changes() {
+            drop(change);
+        }
+        let mut buf = [0u8; 1];
+        assert_eq!(host.read(&mut buf).unwrap(), 0);
+        let _ = std::fs::remove_file(&path);
+        let _ = std::fs::remove_file(format!("{}_7000", path.display()));
+    }
+}

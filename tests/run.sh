@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The test command: builds every artifact the tests need (guest kernel, base image, binaries),
+# then runs formatting and lint checks, unit tests, KVM micro tests and system tests.
+# Artifacts are cached under ${AIRLOCK_CACHE_DIR:-/var/cache/airlock}, keyed by their inputs.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+build_artifacts() {
+  echo "== guest kernel" >&2
+  AIRLOCK_KERNEL=$(kernel-config/build.sh | tail -n1)
+  echo "== base image" >&2
+  AIRLOCK_ROOTFS=$(rootfs/build.sh | tail -n1)
+  export AIRLOCK_KERNEL AIRLOCK_ROOTFS
+  echo "kernel: $AIRLOCK_KERNEL" >&2
+  echo "rootfs: $AIRLOCK_ROOTFS" >&2
+}
+
+static_checks() {
+  echo "== fmt, clippy" >&2
+  cargo fmt --all -- --check
+  cargo clippy --workspace --all-targets -- -D warnings
+}
+
+run_tests() {
+  echo "== tests" >&2
+  cargo test --workspace -- --nocapture
+}
+
+build_artifacts
+static_checks
+run_tests
