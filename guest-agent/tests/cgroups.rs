@@ -155,7 +155,8 @@ fn sigterm_reaches_every_process_of_the_cgroup() {
     let mut c = agent.client();
     let id = c
         .send_kind(request::Kind::Exec(shell(
-            "setsid sleep 600 & echo $!; trap 'exit 5' TERM; while :; do sleep 0.05; done",
+            // The trap comes first: the test signals as soon as it reads the pid.
+            "trap 'exit 5' TERM; setsid sleep 600 & echo $!; while :; do sleep 0.05; done",
         )))
         .unwrap();
     let started = c.exec_started(id).unwrap();

@@ -315,7 +315,11 @@ pub fn writable_cgroup2() -> Option<PathBuf> {
             (f.get(2) == Some(&"cgroup2")).then(|| PathBuf::from(dir))
         })
         .find(|dir| {
-            let probe = dir.join(format!("airlock-probe-{}", std::process::id()));
+            // Tests of one binary run in parallel threads of one process: the probe's name
+            // must be unique per call, or one test's probe makes another's creation fail.
+            static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let probe = dir.join(format!("airlock-probe-{}-{n}", std::process::id()));
             let ok = std::fs::create_dir(&probe).is_ok();
             let _ = std::fs::remove_dir(&probe);
             ok
