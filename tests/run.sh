@@ -17,6 +17,19 @@ build_artifacts() {
   echo "rootfs: $AIRLOCK_ROOTFS" >&2
 }
 
+# The agent's cgroup tests need a writable cgroup v2 hierarchy. Hybrid-mode hosts (cgroup v1
+# controllers, as on the build machines) mount it at /sys/fs/cgroup/unified; mount it there when
+# no cgroup2 is mounted at all and we are root.
+ensure_cgroup2() {
+  if ! awk '$3 == "cgroup2" { found = 1 } END { exit !found }' /proc/self/mounts; then
+    if [[ $(id -u) == 0 ]]; then
+      echo "== mounting cgroup2 at /sys/fs/cgroup/unified" >&2
+      mkdir -p /sys/fs/cgroup/unified
+      mount -t cgroup2 none /sys/fs/cgroup/unified
+    fi
+  fi
+}
+
 static_checks() {
   echo "== fmt, clippy" >&2
   cargo fmt --all -- --check
@@ -29,5 +42,6 @@ run_tests() {
 }
 
 build_artifacts
+ensure_cgroup2
 static_checks
 run_tests
