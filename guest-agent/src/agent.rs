@@ -90,6 +90,7 @@ pub fn build_ready(boot_time: Duration, cpus_online: &str, cgroups: Option<&Cgro
         hostname: sys::hostname().unwrap_or_default(),
         cpus: count_cpus(cpus_online),
         mem_total_bytes: sys::mem_total_bytes().unwrap_or(0),
+        sandbox_id: String::new(),
     }
 }
 

@@ -475,6 +475,7 @@ fn exit_record(
         stdout_bytes: run.out[0].total,
         stderr_bytes: run.out[1].total,
         output_truncated: run.truncated,
+        orphan_dropped_bytes: 0,
     }
 }
 

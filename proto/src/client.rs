@@ -23,8 +23,8 @@ use prost::Message;
 
 use crate::frame::{FrameError, read_frame, write_frame};
 use crate::pb::{
-    self, ErrorCode, ExecExit, ExecStarted, FileData, FileStat, Ready, Request, Response,
-    StreamKind, exec_exit, request, response,
+    self, Attached, ErrorCode, ExecExit, ExecStarted, FileData, FileStat, Ready, Request, Reseeded,
+    Response, StreamKind, exec_exit, request, response,
 };
 use crate::{MAX_FILE_BYTES, MAX_FILE_CHUNK, PROTOCOL_VERSION};
 
@@ -87,7 +87,7 @@ impl ClientError {
 enum Pending {
     /// One response.
     Single,
-    /// ExecStarted, Output..., then ExecExit (or one Error).
+    /// ExecStarted (or Attached), Output..., then ExecExit (or one Error): Exec and Attach.
     Exec,
 }
 
@@ -212,7 +212,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
             return Err(ClientError::InvalidRequest("request id already in flight"));
         }
         let pending = match req.kind {
-            Some(request::Kind::Exec(_)) => Pending::Exec,
+            Some(request::Kind::Exec(_) | request::Kind::Attach(_)) => Pending::Exec,
             _ => Pending::Single,
         };
         write_frame(&mut self.writer, req)?;
@@ -272,9 +272,74 @@ impl<R: Read, W: Write> AgentClient<R, W> {
         exec: pb::Exec,
         mut on_output: impl FnMut(StreamKind, &[u8]),
     ) -> Result<ExecExit, ClientError> {
+        let (id, started) = self.start_exec(exec)?;
+        self.collect_stream(id, started.exec_id, [0, 0], |stream, _, data| {
+            on_output(stream, data);
+        })
+    }
+
+    /// Sends `exec` (set `keep_on_disconnect` on it, e.g. with
+    /// [`pb::Exec::with_keep_on_disconnect`], for an execution that survives this connection)
+    /// and waits for its `ExecStarted`. Returns the request id, whose `Output` and `ExecExit`
+    /// follow (read them with [`recv_for`](Self::recv_for)).
+    pub fn start_exec(&mut self, exec: pb::Exec) -> Result<(u64, ExecStarted), ClientError> {
         let id = self.send_kind(request::Kind::Exec(exec))?;
         let started = self.exec_started(id)?;
-        let mut expected = [0u64; 2];
+        Ok((id, started))
+    }
+
+    /// Adopts execution `exec_id`, started with `keep_on_disconnect` on a connection that has
+    /// closed since, and waits for the `Attached` answer. Returns the request id, whose
+    /// `Output` (all the agent still retains, then live) and `ExecExit` follow (read them with
+    /// [`recv_for`](Self::recv_for)); from now on Signal and Stdin for it work here.
+    pub fn attach(&mut self, exec_id: u64) -> Result<(u64, Attached), ClientError> {
+        self.attach_from(exec_id, 0, 0)
+    }
+
+    /// Like [`attach`](Self::attach), with the retained output replayed only from these
+    /// offsets (the output of each stream that this host already has).
+    pub fn attach_from(
+        &mut self,
+        exec_id: u64,
+        stdout_offset: u64,
+        stderr_offset: u64,
+    ) -> Result<(u64, Attached), ClientError> {
+        let req = pb::Attach {
+            exec_id,
+            stdout_offset,
+            stderr_offset,
+        };
+        let id = self.send_kind(request::Kind::Attach(req))?;
+        match into_kind(self.recv_for(id)?)? {
+            response::Kind::Attached(attached) if attached.exec_id == exec_id => Ok((id, attached)),
+            other => Err(protocol(format!("expected Attached, got {other:?}"))),
+        }
+    }
+
+    /// Attaches to `exec_id` (see [`attach`](Self::attach)) and follows it to its end: each
+    /// output chunk goes to `on_output` with its stream offset (offsets start at the
+    /// `Attached` ones and are contiguous), and the `ExecExit` is returned with the `Attached`
+    /// answer.
+    pub fn attach_collect(
+        &mut self,
+        exec_id: u64,
+        on_output: impl FnMut(StreamKind, u64, &[u8]),
+    ) -> Result<(Attached, ExecExit), ClientError> {
+        let (id, attached) = self.attach(exec_id)?;
+        let expected = [attached.stdout_offset, attached.stderr_offset];
+        let exit = self.collect_stream(id, exec_id, expected, on_output)?;
+        Ok((attached, exit))
+    }
+
+    /// Reads the `Output` frames of request `id` (execution `exec_id`) up to its `ExecExit`.
+    /// Each stream's offsets must continue at `expected`, without gaps.
+    fn collect_stream(
+        &mut self,
+        id: u64,
+        exec_id: u64,
+        mut expected: [u64; 2],
+        mut on_output: impl FnMut(StreamKind, u64, &[u8]),
+    ) -> Result<ExecExit, ClientError> {
         loop {
             match into_kind(self.recv_for(id)?)? {
                 response::Kind::Output(out) => {
@@ -283,16 +348,21 @@ impl<R: Read, W: Write> AgentClient<R, W> {
                         Ok(StreamKind::Stderr) => (StreamKind::Stderr, 1),
                         _ => return Err(protocol(format!("output stream {}", out.stream))),
                     };
-                    if out.exec_id != started.exec_id || out.offset != expected[slot] {
+                    if out.exec_id != exec_id || out.offset != expected[slot] {
                         return Err(protocol(format!(
-                            "output of exec {} at offset {}, expected exec {} offset {}",
-                            out.exec_id, out.offset, started.exec_id, expected[slot]
+                            "output of exec {} at offset {}, expected exec {exec_id} offset {}",
+                            out.exec_id, out.offset, expected[slot]
                         )));
                     }
-                    expected[slot] += out.data.len() as u64;
-                    on_output(stream, &out.data);
+                    // The starting offsets come from the (untrusted) agent's Attached.
+                    expected[slot] = expected[slot]
+                        .checked_add(out.data.len() as u64)
+                        .ok_or_else(|| {
+                            protocol(format!("output offset {} past 2^64", out.offset))
+                        })?;
+                    on_output(stream, out.offset, &out.data);
                 }
-                response::Kind::ExecExit(exit) if exit.exec_id == started.exec_id => {
+                response::Kind::ExecExit(exit) if exit.exec_id == exec_id => {
                     return Ok(exit);
                 }
                 other => return Err(protocol(format!("unexpected in exec stream: {other:?}"))),
@@ -442,6 +512,27 @@ impl<R: Read, W: Write> AgentClient<R, W> {
         expect_ok(self.call(request::Kind::Stdin(req))?)
     }
 
+    /// Gives the VM its own identity after a snapshot restore: `entropy` (16..=512 random
+    /// bytes) into the kernel's pool and a CRNG reseed, then the host name and the sandbox id
+    /// (either may be empty: left as is). The answer says what the agent did (an agent in host
+    /// mode never touches its machine's RNG or host name).
+    pub fn reseed(
+        &mut self,
+        entropy: &[u8],
+        hostname: &str,
+        sandbox_id: &str,
+    ) -> Result<Reseeded, ClientError> {
+        let req = pb::Reseed {
+            entropy: entropy.to_vec(),
+            hostname: hostname.to_owned(),
+            sandbox_id: sandbox_id.to_owned(),
+        };
+        match self.call(request::Kind::Reseed(req))? {
+            response::Kind::Reseeded(done) => Ok(done),
+            other => Err(protocol(format!("expected Reseeded, got {other:?}"))),
+        }
+    }
+
     /// Round trip; returns the guest's uptime in milliseconds.
     pub fn ping(&mut self) -> Result<pb::Pong, ClientError> {
         match self.call(request::Kind::Ping(pb::Ping {}))? {
@@ -529,6 +620,10 @@ pub fn describe_exit(exit: &ExecExit) -> String {
         (exit.killed, "killed"),
         (exit.oom_killed, "out of memory"),
         (exit.output_truncated, "output truncated"),
+        (
+            exit.orphan_dropped_bytes > 0,
+            "output dropped while unowned",
+        ),
     ] {
         if flag {
             s.push_str(", ");
@@ -839,6 +934,161 @@ mod tests {
     fn connect_unix_to_a_missing_socket_is_a_connect_error() {
         let err = AgentClient::connect_unix("/nonexistent/airlock.sock").unwrap_err();
         assert!(matches!(err, ClientError::Connect { .. }), "{err:?}");
+    }
+
+    #[test]
+    fn start_exec_sends_keep_on_disconnect_and_returns_the_request_id() {
+        let started = ExecStarted { exec_id: 4, pid: 9 };
+        let mut c = client_with(&[resp(1, response::Kind::ExecStarted(started))]);
+        let exec = pb::Exec::shell("sleep 1").with_keep_on_disconnect(true);
+        assert_eq!(c.start_exec(exec).unwrap(), (1, started));
+        match &sent_requests(&c)[0].kind {
+            Some(request::Kind::Exec(e)) => {
+                assert!(e.keep_on_disconnect);
+                assert_eq!(e.command, Some(pb::exec::Command::Shell("sleep 1".into())));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn exec_builders_fill_the_command_and_nothing_else() {
+        let e = pb::Exec::argv(["echo", "hi"]);
+        assert_eq!(
+            e.command,
+            Some(pb::exec::Command::Argv(pb::Argv {
+                args: vec!["echo".into(), "hi".into()]
+            }))
+        );
+        assert!(!e.keep_on_disconnect);
+        assert_eq!(e.timeout_ms, 0);
+    }
+
+    #[test]
+    fn attach_collect_follows_replayed_then_live_output_from_the_attached_offsets() {
+        let attached = Attached {
+            exec_id: 7,
+            pid: 1,
+            stdout_offset: 2,
+            stderr_offset: 0,
+            dropped_bytes: 3,
+            exited: false,
+        };
+        let exit = ExecExit {
+            exec_id: 7,
+            status: Some(exec_exit::Status::ExitCode(0)),
+            orphan_dropped_bytes: 3,
+            ..Default::default()
+        };
+        let mut c = client_with(&[
+            resp(1, response::Kind::Attached(attached)),
+            // Replayed from offset 2 (the first two bytes are no longer retained), then live.
+            resp(1, output(7, StreamKind::Stdout, 2, b"bc")),
+            resp(1, output(7, StreamKind::Stdout, 4, b"h")),
+            resp(1, response::Kind::ExecExit(exit)),
+        ]);
+        let mut got = Vec::new();
+        let (att, end) = c
+            .attach_collect(7, |s, off, d| got.push((s, off, d.to_vec())))
+            .unwrap();
+        assert_eq!((att, end), (attached, exit));
+        assert_eq!(
+            got,
+            [
+                (StreamKind::Stdout, 2, b"bc".to_vec()),
+                (StreamKind::Stdout, 4, b"h".to_vec())
+            ]
+        );
+        assert!(matches!(
+            sent_requests(&c)[0].kind,
+            Some(request::Kind::Attach(pb::Attach {
+                exec_id: 7,
+                stdout_offset: 0,
+                stderr_offset: 0
+            }))
+        ));
+    }
+
+    #[test]
+    fn attach_collect_rejects_output_before_the_attached_offset() {
+        let attached = Attached {
+            exec_id: 7,
+            stdout_offset: 5,
+            ..Default::default()
+        };
+        let mut c = client_with(&[
+            resp(1, response::Kind::Attached(attached)),
+            resp(1, output(7, StreamKind::Stdout, 4, b"x")),
+        ]);
+        let e = c.attach_collect(7, |_, _, _| {}).unwrap_err();
+        assert!(matches!(e, ClientError::Protocol(_)), "{e:?}");
+    }
+
+    #[test]
+    fn attach_collect_refuses_offsets_that_overflow() {
+        let attached = Attached {
+            exec_id: 7,
+            stdout_offset: u64::MAX - 1,
+            ..Default::default()
+        };
+        let mut c = client_with(&[
+            resp(1, response::Kind::Attached(attached)),
+            resp(1, output(7, StreamKind::Stdout, u64::MAX - 1, b"abc")),
+        ]);
+        let e = c.attach_collect(7, |_, _, _| {}).unwrap_err();
+        assert!(matches!(e, ClientError::Protocol(_)), "{e:?}");
+    }
+
+    #[test]
+    fn attach_from_sends_the_offsets_the_host_has() {
+        let attached = Attached {
+            exec_id: 2,
+            stdout_offset: 10,
+            stderr_offset: 3,
+            ..Default::default()
+        };
+        let mut c = client_with(&[resp(1, response::Kind::Attached(attached))]);
+        assert_eq!(c.attach_from(2, 10, 3).unwrap(), (1, attached));
+        match &sent_requests(&c)[0].kind {
+            Some(request::Kind::Attach(a)) => {
+                assert_eq!((a.exec_id, a.stdout_offset, a.stderr_offset), (2, 10, 3));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn attach_of_an_unknown_execution_is_the_agents_not_found() {
+        let err = pb::Error {
+            code: ErrorCode::NotFound as i32,
+            message: "no execution 3".into(),
+        };
+        let mut c = client_with(&[resp(1, response::Kind::Error(err))]);
+        assert_eq!(
+            c.attach(3).unwrap_err().agent_code(),
+            Some(ErrorCode::NotFound)
+        );
+    }
+
+    #[test]
+    fn reseed_sends_its_fields_and_returns_what_was_done() {
+        let done = Reseeded {
+            rng_reseeded: true,
+            sandbox_id_set: true,
+            ..Default::default()
+        };
+        let mut c = client_with(&[resp(1, response::Kind::Reseeded(done.clone()))]);
+        assert_eq!(c.reseed(&[1; 32], "vm-1", "sb-1").unwrap(), done);
+        match &sent_requests(&c)[0].kind {
+            Some(request::Kind::Reseed(r)) => {
+                assert_eq!(r.entropy, vec![1; 32]);
+                assert_eq!(
+                    (r.hostname.as_str(), r.sandbox_id.as_str()),
+                    ("vm-1", "sb-1")
+                );
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
