@@ -1,19 +1,41 @@
 //! The agent's shared state and the facts it reports in `Ready`.
 
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use airlock_proto::PROTOCOL_VERSION;
 use airlock_proto::pb::Ready;
 
 use crate::cgroup::CgroupRoot;
-use crate::exec::ExecTable;
+use crate::exec::{self, ExecTable};
 use crate::reaper::Reaper;
 use crate::server::millis;
 use crate::sys;
 
 /// Where the kernel lists the online CPUs (`0-3,5`).
 pub const CPUS_ONLINE: &str = "/sys/devices/system/cpu/online";
+
+/// How the agent was started (from its command line, or the PID 1 defaults).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// Running as PID 1 in a VM: power-off reboots, Reseed touches the kernel's RNG and host
+    /// name. Otherwise an ordinary process, which must leave its machine alone.
+    pub pid1: bool,
+    /// Where state files (the sandbox id) go; none: not written.
+    pub state_dir: Option<PathBuf>,
+    /// Output buffered per execution while nobody owns it.
+    pub orphan_buffer_bytes: usize,
+}
+
+/// What Reseed changed about this VM.
+#[derive(Debug, Default)]
+pub struct Identity {
+    /// Set by Reseed (as PID 1); reported in later Ready frames.
+    pub hostname: Option<String>,
+    /// Set by Reseed: exported to executions, reported in Ready. Empty before any.
+    pub sandbox_id: String,
+}
 
 /// State shared by every connection and execution.
 #[derive(Debug)]
@@ -24,23 +46,49 @@ pub struct Agent {
     /// Per-execution cgroups, where cgroup v2 is available.
     pub cgroups: Option<CgroupRoot>,
     pub execs: ExecTable,
+    /// Where state files go (see [`Settings::state_dir`]).
+    pub state_dir: Option<PathBuf>,
+    identity: Mutex<Identity>,
     ready: Ready,
 }
 
 impl Agent {
-    pub fn new(pid1: bool, reaper: Arc<Reaper>, cgroups: Option<CgroupRoot>, ready: Ready) -> Self {
+    pub fn new(
+        settings: Settings,
+        reaper: Arc<Reaper>,
+        cgroups: Option<CgroupRoot>,
+        ready: Ready,
+    ) -> Self {
         Self {
-            pid1,
+            pid1: settings.pid1,
             reaper,
             cgroups,
-            execs: ExecTable::default(),
+            execs: ExecTable::new(settings.orphan_buffer_bytes),
+            state_dir: settings.state_dir,
+            identity: Mutex::new(Identity::default()),
             ready,
         }
     }
 
-    /// The first frame of every connection.
-    pub fn ready(&self) -> &Ready {
-        &self.ready
+    /// The first frame of every connection: the facts of the start, with what Reseed changed.
+    pub fn ready(&self) -> Ready {
+        let identity = self.identity();
+        let mut ready = self.ready.clone();
+        if let Some(name) = &identity.hostname {
+            ready.hostname.clone_from(name);
+        }
+        ready.sandbox_id.clone_from(&identity.sandbox_id);
+        ready
+    }
+
+    /// The identity Reseed sets; holding it serialises Reseeds.
+    pub fn identity(&self) -> MutexGuard<'_, Identity> {
+        self.identity.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The environment executions start from (see [`exec::base_env`]).
+    pub fn base_env(&self) -> Vec<(String, String)> {
+        exec::base_env(&self.identity().sandbox_id)
     }
 
     /// Kills every execution, syncs, and powers the VM off (PID 1) or exits (host mode).
@@ -62,7 +110,7 @@ impl Agent {
 
 /// The optional features this agent offers (see `Ready.capabilities` in agent.proto).
 pub fn capabilities(cgroups: Option<&CgroupRoot>) -> Vec<String> {
-    let mut caps = vec!["exec", "stdin", "signal", "files"];
+    let mut caps = vec!["exec", "stdin", "signal", "files", "reseed", "attach"];
     match cgroups {
         Some(root) => {
             caps.push("cgroups");
@@ -129,6 +177,8 @@ mod tests {
     fn capabilities_without_cgroups_name_process_groups() {
         let caps = capabilities(None);
         assert!(caps.iter().any(|c| c == "exec"));
+        assert!(caps.iter().any(|c| c == "reseed"));
+        assert!(caps.iter().any(|c| c == "attach"));
         assert!(caps.iter().any(|c| c == "process-groups"));
         assert!(!caps.iter().any(|c| c == "cgroups"));
     }

@@ -5,20 +5,27 @@
 //! process leads its own session and process group and, where cgroups are available, lives in
 //! its own cgroup; [`KillTarget`] is whichever of the two reaches all of its processes.
 //!
-//! Executions belong to the connection that started them: Signal and Stdin from another
-//! connection do not find them, and they are killed when that connection closes.
+//! Executions belong to the connection that started them (or adopted them with Attach): Signal
+//! and Stdin from another connection do not find them, and they are killed when that connection
+//! closes, unless they were started with keep_on_disconnect: those are left unowned (see
+//! [`crate::delivery`]). The table also keeps the exits of the most recent executions that
+//! ended unowned, for a later Attach.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use airlock_proto::pb::{self, ErrorCode, exec};
-use airlock_proto::{DEFAULT_MAX_OUTPUT_BYTES, MAX_ARGV_ENV_BYTES, MAX_CONCURRENT_EXECS};
+use airlock_proto::pb::{self, ErrorCode, ExecExit, exec};
+use airlock_proto::{
+    DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_ORPHAN_BUFFER_BYTES, EXITED_ORPHAN_TTL_SECS,
+    MAX_ARGV_ENV_BYTES, MAX_CONCURRENT_EXECS, MAX_EXITED_ORPHANS,
+};
 
 use crate::agent::Agent;
 use crate::cgroup::ExecCgroup;
+use crate::delivery::{Delivery, OrphanLimits, Release};
 use crate::error::ReqError;
 use crate::reaper::{ExitSlot, Waker};
 use crate::server::ConnWriter;
@@ -36,6 +43,23 @@ pub const BASE_ENV: [(&str, &str); 4] = [
 ];
 /// Stdin bytes an execution may have queued (accepted, not yet written to its pipe).
 pub const MAX_PENDING_STDIN: usize = 8 << 20;
+/// The variable that carries the sandbox id (Reseed) into executions.
+pub const SANDBOX_ID_ENV: &str = "AIRLOCK_SANDBOX_ID";
+/// How long the exit of an execution that ended unowned is kept for an Attach.
+const EXITED_ORPHAN_TTL: Duration = Duration::from_secs(EXITED_ORPHAN_TTL_SECS);
+
+/// The environment executions start from: [`BASE_ENV`], plus [`SANDBOX_ID_ENV`] once a
+/// sandbox id is set.
+pub fn base_env(sandbox_id: &str) -> Vec<(String, String)> {
+    let mut env: Vec<_> = BASE_ENV
+        .iter()
+        .map(|&(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+    if !sandbox_id.is_empty() {
+        env.push((SANDBOX_ID_ENV.to_owned(), sandbox_id.to_owned()));
+    }
+    env
+}
 
 /// A validated Exec request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,10 +73,12 @@ pub struct ExecSpec {
     pub stdin_open: bool,
     pub timeout: Option<Duration>,
     pub max_output_bytes: u64,
+    pub keep_on_disconnect: bool,
 }
 
 impl ExecSpec {
-    pub fn validate(req: pb::Exec) -> Result<Self, ReqError> {
+    /// Checks `req`; the environment is `base` (see [`base_env`]) with `req.env` on top.
+    pub fn validate(req: pb::Exec, base: Vec<(String, String)>) -> Result<Self, ReqError> {
         let argv = match req.command {
             Some(exec::Command::Argv(a)) => a.args,
             Some(exec::Command::Shell(s)) => vec!["/bin/sh".into(), "-c".into(), s],
@@ -73,10 +99,7 @@ impl ExecSpec {
                 "invalid environment name {bad:?}"
             )));
         }
-        let mut env: HashMap<String, String> = BASE_ENV
-            .iter()
-            .map(|&(k, v)| (k.to_owned(), v.to_owned()))
-            .collect();
+        let mut env: HashMap<String, String> = base.into_iter().collect();
         env.extend(req.env);
         let mut env: Vec<_> = env.into_iter().collect();
         env.sort();
@@ -95,6 +118,7 @@ impl ExecSpec {
                 0 => DEFAULT_MAX_OUTPUT_BYTES,
                 n => n,
             },
+            keep_on_disconnect: req.keep_on_disconnect,
         })
     }
 }
@@ -134,8 +158,8 @@ impl KillTarget {
 /// A chunk of stdin waiting to be written to the process.
 #[derive(Debug)]
 pub struct StdinChunk {
-    /// The Stdin request to answer once written (`None` for Exec.stdin).
-    pub request_id: Option<u64>,
+    /// The connection and Stdin request to answer once written (`None` for Exec.stdin).
+    pub reply_to: Option<(Arc<ConnWriter>, u64)>,
     pub data: Vec<u8>,
     /// Close stdin after this chunk.
     pub eof: bool,
@@ -155,7 +179,8 @@ pub struct StdinQueue {
 #[derive(Debug)]
 pub struct Execution {
     pub exec_id: u64,
-    pub conn: Arc<ConnWriter>,
+    /// Who gets its responses.
+    pub delivery: Arc<Delivery>,
     pub pid: i32,
     pub target: KillTarget,
     pub waker: Arc<Waker>,
@@ -190,8 +215,14 @@ impl Execution {
         }
     }
 
-    /// Queues a Stdin request; its Ok is sent once the data is in the pipe.
-    pub fn push_stdin(&self, request_id: u64, data: Vec<u8>, eof: bool) -> Result<(), ReqError> {
+    /// Queues Stdin request `request_id` of `conn`; its Ok is sent once the data is in the pipe.
+    pub fn push_stdin(
+        &self,
+        conn: &Arc<ConnWriter>,
+        request_id: u64,
+        data: Vec<u8>,
+        eof: bool,
+    ) -> Result<(), ReqError> {
         let mut q = self.stdin_queue();
         if !q.accepting {
             return Err(ReqError::invalid(format!(
@@ -208,7 +239,7 @@ impl Execution {
         q.pending_bytes += data.len();
         q.accepting = !eof;
         q.chunks.push_back(StdinChunk {
-            request_id: Some(request_id),
+            reply_to: Some((Arc::clone(conn), request_id)),
             data,
             eof,
         });
@@ -222,12 +253,45 @@ impl Execution {
     }
 }
 
-/// Every execution running in the agent, and the count limit.
-#[derive(Debug, Default)]
+/// Every execution running in the agent, the count limit, and the exits kept for Attach.
+#[derive(Debug)]
 pub struct ExecTable {
-    by_id: Mutex<HashMap<u64, Arc<Execution>>>,
+    tables: Mutex<Tables>,
     last_id: AtomicU64,
     running: Arc<AtomicUsize>,
+    orphan_limits: Arc<OrphanLimits>,
+}
+
+#[derive(Debug, Default)]
+struct Tables {
+    /// Executions whose process runs (or whose exit is being delivered).
+    by_id: HashMap<u64, Arc<Execution>>,
+    /// Executions kept on disconnect that ended while nobody owned them, oldest first, with
+    /// the time they were added: at most [`MAX_EXITED_ORPHANS`], for [`EXITED_ORPHAN_TTL`].
+    exited: VecDeque<(Instant, Arc<Delivery>)>,
+}
+
+impl Tables {
+    fn expire(&mut self, now: Instant) {
+        while self.exited.len() > MAX_EXITED_ORPHANS
+            || self
+                .exited
+                .front()
+                .is_some_and(|(at, _)| now.saturating_duration_since(*at) >= EXITED_ORPHAN_TTL)
+        {
+            self.exited.pop_front();
+        }
+    }
+
+    fn forget_exited(&mut self, exec_id: u64) {
+        self.exited.retain(|(_, d)| d.exec_id() != exec_id);
+    }
+}
+
+impl Default for ExecTable {
+    fn default() -> Self {
+        Self::new(DEFAULT_ORPHAN_BUFFER_BYTES)
+    }
 }
 
 /// One of the [`MAX_CONCURRENT_EXECS`] places; given back on drop.
@@ -241,6 +305,21 @@ impl Drop for ExecPlace {
 }
 
 impl ExecTable {
+    /// A table whose unowned executions buffer at most `orphan_buffer_bytes` of output each.
+    pub fn new(orphan_buffer_bytes: usize) -> Self {
+        Self {
+            tables: Mutex::new(Tables::default()),
+            last_id: AtomicU64::new(0),
+            running: Arc::new(AtomicUsize::new(0)),
+            orphan_limits: Arc::new(OrphanLimits::new(orphan_buffer_bytes)),
+        }
+    }
+
+    /// The output buffer limits of unowned executions.
+    pub fn orphan_limits(&self) -> &Arc<OrphanLimits> {
+        &self.orphan_limits
+    }
+
     /// Takes a place for a new execution, or fails with LIMIT_EXCEEDED.
     pub fn reserve(&self) -> Result<ExecPlace, ReqError> {
         self.running
@@ -261,23 +340,26 @@ impl ExecTable {
         self.last_id.fetch_add(1, Ordering::SeqCst) + 1
     }
 
-    /// Registers `exec`; fails (and kills it) if its connection closed meanwhile.
-    pub fn insert(&self, exec: Arc<Execution>) -> bool {
-        let mut by_id = self.lock();
-        if exec.conn.is_closed() {
-            drop(by_id);
+    /// Registers `exec`, started by `conn`; fails (and kills it) if `conn` closed meanwhile
+    /// (even if kept on disconnect: its host never learnt its id).
+    pub fn insert(&self, exec: Arc<Execution>, conn: &ConnWriter) -> bool {
+        let mut t = self.lock();
+        t.expire(Instant::now());
+        if conn.is_closed() {
+            drop(t);
             exec.kill_all();
             return false;
         }
-        by_id.insert(exec.exec_id, exec);
+        t.by_id.insert(exec.exec_id, exec);
         true
     }
 
-    /// The execution `exec_id` if it belongs to `conn`.
+    /// The execution `exec_id` if it runs and belongs to `conn`.
     pub fn get(&self, conn: &Arc<ConnWriter>, exec_id: u64) -> Result<Arc<Execution>, ReqError> {
         self.lock()
+            .by_id
             .get(&exec_id)
-            .filter(|e| Arc::ptr_eq(&e.conn, conn))
+            .filter(|e| e.delivery.owned_by(conn))
             .cloned()
             .ok_or_else(|| {
                 ReqError::new(
@@ -287,36 +369,91 @@ impl ExecTable {
             })
     }
 
-    pub fn remove(&self, exec_id: u64) {
-        self.lock().remove(&exec_id);
+    /// The execution ended with `exit`: gives back its `place`, sends the exit to its owner
+    /// and takes it out of the table; a kept execution whose exit reached nobody moves to the
+    /// exits kept for Attach.
+    pub fn exited(&self, exec: &Execution, exit: ExecExit, place: ExecPlace) {
+        let delivery = &exec.delivery;
+        delivery.finish(
+            exit,
+            // Before the host hears of the exit, so that it may start another at once.
+            move || drop(place),
+            |delivered| {
+                let mut t = self.lock();
+                t.by_id.remove(&exec.exec_id);
+                if delivery.keep() && !delivered {
+                    t.exited.push_back((Instant::now(), Arc::clone(delivery)));
+                    t.expire(Instant::now());
+                }
+            },
+        );
     }
 
-    /// Marks `conn` closed and kills its executions.
+    /// Handles Attach request `request_id` of `conn`: see [`Delivery::attach`].
+    pub fn attach(
+        &self,
+        conn: &Arc<ConnWriter>,
+        request_id: u64,
+        req: &pb::Attach,
+    ) -> Result<(), ReqError> {
+        let exec_id = req.exec_id;
+        let delivery = {
+            let mut t = self.lock();
+            t.expire(Instant::now());
+            let running = t.by_id.get(&exec_id).map(|e| Arc::clone(&e.delivery));
+            running.or_else(|| {
+                t.exited
+                    .iter()
+                    .find(|(_, d)| d.exec_id() == exec_id)
+                    .map(|(_, d)| Arc::clone(d))
+            })
+        };
+        let delivery = delivery.ok_or_else(|| {
+            ReqError::new(
+                ErrorCode::NotFound,
+                format!("no execution {exec_id} to attach to (unknown, or its exit was forgotten)"),
+            )
+        })?;
+        let from = [req.stdout_offset, req.stderr_offset];
+        if delivery.attach(conn, request_id, from)? {
+            self.lock().forget_exited(exec_id);
+        }
+        Ok(())
+    }
+
+    /// Marks `conn` closed and kills its executions, except those kept on disconnect, which
+    /// become unowned.
     pub fn close_connection(&self, conn: &Arc<ConnWriter>) {
-        let mine: Vec<_> = {
-            let by_id = self.lock();
+        let doomed: Vec<_> = {
+            let t = self.lock();
             conn.mark_closed();
-            by_id
+            t.by_id
                 .values()
-                .filter(|e| Arc::ptr_eq(&e.conn, conn))
+                .filter(|e| e.delivery.release(conn) == Release::Kill)
                 .cloned()
                 .collect()
         };
-        for exec in mine {
+        for exec in doomed {
             exec.kill_all();
         }
     }
 
     /// Kills every execution (power-off).
     pub fn kill_all(&self) {
-        let all: Vec<_> = self.lock().values().cloned().collect();
+        let all: Vec<_> = self.lock().by_id.values().cloned().collect();
         for exec in all {
             exec.kill_all();
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Arc<Execution>>> {
-        self.by_id.lock().unwrap_or_else(PoisonError::into_inner)
+    /// How many exits of unowned executions are kept.
+    #[cfg(test)]
+    fn exited_len(&self) -> usize {
+        self.lock().exited.len()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Tables> {
+        self.tables.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -328,7 +465,7 @@ pub fn start(
     request_id: u64,
     req: pb::Exec,
 ) -> Result<(), ReqError> {
-    let spec = ExecSpec::validate(req)?;
+    let spec = ExecSpec::validate(req, agent.base_env())?;
     // Held by the execution's thread until it ends (dropped with the closure if the thread
     // cannot start).
     let place = agent.execs.reserve()?;
@@ -345,6 +482,10 @@ mod tests {
     use super::*;
     use airlock_proto::pb::Argv;
 
+    fn validate(req: pb::Exec) -> Result<ExecSpec, ReqError> {
+        ExecSpec::validate(req, base_env(""))
+    }
+
     fn argv(args: &[&str]) -> pb::Exec {
         pb::Exec {
             command: Some(exec::Command::Argv(Argv {
@@ -360,7 +501,7 @@ mod tests {
             command: Some(exec::Command::Shell("echo hi".into())),
             ..Default::default()
         };
-        let spec = ExecSpec::validate(req).unwrap();
+        let spec = validate(req).unwrap();
         assert_eq!(spec.argv, ["/bin/sh", "-c", "echo hi"]);
         assert_eq!(spec.cwd, "/");
         assert_eq!(spec.max_output_bytes, DEFAULT_MAX_OUTPUT_BYTES);
@@ -372,7 +513,7 @@ mod tests {
         let mut req = argv(&["env"]);
         req.env.insert("HOME".into(), "/tmp".into());
         req.env.insert("A".into(), "1".into());
-        let spec = ExecSpec::validate(req).unwrap();
+        let spec = validate(req).unwrap();
         let names: Vec<_> = spec.env.iter().map(|(k, _)| k.as_str()).collect();
         assert_eq!(names, ["A", "HOME", "LANG", "PATH", "TERM"]);
         assert!(spec.env.contains(&("HOME".into(), "/tmp".into())));
@@ -380,24 +521,21 @@ mod tests {
 
     #[test]
     fn missing_or_empty_command_is_invalid() {
-        let none = ExecSpec::validate(pb::Exec::default()).unwrap_err();
+        let none = validate(pb::Exec::default()).unwrap_err();
         assert_eq!(none.code, ErrorCode::InvalidArgument);
-        let empty = ExecSpec::validate(argv(&[])).unwrap_err();
+        let empty = validate(argv(&[])).unwrap_err();
         assert_eq!(empty.code, ErrorCode::InvalidArgument);
-        let blank = ExecSpec::validate(argv(&[""])).unwrap_err();
+        let blank = validate(argv(&[""])).unwrap_err();
         assert_eq!(blank.code, ErrorCode::InvalidArgument);
     }
 
     #[test]
     fn nul_bytes_and_bad_env_names_are_invalid() {
-        let nul = ExecSpec::validate(argv(&["a\0b"])).unwrap_err();
+        let nul = validate(argv(&["a\0b"])).unwrap_err();
         assert_eq!(nul.code, ErrorCode::InvalidArgument);
         let mut req = argv(&["true"]);
         req.env.insert("A=B".into(), "1".into());
-        assert_eq!(
-            ExecSpec::validate(req).unwrap_err().code,
-            ErrorCode::InvalidArgument
-        );
+        assert_eq!(validate(req).unwrap_err().code, ErrorCode::InvalidArgument);
     }
 
     #[test]
@@ -405,12 +543,9 @@ mod tests {
         let big = "x".repeat(MAX_ARGV_ENV_BYTES / 2);
         let mut req = argv(&["true", &big]);
         req.env.insert("BIG".into(), big.clone());
-        assert_eq!(
-            ExecSpec::validate(req).unwrap_err().code,
-            ErrorCode::TooLarge
-        );
+        assert_eq!(validate(req).unwrap_err().code, ErrorCode::TooLarge);
         let just_fits = "x".repeat(MAX_ARGV_ENV_BYTES - "true".len() - 2);
-        assert!(ExecSpec::validate(argv(&["true", &just_fits])).is_ok());
+        assert!(validate(argv(&["true", &just_fits])).is_ok());
     }
 
     #[test]
@@ -418,7 +553,7 @@ mod tests {
         let mut req = argv(&["true"]);
         req.timeout_ms = 1500;
         req.max_output_bytes = 10;
-        let spec = ExecSpec::validate(req).unwrap();
+        let spec = validate(req).unwrap();
         assert_eq!(spec.timeout, Some(Duration::from_millis(1500)));
         assert_eq!(spec.max_output_bytes, 10);
     }
@@ -439,5 +574,72 @@ mod tests {
         let table = ExecTable::default();
         assert_eq!(table.next_id(), 1);
         assert_eq!(table.next_id(), 2);
+    }
+
+    #[test]
+    fn a_sandbox_id_joins_the_base_environment_and_env_can_override_it() {
+        let spec = ExecSpec::validate(argv(&["env"]), base_env("sb-1")).unwrap();
+        assert!(spec.env.contains(&(SANDBOX_ID_ENV.into(), "sb-1".into())));
+        let mut req = argv(&["env"]);
+        req.env.insert(SANDBOX_ID_ENV.into(), "mine".into());
+        let spec = ExecSpec::validate(req, base_env("sb-1")).unwrap();
+        assert!(spec.env.contains(&(SANDBOX_ID_ENV.into(), "mine".into())));
+        let spec = validate(argv(&["env"])).unwrap();
+        assert!(!spec.env.iter().any(|(k, _)| k == SANDBOX_ID_ENV));
+    }
+
+    #[test]
+    fn keep_on_disconnect_is_taken() {
+        let spec = validate(argv(&["true"]).with_keep_on_disconnect(true)).unwrap();
+        assert!(spec.keep_on_disconnect);
+        assert!(!validate(argv(&["true"])).unwrap().keep_on_disconnect);
+    }
+
+    fn orphan(exec_id: u64) -> Arc<Delivery> {
+        use std::os::unix::net::UnixStream;
+        let (ours, _peer) = UnixStream::pair().unwrap();
+        let file = |s: UnixStream| std::fs::File::from(std::os::fd::OwnedFd::from(s));
+        let conn = Arc::new(ConnWriter::new(file(ours.try_clone().unwrap()), file(ours)));
+        let limits = Arc::new(OrphanLimits::new(16));
+        Arc::new(Delivery::new(exec_id, 1, true, conn, 1, limits))
+    }
+
+    #[test]
+    fn exited_orphans_are_kept_for_the_most_recent_and_for_a_while() {
+        let table = ExecTable::default();
+        let now = Instant::now();
+        {
+            let mut t = table.lock();
+            for id in 1..=(MAX_EXITED_ORPHANS as u64 + 5) {
+                t.exited.push_back((now, orphan(id)));
+            }
+            t.expire(now);
+        }
+        assert_eq!(table.exited_len(), MAX_EXITED_ORPHANS);
+        assert_eq!(
+            table.lock().exited.front().map(|(_, d)| d.exec_id()),
+            Some(6)
+        );
+        table.lock().expire(now + EXITED_ORPHAN_TTL);
+        assert_eq!(table.exited_len(), 0);
+    }
+
+    #[test]
+    fn attach_of_an_unknown_execution_is_not_found() {
+        let table = ExecTable::default();
+        let d = orphan(1);
+        let conn = {
+            use std::os::unix::net::UnixStream;
+            let (ours, _peer) = UnixStream::pair().unwrap();
+            let file = |s: UnixStream| std::fs::File::from(std::os::fd::OwnedFd::from(s));
+            Arc::new(ConnWriter::new(file(ours.try_clone().unwrap()), file(ours)))
+        };
+        table.lock().exited.push_back((Instant::now(), d));
+        let req = pb::Attach {
+            exec_id: 2,
+            ..Default::default()
+        };
+        let err = table.attach(&conn, 1, &req).unwrap_err();
+        assert_eq!(err.code, ErrorCode::NotFound);
     }
 }

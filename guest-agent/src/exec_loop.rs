@@ -4,9 +4,11 @@
 //! exit record.
 //!
 //! Output is read in large pieces (the pipes are enlarged) and sent as ≤64 KiB Output frames,
-//! all frames of one wake-up in one write. Sending blocks while the host is slow to read, and
-//! then the loop stops reading the pipes: backpressure reaches the process, memory stays
-//! bounded.
+//! all frames of one wake-up in one write, to whichever connection owns the execution (see
+//! [`crate::delivery`]). Sending blocks while the host is slow to read, and then the loop stops
+//! reading the pipes: backpressure reaches the process, memory stays bounded. While an
+//! execution kept on disconnect has no owner, its output goes into a bounded buffer instead
+//! (and past it is dropped), so the process keeps running.
 //!
 //! When the main process exits, whatever it left running is killed (its cgroup or process
 //! group), so an execution never outlives its main process; the pipes are then drained until
@@ -28,6 +30,7 @@ use airlock_proto::pb::{
 
 use crate::agent::Agent;
 use crate::cgroup::CgroupStats;
+use crate::delivery::{Delivery, Frame};
 use crate::error::ReqError;
 use crate::exec::{ExecPlace, ExecSpec, Execution, KillTarget, StdinChunk, StdinQueue};
 use crate::reaper::{ExitSlot, Waker};
@@ -55,18 +58,17 @@ pub fn run(
             return;
         }
     };
-    agent.execs.insert(Arc::clone(&run.exec));
+    agent.execs.insert(Arc::clone(&run.exec), &conn);
     let started = ExecStarted {
         exec_id,
         pid: u32::try_from(run.exec.pid).unwrap_or(0),
     };
+    // Nothing else is sent for this execution before the loop starts, so this comes first.
     conn.send(&reply(request_id, response::Kind::ExecStarted(started)));
     run.pump();
+    let exec = Arc::clone(&run.exec);
     let exit = run.finish();
-    agent.execs.remove(exec_id);
-    // Give the place back before the host hears of the exit, so that it may start another.
-    drop(place);
-    conn.send(&reply(request_id, response::Kind::ExecExit(exit)));
+    agent.execs.exited(&exec, exit, place);
 }
 
 fn reply(id: u64, kind: response::Kind) -> Response {
@@ -90,7 +92,6 @@ struct OutStream {
 #[derive(Debug)]
 struct Run {
     exec: Arc<Execution>,
-    request_id: u64,
     out: [OutStream; 2],
     stdin: Option<File>,
     /// The stdin chunk being written and how much of it is written.
@@ -134,9 +135,17 @@ fn launch(
     };
     let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
     let (stdin, stdout, stderr) = take_pipes(&mut child)?;
+    let delivery = Delivery::new(
+        exec_id,
+        child.id(),
+        spec.keep_on_disconnect,
+        Arc::clone(conn),
+        request_id,
+        Arc::clone(agent.execs.orphan_limits()),
+    );
     let exec = Arc::new(Execution {
         exec_id,
-        conn: Arc::clone(conn),
+        delivery: Arc::new(delivery),
         pid,
         target: cgroup.map_or(KillTarget::Group(pid), KillTarget::Cgroup),
         waker,
@@ -153,7 +162,6 @@ fn launch(
     };
     Ok(Run {
         exec,
-        request_id,
         out: [
             stream(StreamKind::Stdout, stdout),
             stream(StreamKind::Stderr, stderr),
@@ -225,7 +233,7 @@ fn initial_stdin(spec: &ExecSpec) -> StdinQueue {
     if wants_stdin(spec) && (!spec.stdin.is_empty() || !spec.stdin_open) {
         queue.pending_bytes = spec.stdin.len();
         queue.chunks.push_back(StdinChunk {
-            request_id: None,
+            reply_to: None,
             data: spec.stdin.clone(),
             eof: !spec.stdin_open,
         });
@@ -254,7 +262,7 @@ impl Run {
             }
             let mut batch = Vec::new();
             self.poll_once(now, &mut batch);
-            self.exec.conn.send_all(&batch);
+            self.exec.delivery.deliver(batch);
         }
     }
 
@@ -271,7 +279,7 @@ impl Run {
         self.exited.is_some() && (drained || self.drain_until.is_some_and(|d| now >= d))
     }
 
-    fn poll_once(&mut self, now: Instant, batch: &mut Vec<Response>) {
+    fn poll_once(&mut self, now: Instant, batch: &mut Vec<Frame>) {
         let mut fds = vec![pollfd(self.exec.waker.as_raw_fd(), libc::POLLIN)];
         let mut slots = vec![Slot::Waker];
         for (i, s) in self.out.iter().enumerate() {
@@ -307,7 +315,7 @@ impl Run {
     }
 
     /// The reaper delivered the exit, or the connection queued stdin.
-    fn on_wake(&mut self, batch: &mut Vec<Response>) {
+    fn on_wake(&mut self, batch: &mut Vec<Frame>) {
         self.exec.waker.drain();
         if self.exited.is_none()
             && let Some(exit) = self.exec.exit.take()
@@ -322,7 +330,7 @@ impl Run {
         self.write_stdin(batch);
     }
 
-    fn read_output(&mut self, i: usize, batch: &mut Vec<Response>) {
+    fn read_output(&mut self, i: usize, batch: &mut Vec<Frame>) {
         let Some(stream) = self.out.get_mut(i) else {
             return;
         };
@@ -333,7 +341,7 @@ impl Run {
             Ok(0) => stream.pipe = None,
             Ok(n) => {
                 let data = self.buf.get(..n).unwrap_or_default();
-                if emit(stream, self.exec.exec_id, self.request_id, data, batch) {
+                if emit(stream, self.exec.exec_id, data, batch) {
                     self.truncated = true;
                 }
             }
@@ -343,7 +351,7 @@ impl Run {
     }
 
     /// Writes queued stdin until the pipe is full or the queue empty.
-    fn write_stdin(&mut self, batch: &mut Vec<Response>) {
+    fn write_stdin(&mut self, batch: &mut Vec<Frame>) {
         loop {
             if self.current.is_none() {
                 let next = self.exec.stdin_queue().chunks.pop_front();
@@ -380,7 +388,7 @@ impl Run {
     }
 
     /// The current chunk is fully written: answer its request, close stdin after an eof.
-    fn complete_chunk(&mut self, batch: &mut Vec<Response>) {
+    fn complete_chunk(&mut self, batch: &mut Vec<Frame>) {
         let Some((chunk, _)) = self.current.take() else {
             return;
         };
@@ -391,13 +399,13 @@ impl Run {
         if chunk.eof {
             self.stdin = None;
         }
-        if let Some(id) = chunk.request_id {
-            batch.push(reply(id, response::Kind::Ok(pb::Ok {})));
+        if let Some((conn, id)) = chunk.reply_to {
+            batch.push(Frame::Reply(conn, reply(id, response::Kind::Ok(pb::Ok {}))));
         }
     }
 
     /// Closes stdin for good: queued chunks fail with `why`, later Stdin requests are refused.
-    fn close_stdin(&mut self, why: &str, batch: &mut Vec<Response>) {
+    fn close_stdin(&mut self, why: &str, batch: &mut Vec<Frame>) {
         self.stdin = None;
         let mut failed: Vec<StdinChunk> = self.current.take().map(|(c, _)| c).into_iter().collect();
         {
@@ -406,8 +414,9 @@ impl Run {
             q.pending_bytes = 0;
             failed.extend(q.chunks.drain(..));
         }
-        for id in failed.iter().filter_map(|c| c.request_id) {
-            batch.push(ReqError::new(ErrorCode::Io, why).response(id));
+        for (conn, id) in failed.into_iter().filter_map(|c| c.reply_to) {
+            let err = ReqError::new(ErrorCode::Io, why).response(id);
+            batch.push(Frame::Reply(conn, err));
         }
     }
 
@@ -475,19 +484,14 @@ fn exit_record(
         stdout_bytes: run.out[0].total,
         stderr_bytes: run.out[1].total,
         output_truncated: run.truncated,
+        // Known to the delivery, which fills it in.
         orphan_dropped_bytes: 0,
     }
 }
 
 /// Queues `data` from `stream` as Output frames, up to the stream's cap. Returns whether
 /// anything was cut off.
-fn emit(
-    stream: &mut OutStream,
-    exec_id: u64,
-    request_id: u64,
-    data: &[u8],
-    batch: &mut Vec<Response>,
-) -> bool {
+fn emit(stream: &mut OutStream, exec_id: u64, data: &[u8], batch: &mut Vec<Frame>) -> bool {
     let offset = stream.total;
     stream.total += data.len() as u64;
     let room = usize::try_from(stream.cap.saturating_sub(offset)).unwrap_or(usize::MAX);
@@ -500,7 +504,7 @@ fn emit(
             offset: chunk_offset,
             data: chunk.to_vec(),
         };
-        batch.push(reply(request_id, response::Kind::Output(out)));
+        batch.push(Frame::Output(out));
         chunk_offset += chunk.len() as u64;
     }
     kept.len() < data.len()
@@ -534,11 +538,11 @@ mod tests {
         }
     }
 
-    fn outputs(batch: &[Response]) -> Vec<(u64, usize)> {
+    fn outputs(batch: &[Frame]) -> Vec<(u64, usize)> {
         batch
             .iter()
-            .map(|r| match &r.kind {
-                Some(response::Kind::Output(o)) => (o.offset, o.data.len()),
+            .map(|f| match f {
+                Frame::Output(o) => (o.offset, o.data.len()),
                 other => panic!("{other:?}"),
             })
             .collect()
@@ -549,10 +553,14 @@ mod tests {
         let mut s = stream(u64::MAX);
         let mut batch = Vec::new();
         let data = vec![1u8; 2 * MAX_OUTPUT_CHUNK + 5];
-        assert!(!emit(&mut s, 3, 9, &data, &mut batch));
+        assert!(!emit(&mut s, 3, &data, &mut batch));
         let k = MAX_OUTPUT_CHUNK;
         assert_eq!(outputs(&batch), [(0, k), (k as u64, k), (2 * k as u64, 5)]);
-        assert!(batch.iter().all(|r| r.id == 9));
+        assert!(
+            batch
+                .iter()
+                .all(|f| matches!(f, Frame::Output(o) if o.exec_id == 3))
+        );
         assert_eq!(s.total, data.len() as u64);
     }
 
@@ -560,8 +568,8 @@ mod tests {
     fn emit_continues_offsets_across_calls() {
         let mut s = stream(u64::MAX);
         let mut batch = Vec::new();
-        emit(&mut s, 1, 1, b"abc", &mut batch);
-        emit(&mut s, 1, 1, b"de", &mut batch);
+        emit(&mut s, 1, b"abc", &mut batch);
+        emit(&mut s, 1, b"de", &mut batch);
         assert_eq!(outputs(&batch), [(0, 3), (3, 2)]);
     }
 
@@ -569,8 +577,8 @@ mod tests {
     fn emit_cuts_at_the_cap_and_keeps_counting() {
         let mut s = stream(4);
         let mut batch = Vec::new();
-        assert!(emit(&mut s, 1, 1, b"abcdef", &mut batch));
-        assert!(emit(&mut s, 1, 1, b"gh", &mut batch));
+        assert!(emit(&mut s, 1, b"abcdef", &mut batch));
+        assert!(emit(&mut s, 1, b"gh", &mut batch));
         assert_eq!(outputs(&batch), [(0, 4)]);
         assert_eq!(s.total, 8);
     }
@@ -579,7 +587,7 @@ mod tests {
     fn emit_of_nothing_past_the_cap_sends_nothing() {
         let mut s = stream(0);
         let mut batch = Vec::new();
-        assert!(emit(&mut s, 1, 1, b"x", &mut batch));
+        assert!(emit(&mut s, 1, b"x", &mut batch));
         assert!(batch.is_empty());
     }
 }

@@ -13,6 +13,8 @@ use crate::sys::{self, MountSpec};
 pub const READY_LINE: &str = "airlock: userspace up";
 /// Where the per-execution cgroups go inside the VM.
 pub const CGROUP_ROOT: &str = "/sys/fs/cgroup/airlock";
+/// Where the agent keeps state files inside the VM (on the /run tmpfs).
+pub const STATE_DIR: &str = "/run/airlock";
 
 const NOSUID_NODEV: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV;
 

@@ -8,19 +8,23 @@
 //! protocol on that socket; the protocol tests run it that way.
 //!
 //! Code map: `init` (PID 1 work, console lines), `server` (listening, connections, dispatch),
-//! `exec` (validation, the table of executions, Signal/Stdin), `exec_loop` (one execution's
-//! poll loop and exit record), `reaper` (the only place that reaps children), `cgroup`,
-//! `files`, `agent` (shared state, Ready), `error`, and `sys` (all unsafe code).
+//! `exec` (validation, the table of executions, Signal/Stdin/Attach), `exec_loop` (one
+//! execution's poll loop and exit record), `delivery` (who gets an execution's responses:
+//! its owner, or a bounded buffer while it has none), `reaper` (the only place that reaps
+//! children), `cgroup`, `files`, `reseed` (a restored clone's own RNG state, host name and
+//! sandbox id), `agent` (shared state, Ready), `error`, and `sys` (all unsafe code).
 #![deny(unsafe_code)]
 
 mod agent;
 mod cgroup;
+mod delivery;
 mod error;
 mod exec;
 mod exec_loop;
 mod files;
 mod init;
 mod reaper;
+mod reseed;
 mod server;
 mod sys;
 
@@ -28,16 +32,23 @@ use std::io;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use agent::{Agent, CPUS_ONLINE};
+use agent::{Agent, CPUS_ONLINE, Settings};
+use airlock_proto::DEFAULT_ORPHAN_BUFFER_BYTES;
 use cgroup::CgroupRoot;
 use reaper::Reaper;
 use server::{ListenAddr, Listener};
 
 const USAGE: &str = "usage: airlock-agent --listen unix:PATH|vsock:PORT [--cgroup-root DIR]
-  (as PID 1 it takes no options: it initialises the VM and listens on vsock port 52)
+                     [--state-dir DIR] [--orphan-buffer-bytes N]
+  (as PID 1 it takes no options: it initialises the VM, listens on vsock port 52, keeps its
+  state in /run/airlock and buffers 1 MiB per unowned execution)
   --listen ADDR        serve the agent protocol on this socket
   --cgroup-root DIR    run each execution in a cgroup under DIR (created; its parent must be a
-                       cgroup v2 directory); without it, process groups are used";
+                       cgroup v2 directory); without it, process groups are used
+  --state-dir DIR      write state files (the sandbox id of Reseed) in DIR (created); without
+                       it, none are written
+  --orphan-buffer-bytes N
+                       output kept per execution while no connection owns it (default 1 MiB)";
 
 /// Exit code for bad command-line arguments (host mode only).
 const EXIT_USAGE: i32 = 2;
@@ -49,6 +60,8 @@ const EXIT_START: i32 = 1;
 struct Options {
     listen: ListenAddr,
     cgroup_root: Option<PathBuf>,
+    state_dir: Option<PathBuf>,
+    orphan_buffer_bytes: usize,
 }
 
 impl Options {
@@ -56,18 +69,29 @@ impl Options {
         Self {
             listen: ListenAddr::Vsock(airlock_proto::AGENT_VSOCK_PORT),
             cgroup_root: Some(PathBuf::from(init::CGROUP_ROOT)),
+            state_dir: Some(PathBuf::from(init::STATE_DIR)),
+            orphan_buffer_bytes: DEFAULT_ORPHAN_BUFFER_BYTES,
         }
     }
 
     fn parse(args: &[String]) -> Result<Self, String> {
         let mut listen = None;
         let mut cgroup_root = None;
+        let mut state_dir = None;
+        let mut orphan_buffer_bytes = DEFAULT_ORPHAN_BUFFER_BYTES;
         let mut it = args.iter();
         while let Some(arg) = it.next() {
             let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
             match arg.as_str() {
                 "--listen" => listen = Some(value()?.parse()?),
                 "--cgroup-root" => cgroup_root = Some(PathBuf::from(value()?)),
+                "--state-dir" => state_dir = Some(PathBuf::from(value()?)),
+                "--orphan-buffer-bytes" => {
+                    let v = value()?;
+                    orphan_buffer_bytes = v
+                        .parse()
+                        .map_err(|_| format!("invalid --orphan-buffer-bytes {v:?}"))?;
+                }
                 other => return Err(format!("unknown argument {other:?}")),
             }
         }
@@ -75,6 +99,8 @@ impl Options {
         Ok(Self {
             listen,
             cgroup_root,
+            state_dir,
+            orphan_buffer_bytes,
         })
     }
 }
@@ -160,7 +186,12 @@ fn run(pid1: bool, options: &Options) -> StartError {
     init::console(init::READY_LINE);
     let cpus_online = std::fs::read_to_string(CPUS_ONLINE).unwrap_or_default();
     let ready = agent::build_ready(boot_time, &cpus_online, cgroups.as_ref());
-    let agent = Arc::new(Agent::new(pid1, reaper, cgroups, ready));
+    let settings = Settings {
+        pid1,
+        state_dir: options.state_dir.clone(),
+        orphan_buffer_bytes: options.orphan_buffer_bytes,
+    };
+    let agent = Arc::new(Agent::new(settings, reaper, cgroups, ready));
     // After the readiness line, so it costs the boot nothing.
     init::console(&init::cpus_line(&cpus_online));
     server::serve_forever(&agent, &listener)
@@ -216,9 +247,30 @@ mod tests {
     }
 
     #[test]
-    fn pid1_listens_on_vsock_52_with_cgroups() {
+    fn host_mode_has_no_state_dir_unless_given_and_takes_an_orphan_buffer_size() {
+        let o = Options::parse(&args(&["--listen", "unix:/a"])).unwrap();
+        assert_eq!(o.state_dir, None);
+        assert_eq!(o.orphan_buffer_bytes, DEFAULT_ORPHAN_BUFFER_BYTES);
+        let o = Options::parse(&args(&[
+            "--listen",
+            "unix:/a",
+            "--state-dir",
+            "/s",
+            "--orphan-buffer-bytes",
+            "4096",
+        ]))
+        .unwrap();
+        assert_eq!(o.state_dir, Some(PathBuf::from("/s")));
+        assert_eq!(o.orphan_buffer_bytes, 4096);
+        let bad = ["--listen", "unix:/a", "--orphan-buffer-bytes", "lots"];
+        assert!(Options::parse(&args(&bad)).is_err());
+    }
+
+    #[test]
+    fn pid1_listens_on_vsock_52_with_cgroups_and_state_in_run() {
         let o = Options::pid1();
         assert_eq!(o.listen, ListenAddr::Vsock(52));
         assert_eq!(o.cgroup_root, Some(PathBuf::from(init::CGROUP_ROOT)));
+        assert_eq!(o.state_dir, Some(PathBuf::from("/run/airlock")));
     }
 }

@@ -4,7 +4,10 @@
 //! itself (files, ping, signal); executions answer from their own threads. All of them write
 //! through the connection's [`ConnWriter`], one lock around one write per batch of frames. A
 //! malformed or oversized frame is answered with an Error (id 0) and closes the connection;
-//! closing a connection kills its executions. Nothing a host sends can end the agent.
+//! closing a connection kills its executions, except those kept on disconnect, which it leaves
+//! unowned (see [`crate::delivery`]). A connection that fails (ECONNRESET after a vsock
+//! transport reset, say) is closed like one that ends cleanly. Nothing a host sends can end the
+//! agent.
 
 use std::fmt;
 use std::fs::File;
@@ -22,7 +25,7 @@ use airlock_proto::{FrameError, append_frame, read_frame};
 
 use crate::agent::Agent;
 use crate::error::ReqError;
-use crate::{exec, files, sys};
+use crate::{exec, files, reseed, sys};
 
 /// Where the agent listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -103,6 +106,10 @@ pub fn serve_forever(agent: &Arc<Agent>, listener: &Listener) -> ! {
                     eprintln!("airlock-agent: cannot start a connection thread: {e}");
                 }
             }
+            // A connection that was reset or aborted while it waited to be accepted (every
+            // connection is reset on a vsock transport reset): the next one may be fine, and
+            // after a snapshot restore the host is waiting for it.
+            Err(e) if accept_error_is_transient(&e) => {}
             Err(e) => {
                 // EMFILE and friends: wait a little instead of spinning.
                 eprintln!("airlock-agent: accept: {e}");
@@ -110,6 +117,14 @@ pub fn serve_forever(agent: &Arc<Agent>, listener: &Listener) -> ! {
             }
         }
     }
+}
+
+/// Errors of `accept` that concern one connection rather than the listener or the system.
+fn accept_error_is_transient(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::ECONNABORTED | libc::ECONNRESET | libc::EPROTO | libc::EINTR)
+    )
 }
 
 /// The sending side of one connection, shared by every thread that answers on it.
@@ -125,7 +140,8 @@ pub struct ConnWriter {
 }
 
 impl ConnWriter {
-    fn new(stream: File, control: File) -> Self {
+    /// `stream` for writing, `control` another descriptor of the same socket.
+    pub fn new(stream: File, control: File) -> Self {
         Self {
             stream: Mutex::new(stream),
             control,
@@ -139,10 +155,14 @@ impl ConnWriter {
         self.send_all(std::slice::from_ref(resp));
     }
 
-    /// Sends responses with one write, in order. Blocks while the host does not read.
-    pub fn send_all(&self, resps: &[Response]) {
-        if resps.is_empty() || self.broken.load(Ordering::SeqCst) {
-            return;
+    /// Sends responses with one write, in order. Blocks while the host does not read. Returns
+    /// false if they were not (or not all) written because the connection is broken.
+    pub fn send_all(&self, resps: &[Response]) -> bool {
+        if self.broken.load(Ordering::SeqCst) {
+            return false;
+        }
+        if resps.is_empty() {
+            return true;
         }
         let mut buf = Vec::new();
         for resp in resps {
@@ -155,7 +175,9 @@ impl ConnWriter {
         if stream.write_all(&buf).is_err() {
             self.broken.store(true, Ordering::SeqCst);
             sys::shutdown(self.control.as_fd());
+            return false;
         }
+        true
     }
 
     pub fn is_closed(&self) -> bool {
@@ -166,8 +188,16 @@ impl ConnWriter {
         self.closed.store(true, Ordering::SeqCst);
     }
 
-    /// Ends the connection for every thread using it.
-    fn shutdown(&self) {
+    /// Whether the connection can still reach its host: not closed, no write failed, and the
+    /// peer neither reset nor hung up.
+    pub fn is_alive(&self) -> bool {
+        !self.is_closed()
+            && !self.broken.load(Ordering::SeqCst)
+            && !sys::peer_gone(self.control.as_fd())
+    }
+
+    /// Ends the connection for every thread using it: blocked reads and writes return.
+    pub fn shutdown(&self) {
         self.broken.store(true, Ordering::SeqCst);
         sys::shutdown(self.control.as_fd());
     }
@@ -189,7 +219,7 @@ fn serve_connection(agent: &Arc<Agent>, fd: OwnedFd) {
     let conn = Arc::new(ConnWriter::new(write_half, control));
     conn.send(&Response {
         id: 0,
-        kind: Some(response::Kind::Ready(agent.ready().clone())),
+        kind: Some(response::Kind::Ready(agent.ready())),
     });
     let mut reader = BufReader::with_capacity(64 << 10, read_half);
     loop {
@@ -200,6 +230,7 @@ fn serve_connection(agent: &Arc<Agent>, fd: OwnedFd) {
                 }
             }
             Ok(None) => break,
+            // ECONNRESET (a vsock transport reset) or any other failure: closed, like EOF.
             Err(e) => {
                 if let Some(err) = frame_error_reply(&e) {
                     conn.send(&err.response(0));
@@ -208,8 +239,10 @@ fn serve_connection(agent: &Arc<Agent>, fd: OwnedFd) {
             }
         }
     }
-    agent.execs.close_connection(&conn);
+    // Shut down first: a writer blocked on this connection returns, and an execution kept on
+    // disconnect that was writing keeps what it could not send.
     conn.shutdown();
+    agent.execs.close_connection(&conn);
 }
 
 /// The Error a bad frame is answered with; `None` when the stream just ended or failed.
@@ -228,7 +261,7 @@ enum Flow {
     Close,
 }
 
-/// Handles one request; answers everything but Exec and Stdin here.
+/// Handles one request; answers everything but Exec, Stdin and Attach here.
 fn dispatch(agent: &Arc<Agent>, conn: &Arc<ConnWriter>, req: Request) -> Flow {
     let id = req.id;
     if id == 0 {
@@ -245,8 +278,12 @@ fn dispatch(agent: &Arc<Agent>, conn: &Arc<ConnWriter>, req: Request) -> Flow {
         request::Kind::Stdin(s) => agent
             .execs
             .get(conn, s.exec_id)
-            .and_then(|e| e.push_stdin(id, s.data, s.eof))
+            .and_then(|e| e.push_stdin(conn, id, s.data, s.eof))
             .map(|()| None),
+        request::Kind::Attach(a) => agent.execs.attach(conn, id, &a).map(|()| None),
+        request::Kind::Reseed(r) => {
+            reseed::handle(agent, r).map(|done| Some(response::Kind::Reseeded(done)))
+        }
         request::Kind::Signal(s) => agent
             .execs
             .get(conn, s.exec_id)
@@ -312,6 +349,25 @@ mod tests {
     fn listen_addr_displays_as_parsed() {
         for s in ["unix:/run/a.sock", "vsock:52"] {
             assert_eq!(s.parse::<ListenAddr>().unwrap().to_string(), s);
+        }
+    }
+
+    #[test]
+    fn per_connection_accept_errors_are_transient_resource_errors_are_not() {
+        for errno in [
+            libc::ECONNABORTED,
+            libc::ECONNRESET,
+            libc::EPROTO,
+            libc::EINTR,
+        ] {
+            assert!(accept_error_is_transient(&io::Error::from_raw_os_error(
+                errno
+            )));
+        }
+        for errno in [libc::EMFILE, libc::ENFILE, libc::ENOMEM, libc::ENOBUFS] {
+            assert!(!accept_error_is_transient(&io::Error::from_raw_os_error(
+                errno
+            )));
         }
     }
 

@@ -331,6 +331,51 @@ pub fn shutdown(fd: BorrowedFd<'_>) {
     }
 }
 
+/// Whether the peer of the connected socket `fd` is gone for good: the socket reports an error
+/// (a reset, as every vsock connection gets on a transport reset) or a hang-up in both
+/// directions (the peer closed, or we shut it down). Never blocks.
+pub fn peer_gone(fd: BorrowedFd<'_>) -> bool {
+    let mut fds = [libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: 0,
+        revents: 0,
+    }];
+    let gone = libc::POLLHUP | libc::POLLERR | libc::POLLNVAL;
+    matches!(poll(&mut fds, Some(Duration::ZERO)), Ok(n) if n > 0 && fds[0].revents & gone != 0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel's random number generator
+
+/// `_IOW('R', 0x03, int[2])` of linux/random.h (the generic ioctl encoding: x86-64, arm64).
+const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+/// `_IO('R', 0x07)` of linux/random.h.
+const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+
+/// Mixes `data` into the kernel's input pool and credits 8 bits of entropy per byte
+/// (RNDADDENTROPY on a descriptor of /dev/urandom or /dev/random; needs CAP_SYS_ADMIN).
+pub fn add_entropy(random: BorrowedFd<'_>, data: &[u8]) -> io::Result<()> {
+    let too_large = || io::Error::from(io::ErrorKind::InvalidInput);
+    let len = libc::c_int::try_from(data.len()).map_err(|_| too_large())?;
+    let bits = len.checked_mul(8).ok_or_else(too_large)?;
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }: the kernel copies
+    // the two ints and then buf_size bytes, so a byte buffer laid out that way is what it reads.
+    let mut info = Vec::with_capacity(2 * std::mem::size_of::<libc::c_int>() + data.len());
+    info.extend_from_slice(&bits.to_ne_bytes());
+    info.extend_from_slice(&len.to_ne_bytes());
+    info.extend_from_slice(data);
+    // SAFETY: the kernel reads a rand_pool_info through the pointer: two ints and then `len`
+    // bytes, all inside `info`, which outlives the call; it writes nothing.
+    check(unsafe { libc::ioctl(random.as_raw_fd(), RNDADDENTROPY, info.as_ptr()) }).map(drop)
+}
+
+/// Reseeds the kernel's CRNG from its input pool now (RNDRESEEDCRNG; needs CAP_SYS_ADMIN; fails
+/// with ENODATA while the CRNG has never been initialised).
+pub fn reseed_crng(random: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: this ioctl takes no argument and touches no user memory.
+    check(unsafe { libc::ioctl(random.as_raw_fd(), RNDRESEEDCRNG) }).map(drop)
+}
+
 // ---------------------------------------------------------------------------------------------
 // vsock
 
@@ -495,6 +540,43 @@ mod tests {
             .write_all(&1u64.to_ne_bytes())
             .unwrap();
         assert_eq!(poll(&mut fds, Some(Duration::ZERO)).unwrap(), 1);
+    }
+
+    #[test]
+    fn peer_gone_sees_a_closed_peer_and_a_shutdown_but_not_a_live_peer() {
+        use std::os::unix::net::UnixStream;
+        let (a, b) = UnixStream::pair().unwrap();
+        assert!(!peer_gone(a.as_fd()));
+        drop(b);
+        assert!(peer_gone(a.as_fd()));
+        let (c, _d) = UnixStream::pair().unwrap();
+        shutdown(c.as_fd());
+        assert!(peer_gone(c.as_fd()));
+    }
+
+    #[test]
+    fn peer_gone_sees_a_reset() {
+        use std::io::{Read, Write};
+        use std::os::unix::net::UnixStream;
+        // Closing a Unix socket with unread data resets its peer (ECONNRESET), as a vsock
+        // transport reset does.
+        let (mut a, b) = UnixStream::pair().unwrap();
+        a.write_all(b"unread").unwrap();
+        drop(b);
+        assert!(peer_gone(a.as_fd()));
+        let err = a.read(&mut [0u8; 8]).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ECONNRESET));
+    }
+
+    #[test]
+    fn random_ioctls_reach_the_kernel_without_touching_its_pool() {
+        // /dev/null has no ioctls: the calls are made (and refused) without any effect on this
+        // machine's random pool, which tests must not touch.
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let err = add_entropy(null.as_fd(), &[7u8; 32]).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ENOTTY));
+        let err = reseed_crng(null.as_fd()).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ENOTTY));
     }
 
     #[test]

@@ -76,12 +76,27 @@ pub struct AgentProcess {
     pub dir: TempDir,
     pub socket: PathBuf,
     pub cgroup_root: Option<PathBuf>,
+    /// The agent's --state-dir, if it has one.
+    pub state_dir: Option<PathBuf>,
 }
 
 impl AgentProcess {
     /// An agent without cgroups (process-group fallback).
     pub fn start() -> Self {
-        Self::spawn(None)
+        Self::spawn(None, &[])
+    }
+
+    /// An agent without cgroups, with more command-line arguments.
+    pub fn start_with_args(args: &[&str]) -> Self {
+        Self::spawn(None, args)
+    }
+
+    /// An agent without cgroups whose state directory is `state` in its temporary directory
+    /// (not created beforehand).
+    pub fn start_with_state_dir() -> Self {
+        let mut agent = Self::spawn(None, &["--state-dir", "{dir}/state"]);
+        agent.state_dir = Some(agent.dir.join("state"));
+        agent
     }
 
     /// An agent whose executions get cgroups under a fresh directory of `cgroup2_mount`.
@@ -89,10 +104,11 @@ impl AgentProcess {
         static COUNT: AtomicUsize = AtomicUsize::new(0);
         let n = COUNT.fetch_add(1, Ordering::SeqCst);
         let root = cgroup2_mount.join(format!("airlock-test-{}-{n}", std::process::id()));
-        Self::spawn(Some(root))
+        Self::spawn(Some(root), &[])
     }
 
-    fn spawn(cgroup_root: Option<PathBuf>) -> Self {
+    /// Starts the agent; `{dir}` in `args` stands for its temporary directory.
+    fn spawn(cgroup_root: Option<PathBuf>, args: &[&str]) -> Self {
         let dir = TempDir::new("agent");
         let socket = dir.join("a.sock");
         let mut cmd = Command::new(agent_binary());
@@ -101,6 +117,8 @@ impl AgentProcess {
         if let Some(root) = &cgroup_root {
             cmd.arg("--cgroup-root").arg(root);
         }
+        let dir_text = dir.path().to_str().expect("utf-8 temp path");
+        cmd.args(args.iter().map(|a| a.replace("{dir}", dir_text)));
         let mut child = cmd
             .stdout(Stdio::piped())
             .spawn()
@@ -121,6 +139,7 @@ impl AgentProcess {
             dir,
             socket,
             cgroup_root,
+            state_dir: None,
         }
     }
 
