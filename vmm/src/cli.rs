@@ -10,6 +10,9 @@ use vmm::exit::VmExit;
 pub const USAGE: &str = "\
 usage: airlock-vmm boot --kernel PATH --rootfs PATH [options]
        airlock-vmm run  --kernel PATH --rootfs PATH [options] [run options] -- CMD [ARGS...]
+       airlock-vmm run  --snapshot DIR [run options] -- CMD [ARGS...]
+       airlock-vmm snapshot --kernel PATH --rootfs PATH --out DIR [options]
+       airlock-vmm restore --snapshot DIR [--vsock PATH] [--control PATH] [--console PATH]
 
 boot: boots the kernel with the root filesystem image as /dev/vda (read-only) and exits when the
 guest powers off. Exit codes: 0 clean power-off, 1 VMM error, 2 usage, 64 guest panic, 65 triple
@@ -17,7 +20,15 @@ fault, 66 KVM internal error, 67 KVM entry failure, 68 boot deadline passed, 69 
 
 run: boots, waits for the guest agent, runs CMD in the guest with its stdout and stderr streamed
 to ours, powers the guest off and exits with CMD's status (128+N if a signal N ended it). If the
-VM ends before CMD does, the exit code is the VM's (above).
+VM ends before CMD does, the exit code is the VM's (above). With --snapshot DIR it restores the
+snapshot instead of booting, gives the clone fresh entropy and a sandbox id (hostname), then runs
+CMD.
+
+snapshot: boots, waits until the guest agent answers, pauses the VM, writes a snapshot into DIR
+(files `state` and `memory`), prints a JSON summary and ends the VM.
+
+restore: restores the snapshot in DIR into this process and runs the VM until it powers off or
+is stopped (SIGTERM, or `stop` on the control socket). Its vsock device needs --vsock PATH.
 
 options:
   --vcpus N                 vCPUs (default 1, at most 32)
@@ -35,6 +46,9 @@ options:
                             connections to host port P arrive at PATH_P); run: default a
                             temporary socket
   --vsock-cid N             the guest's vsock CID (default 3)
+  --control PATH            serve the control socket at PATH: one command per connection,
+                            `pause`, `resume`, `snapshot DIR`, `status`, `stop`; answers one
+                            JSON line (see ARCHITECTURE.md)
 run options:
   --timeout SECS            kill CMD (its whole process tree) after SECS (default: none)
   --cwd DIR                 working directory of CMD in the guest (default /)
@@ -45,6 +59,9 @@ environment: AIRLOCK_LOG=error|warn|info|debug (default info)";
 #[derive(Debug)]
 pub struct RunOptions {
     pub vm: VmConfig,
+    /// Restore this snapshot instead of booting `vm`.
+    pub snapshot: Option<PathBuf>,
+    pub control: Option<PathBuf>,
     pub argv: Vec<String>,
     pub timeout: Option<Duration>,
     pub cwd: String,
@@ -64,6 +81,8 @@ pub fn parse_vm_options(
     let mut cfg = VmConfig::new(PathBuf::new(), PathBuf::new());
     let mut run = RunOptions {
         vm: VmConfig::new(PathBuf::new(), PathBuf::new()),
+        snapshot: None,
+        control: None,
         argv: Vec::new(),
         timeout: None,
         cwd: String::new(),
@@ -112,6 +131,8 @@ pub fn parse_vm_options(
                 })
             }
             "--vsock-cid" => vsock_cid = num(value()?)?,
+            "--control" => run.control = Some(PathBuf::from(value()?)),
+            "--snapshot" if allow_run => run.snapshot = Some(PathBuf::from(value()?)),
             "--timeout" if allow_run => {
                 run.timeout = Some(Duration::from_secs(num(value()?)?)).filter(|d| !d.is_zero())
             }
@@ -126,6 +147,14 @@ pub fn parse_vm_options(
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown option {other}")),
         }
+    }
+    if run.snapshot.is_some() {
+        // The snapshot says which kernel ran and which disks are attached.
+        if kernel.is_some() || rootfs.is_some() {
+            return Err("--snapshot replaces --kernel and --rootfs".into());
+        }
+        kernel = Some(PathBuf::from("(snapshot)"));
+        rootfs = Some(PathBuf::from("(snapshot)"));
     }
     cfg.kernel = kernel.ok_or("--kernel is required")?;
     cfg.disks[0].path = rootfs.ok_or("--rootfs is required")?;
@@ -162,6 +191,72 @@ pub fn parse_run(args: &[String]) -> Result<RunOptions, String> {
 }
 
 /// Logs how the VM ended and returns its exit code.
+/// `airlock-vmm snapshot`: the VM to boot and where its snapshot goes.
+#[derive(Debug)]
+pub struct SnapshotOptions {
+    pub run: RunOptions,
+    pub out: PathBuf,
+}
+
+pub fn parse_snapshot(args: &[String]) -> Result<SnapshotOptions, String> {
+    let mut rest = Vec::new();
+    let mut out = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--out" {
+            out = Some(PathBuf::from(it.next().ok_or("--out needs a value")?));
+        } else {
+            rest.push(a.clone());
+        }
+    }
+    let (vm, mut run) = parse_vm_options(&rest, false)?;
+    run.vm = vm;
+    Ok(SnapshotOptions {
+        run,
+        out: out.ok_or("--out DIR is required")?,
+    })
+}
+
+/// `airlock-vmm restore`.
+#[derive(Debug)]
+pub struct RestoreOptions {
+    pub restore: vmm::RestoreConfig,
+    pub control: Option<PathBuf>,
+}
+
+pub fn parse_restore(args: &[String]) -> Result<RestoreOptions, String> {
+    let mut opts = RestoreOptions {
+        restore: vmm::RestoreConfig {
+            snapshot_dir: PathBuf::new(),
+            vsock_uds: None,
+            console: ConsoleOutput::Stdout,
+            console_limit: 64 << 20,
+            cpu_template: None,
+        },
+        control: None,
+    };
+    let mut snapshot = None;
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .cloned()
+                .ok_or_else(|| format!("{flag} needs a value"))
+        };
+        match flag.as_str() {
+            "--snapshot" => snapshot = Some(PathBuf::from(value()?)),
+            "--vsock" => opts.restore.vsock_uds = Some(PathBuf::from(value()?)),
+            "--control" => opts.control = Some(PathBuf::from(value()?)),
+            "--console" => opts.restore.console = ConsoleOutput::File(PathBuf::from(value()?)),
+            "--cpu-template" => opts.restore.cpu_template = parse_template(&value()?)?,
+            "-h" | "--help" => return Err(String::new()),
+            other => return Err(format!("unknown option {other}")),
+        }
+    }
+    opts.restore.snapshot_dir = snapshot.ok_or("--snapshot DIR is required")?;
+    Ok(opts)
+}
+
 pub fn log_vm_exit(exit: &VmExit) -> u8 {
     let c = exit.exit_code();
     if exit.is_clean() {
@@ -213,6 +308,31 @@ mod tests {
     #[test]
     fn boot_rejects_run_options() {
         assert!(parse_vm_options(&args("--kernel k --rootfs r --timeout 3"), false).is_err());
+    }
+
+    #[test]
+    fn run_from_a_snapshot_needs_no_kernel_and_refuses_one() {
+        let r = parse_run(&args("--snapshot /s --timeout 2 -- true")).unwrap();
+        assert_eq!(r.snapshot, Some(PathBuf::from("/s")));
+        assert!(parse_run(&args("--snapshot /s --kernel k -- true")).is_err());
+    }
+
+    #[test]
+    fn snapshot_needs_an_output_directory() {
+        let s = parse_snapshot(&args("--kernel k --rootfs r --out /o --mem-mib 512")).unwrap();
+        assert_eq!(s.out, PathBuf::from("/o"));
+        assert_eq!(s.run.vm.mem_mib, 512);
+        assert!(parse_snapshot(&args("--kernel k --rootfs r")).is_err());
+    }
+
+    #[test]
+    fn restore_takes_the_snapshot_vsock_and_control_paths() {
+        let r = parse_restore(&args("--snapshot /s --vsock /v --control /c")).unwrap();
+        assert_eq!(r.restore.snapshot_dir, PathBuf::from("/s"));
+        assert_eq!(r.restore.vsock_uds, Some(PathBuf::from("/v")));
+        assert_eq!(r.control, Some(PathBuf::from("/c")));
+        assert!(parse_restore(&args("--vsock /v")).is_err());
+        assert!(parse_restore(&args("--snapshot /s --bogus")).is_err());
     }
 
     #[test]

@@ -5,15 +5,19 @@
 
 pub mod arch;
 pub mod config;
+pub mod control;
 pub mod devices;
 pub mod exit;
 pub mod logger;
 pub mod memstat;
 pub mod profile;
+pub mod snapshot;
 pub mod vcpu;
 pub mod vm;
 pub mod vmm;
 
 pub use config::VmConfig;
 pub use exit::VmExit;
-pub use vmm::{BuildError, Vmm, build_microvm_for_boot};
+pub use vmm::{
+    BuildError, RestoreConfig, Vmm, build_microvm_for_boot, build_microvm_from_snapshot,
+};

@@ -14,7 +14,7 @@ use std::time::Instant;
 use vmm::VmConfig;
 use vmm::exit::code;
 
-fn boot(cfg: &VmConfig, started: Instant) -> ExitCode {
+fn boot(cfg: &VmConfig, control: Option<&std::path::Path>, started: Instant) -> ExitCode {
     let vmm = match vmm::build_microvm_for_boot(cfg, started) {
         Ok(v) => v,
         Err(e) => {
@@ -25,18 +25,42 @@ fn boot(cfg: &VmConfig, started: Instant) -> ExitCode {
     if let Err(e) = vmm.stop_on_termination_signals() {
         log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
     }
+    if let Err(code) = run::serve_control(&vmm, control) {
+        return code;
+    }
     log::info!(
         "vm built in {:.1} ms; starting {} vcpu(s)",
         started.elapsed().as_secs_f64() * 1e3,
         cfg.vcpus
     );
-    match vmm.run() {
+    finish(vmm.run())
+}
+
+fn finish(result: Result<vmm::VmExit, vmm::BuildError>) -> ExitCode {
+    match result {
         Ok(exit) => ExitCode::from(cli::log_vm_exit(&exit)),
         Err(e) => {
             log::error!("{}", cli::error_chain(&e));
             ExitCode::from(code::VMM_ERROR)
         }
     }
+}
+
+fn restore(opts: &cli::RestoreOptions, started: Instant) -> ExitCode {
+    let vmm = match vmm::build_microvm_from_snapshot(&opts.restore, started) {
+        Ok(v) => v,
+        Err(e) => {
+            log::error!("{}", cli::error_chain(&e));
+            return ExitCode::from(code::VMM_ERROR);
+        }
+    };
+    if let Err(e) = vmm.stop_on_termination_signals() {
+        log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
+    }
+    if let Err(code) = run::serve_control(&vmm, opts.control.as_deref()) {
+        return code;
+    }
+    finish(vmm.run())
 }
 
 fn usage_error(msg: &str) -> ExitCode {
@@ -53,7 +77,15 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.split_first() {
         Some((cmd, rest)) if cmd == "boot" => match cli::parse_vm_options(rest, false) {
-            Ok((cfg, _)) => boot(&cfg, started),
+            Ok((cfg, run)) => boot(&cfg, run.control.as_deref(), started),
+            Err(msg) => usage_error(&msg),
+        },
+        Some((cmd, rest)) if cmd == "restore" => match cli::parse_restore(rest) {
+            Ok(opts) => restore(&opts, started),
+            Err(msg) => usage_error(&msg),
+        },
+        Some((cmd, rest)) if cmd == "snapshot" => match cli::parse_snapshot(rest) {
+            Ok(opts) => run::snapshot(opts, started),
             Err(msg) => usage_error(&msg),
         },
         Some((cmd, rest)) if cmd == "run" => match cli::parse_run(rest) {

@@ -72,7 +72,20 @@ pub fn run(mut opts: RunOptions, started: Instant) -> ExitCode {
             path
         }
     };
-    let vmm = match vmm::build_microvm_for_boot(&opts.vm, started) {
+    let built = match &opts.snapshot {
+        None => vmm::build_microvm_for_boot(&opts.vm, started),
+        Some(dir) => vmm::build_microvm_from_snapshot(
+            &vmm::RestoreConfig {
+                snapshot_dir: dir.clone(),
+                vsock_uds: Some(uds.clone()),
+                console: opts.vm.console.clone(),
+                console_limit: opts.vm.console_limit,
+                cpu_template: opts.vm.cpu_template,
+            },
+            started,
+        ),
+    };
+    let vmm = match built {
         Ok(v) => v,
         Err(e) => {
             log::error!("{}", cli::error_chain(&e));
@@ -81,6 +94,9 @@ pub fn run(mut opts: RunOptions, started: Instant) -> ExitCode {
     };
     if let Err(e) = vmm.stop_on_termination_signals() {
         log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
+    }
+    if let Err(code) = serve_control(&vmm, opts.control.as_deref()) {
+        return code;
     }
     let stop = match vmm.stop_handle() {
         Ok(s) => s,
@@ -94,9 +110,10 @@ pub fn run(mut opts: RunOptions, started: Instant) -> ExitCode {
     let exec = build_exec(&opts);
     let connect_deadline = opts.vm.boot_timeout.map(|t| Instant::now() + t);
     let gone = vm_gone.clone();
+    let reseed = opts.snapshot.is_some();
     let client = std::thread::Builder::new()
         .name("agent-client".into())
-        .spawn(move || client_thread(&uds, exec, connect_deadline, &gone, &tx, &stop));
+        .spawn(move || client_thread(&uds, exec, reseed, connect_deadline, &gone, &tx, &stop));
     if let Err(e) = client {
         log::error!("start the agent client thread: {e}");
         return ExitCode::from(code::VMM_ERROR);
@@ -122,6 +139,7 @@ fn build_exec(opts: &RunOptions) -> pb::Exec {
 fn client_thread(
     uds: &Path,
     exec: pb::Exec,
+    reseed: bool,
     deadline: Option<Instant>,
     vm_gone: &AtomicBool,
     tx: &Sender<Outcome>,
@@ -131,6 +149,7 @@ fn client_thread(
         Ok(c) => c,
         Err(e) => {
             let _ = tx.send(Outcome::Failed(e));
+            let _ = stop.write(1);
             return;
         }
     };
@@ -138,6 +157,11 @@ fn client_thread(
         "agent ready (boot {} ms); running the command",
         client.ready().boot_time_ms
     );
+    if reseed && let Err(e) = give_identity(&mut client) {
+        let _ = tx.send(Outcome::Failed(e));
+        let _ = stop.write(1);
+        return;
+    }
     let result = client.exec_collect(exec, forward_output);
     let outcome = match result {
         Ok(exit) => Outcome::Finished(exit),
@@ -157,6 +181,167 @@ fn client_thread(
 }
 
 type Client = AgentClient<std::os::unix::net::UnixStream, std::os::unix::net::UnixStream>;
+
+/// A clone restored from a snapshot shares its RNG state and host name with every sibling:
+/// give it fresh entropy from the host and its own sandbox id (also its host name).
+fn give_identity(client: &mut Client) -> Result<(), String> {
+    let mut entropy = [0u8; 64];
+    getrandom(&mut entropy).map_err(|e| format!("host entropy: {e}"))?;
+    let id = sandbox_id(&entropy[..8]);
+    let done = client
+        .reseed(&entropy, &id, &id)
+        .map_err(|e| format!("reseed the clone: {}", cli::error_chain(&e)))?;
+    log::info!("clone identity: sandbox id {id} ({done:?})");
+    Ok(())
+}
+
+/// `sb-` and 16 hex digits.
+fn sandbox_id(bytes: &[u8]) -> String {
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("sb-{hex}")
+}
+
+/// Fills `buf` from the kernel's CSPRNG.
+pub fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let rest = &mut buf[filled..];
+        // SAFETY: the pointer and length describe `rest`, a live mutable buffer; getrandom(2)
+        // writes at most that many bytes into it.
+        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+            continue;
+        }
+        filled += n as usize;
+    }
+    Ok(())
+}
+
+/// Serves the control socket at `path`, if one was asked for.
+pub fn serve_control(vmm: &vmm::Vmm, path: Option<&Path>) -> Result<(), ExitCode> {
+    let Some(path) = path else { return Ok(()) };
+    let served = vmm
+        .control_handle()
+        .and_then(|h| vmm::control::serve_control_socket(path, h));
+    served.map_err(|e| {
+        log::error!("control socket {}: {e}", path.display());
+        ExitCode::from(code::VMM_ERROR)
+    })
+}
+
+/// `airlock-vmm snapshot`: boot, wait for the agent, pause, write the snapshot, end the VM.
+pub fn snapshot(opts: cli::SnapshotOptions, started: Instant) -> ExitCode {
+    let mut run = opts.run;
+    let tmp = match temp_dir() {
+        Ok(t) => t,
+        Err(e) => {
+            log::error!("create a temporary directory: {e}");
+            return ExitCode::from(code::VMM_ERROR);
+        }
+    };
+    let console_path = tmp.0.join("console.log");
+    if !run.console_given {
+        run.vm.console = ConsoleOutput::File(console_path.clone());
+    }
+    let uds = match &run.vm.vsock {
+        Some(v) => v.uds_path.clone(),
+        None => {
+            let path = tmp.0.join("vsock.sock");
+            run.vm.vsock = Some(VsockConfig {
+                guest_cid: 3,
+                uds_path: path.clone(),
+            });
+            path
+        }
+    };
+    let vmm = match vmm::build_microvm_for_boot(&run.vm, started) {
+        Ok(v) => v,
+        Err(e) => {
+            log::error!("{}", cli::error_chain(&e));
+            return ExitCode::from(code::VMM_ERROR);
+        }
+    };
+    if let Err(e) = vmm.stop_on_termination_signals() {
+        log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
+    }
+    if let Err(code) = serve_control(&vmm, run.control.as_deref()) {
+        return code;
+    }
+    let handle = match vmm.control_handle() {
+        Ok(h) => h,
+        Err(e) => {
+            log::error!("control handle: {e}");
+            return ExitCode::from(code::VMM_ERROR);
+        }
+    };
+    let deadline = run.vm.boot_timeout.map(|t| Instant::now() + t);
+    let vm_gone = Arc::new(AtomicBool::new(false));
+    let gone = vm_gone.clone();
+    let out = opts.out.clone();
+    let taker = std::thread::Builder::new()
+        .name("snapshot".into())
+        .spawn(move || take_snapshot(&uds, &out, deadline, &gone, &handle));
+    let taker = match taker {
+        Ok(t) => t,
+        Err(e) => {
+            log::error!("start the snapshot thread: {e}");
+            return ExitCode::from(code::VMM_ERROR);
+        }
+    };
+    let vm_exit = vmm.run();
+    vm_gone.store(true, Ordering::Release);
+    let result = taker
+        .join()
+        .unwrap_or_else(|_| Err("the snapshot thread panicked".into()));
+    match (result, vm_exit) {
+        (Ok(summary), Ok(_)) => {
+            println!("{summary}");
+            ExitCode::from(code::OK)
+        }
+        (Err(e), exit) => {
+            log::error!("snapshot failed: {e}");
+            if let Ok(exit) = &exit {
+                cli::log_vm_exit(exit);
+            }
+            if !run.console_given {
+                show_console_tail(&console_path);
+            }
+            ExitCode::from(code::VMM_ERROR)
+        }
+        (Ok(_), Err(e)) => {
+            log::error!("{}", cli::error_chain(&e));
+            ExitCode::from(code::VMM_ERROR)
+        }
+    }
+}
+
+fn take_snapshot(
+    uds: &Path,
+    out: &Path,
+    deadline: Option<Instant>,
+    vm_gone: &AtomicBool,
+    handle: &vmm::control::ControlHandle,
+) -> Result<serde_json::Value, String> {
+    use vmm::control::VmCommand;
+    let result = (|| {
+        let client = connect(uds, deadline, vm_gone)?;
+        log::info!(
+            "agent ready (boot {} ms); taking the snapshot",
+            client.ready().boot_time_ms
+        );
+        drop(client);
+        handle.call(VmCommand::Pause)?;
+        handle.call(VmCommand::Snapshot(out.to_path_buf()))
+    })();
+    if let Err(e) = handle.call(VmCommand::Stop) {
+        log::debug!("stop after the snapshot: {e}");
+    }
+    result
+}
 
 /// Connects to the agent, retrying while the guest boots.
 fn connect(uds: &Path, deadline: Option<Instant>, vm_gone: &AtomicBool) -> Result<Client, String> {

@@ -27,6 +27,7 @@ use vmm_sys_util::signal::{Killable, SIGRTMIN, register_signal_handler};
 use crate::arch::pagewalk::read_virt;
 use crate::devices::bus::Bus;
 use crate::exit::VmExit;
+use crate::snapshot::kvm::VcpuKvmState;
 
 /// Commands from the VMM thread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,10 +37,13 @@ pub enum VcpuEvent {
     Finish,
     /// Report where the vCPU is (answered with [`VcpuResponse::State`]; the state is unchanged).
     ReportState,
+    /// Read the vCPU's KVM state for a snapshot (answered with [`VcpuResponse::Saved`]); only
+    /// while paused, else answered with an error.
+    SaveState,
 }
 
 /// Answers to [`VcpuEvent`]s, and the unsolicited report that the guest stopped.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum VcpuResponse {
     Resumed,
     Paused,
@@ -50,6 +54,8 @@ pub enum VcpuResponse {
         rip: u64,
         insn: Vec<u8>,
     },
+    /// The vCPU's KVM state, or why it could not be read.
+    Saved(Result<Box<VcpuKvmState>, String>),
 }
 
 /// The state of a vCPU thread.
@@ -119,6 +125,8 @@ pub struct Vcpu {
     mmio: Arc<Bus>,
     mem: GuestMemoryMmap,
     exit_evt: EventFd,
+    /// The MSRs a snapshot saves (KVM's index list).
+    msr_index_list: Arc<[u32]>,
 }
 
 impl std::fmt::Debug for Vcpu {
@@ -183,7 +191,13 @@ impl Vcpu {
             mmio,
             mem,
             exit_evt,
+            msr_index_list: Arc::from(Vec::new()),
         }
+    }
+
+    /// The MSRs [`VcpuEvent::SaveState`] saves (normally `Vm::msr_index_list`).
+    pub fn set_msr_index_list(&mut self, list: &[u32]) {
+        self.msr_index_list = Arc::from(list);
     }
 
     /// The vCPU fd, for configuration before the thread starts.
@@ -226,16 +240,28 @@ impl Vcpu {
                         reply(responses, VcpuResponse::Paused, VcpuState::Paused)
                     }
                     Ok(VcpuEvent::ReportState) => self.report_state(responses, VcpuState::Paused),
+                    Ok(VcpuEvent::SaveState) => {
+                        let saved = VcpuKvmState::save(&self.fd, self.index, &self.msr_index_list)
+                            .map(Box::new)
+                            .map_err(|e| format!("vcpu{}: {e}", self.index));
+                        reply(responses, VcpuResponse::Saved(saved), VcpuState::Paused)
+                    }
                     Ok(VcpuEvent::Finish) | Err(_) => break,
                 },
                 VcpuState::Running => match events.try_recv() {
                     Ok(VcpuEvent::Pause) => {
+                        self.complete_pending_io();
                         reply(responses, VcpuResponse::Paused, VcpuState::Paused)
                     }
                     Ok(VcpuEvent::Resume) => {
                         reply(responses, VcpuResponse::Resumed, VcpuState::Running)
                     }
                     Ok(VcpuEvent::ReportState) => self.report_state(responses, VcpuState::Running),
+                    Ok(VcpuEvent::SaveState) => reply(
+                        responses,
+                        VcpuResponse::Saved(Err("the vCPU is running; pause it first".into())),
+                        VcpuState::Running,
+                    ),
                     Ok(VcpuEvent::Finish) | Err(TryRecvError::Disconnected) => break,
                     Err(TryRecvError::Empty) => match self.run_once() {
                         RunOutcome::Continue => VcpuState::Running,
@@ -270,6 +296,19 @@ impl Vcpu {
                 log::warn!("write profile {path}: {e}");
             }
         }
+    }
+
+    /// Lets KVM finish an instruction whose PIO/MMIO exit we just handled (an `IN` or MMIO
+    /// read gets its data only on the next `KVM_RUN`) without entering the guest, so that the
+    /// saved registers are those after the instruction.
+    fn complete_pending_io(&mut self) {
+        self.fd.set_kvm_immediate_exit(1);
+        match self.fd.run() {
+            Err(e) if e.errno() == libc::EINTR => {}
+            Err(e) => log::warn!("vcpu{}: complete pending I/O: {e}", self.index),
+            Ok(exit) => log::warn!("vcpu{}: unexpected exit {exit:?} while pausing", self.index),
+        }
+        self.fd.set_kvm_immediate_exit(0);
     }
 
     fn run_once(&mut self) -> RunOutcome {

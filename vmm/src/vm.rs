@@ -65,13 +65,19 @@ pub struct Vm {
 impl Vm {
     /// Opens KVM, checks its capabilities and creates a VM with `mem_bytes` of anonymous memory.
     pub fn new(mem_bytes: u64) -> Result<Self, VmError> {
+        let mem = GuestMemoryMmap::from_ranges(&ram_ranges(mem_bytes))
+            .map_err(|e| VmError::GuestMemory(mem_bytes >> 20, e))?;
+        Self::with_memory(mem)
+    }
+
+    /// Opens KVM, checks its capabilities and creates a VM over `mem` (for example guest
+    /// memory mapped from a snapshot).
+    pub fn with_memory(mem: GuestMemoryMmap) -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
         if let Some(cap) = REQUIRED_CAPS.iter().find(|c| !kvm.check_extension(**c)) {
             return Err(VmError::MissingCap(*cap));
         }
         let fd = kvm.create_vm().map_err(VmError::CreateVm)?;
-        let mem = GuestMemoryMmap::from_ranges(&ram_ranges(mem_bytes))
-            .map_err(|e| VmError::GuestMemory(mem_bytes >> 20, e))?;
         let supported_cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(VmError::SupportedCpuid)?;

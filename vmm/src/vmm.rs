@@ -22,7 +22,8 @@ use crate::arch::layout::{
     VIRTIO_MMIO_MAX_SLOTS, VIRTIO_MMIO_SLOT_SIZE, virtio_irq, virtio_mmio_addr,
 };
 use crate::arch::{boot, mptable, regs};
-use crate::config::{ConfigError, ConsoleOutput, VmConfig, build_cmdline};
+use crate::config::{ConfigError, ConsoleOutput, DiskConfig, VmConfig, VsockConfig, build_cmdline};
+use crate::control::{CommandQueue, CommandReply, ControlHandle, VmCommand, command_channel};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::legacy::{ConsoleEvents, ConsoleSink, EventFdTrigger, I8042, SerialDevice};
 use crate::devices::virtio::block::{Block, BlockError, BlockEventHandler};
@@ -30,6 +31,11 @@ use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::vsock::{Vsock, VsockError, VsockEventHandler};
 use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
 use crate::exit::VmExit;
+use crate::snapshot::kvm::VmKvmState;
+use crate::snapshot::{
+    DeviceKind, MEMORY_FILE, MachineSnapshot, SerialSnapshot, Snapshot, SnapshotError,
+    VirtioSnapshot, memory,
+};
 use crate::vcpu::{Vcpu, VcpuEvent, VcpuHandle, VcpuResponse, register_kick_handler};
 use crate::vm::{Vm, VmError};
 
@@ -72,6 +78,10 @@ pub enum BuildError {
     SpawnVcpu(#[source] std::io::Error),
     #[error("create the event loop")]
     EventManager(#[source] event_manager::Error),
+    #[error("snapshot")]
+    Snapshot(#[from] SnapshotError),
+    #[error("restore: {0}")]
+    Restore(String),
 }
 
 type Subscriber = Arc<Mutex<dyn MutEventSubscriber + Send>>;
@@ -88,6 +98,15 @@ pub struct Vmm {
     blocks: Vec<Arc<Mutex<Block>>>,
     /// Written to stop the VM from another thread.
     stop: EventFd,
+    serial: Arc<Mutex<SerialDevice>>,
+    /// Virtio transports in slot order, with what each device is (for snapshots).
+    virtio: Vec<(Arc<Mutex<MmioTransport>>, DeviceKind)>,
+    machine: MachineSnapshot,
+    commands: CommandQueue,
+    control_handle: ControlHandle,
+    paused: bool,
+    /// When a restore began, until the vCPUs run (for the restore timing).
+    restore_started: Option<Instant>,
 }
 
 impl std::fmt::Debug for Vmm {
@@ -106,6 +125,43 @@ struct DeviceSet {
     blocks: Vec<Arc<Mutex<Block>>>,
     vsock: Option<Arc<Mutex<Vsock>>>,
     subscribers: Vec<Subscriber>,
+    serial: Option<Arc<Mutex<SerialDevice>>>,
+    virtio: Vec<(Arc<Mutex<MmioTransport>>, DeviceKind)>,
+}
+
+impl DeviceSet {
+    fn new() -> Self {
+        Self {
+            pio: Bus::default(),
+            mmio: Bus::default(),
+            virtio_slots: Vec::new(),
+            blocks: Vec::new(),
+            vsock: None,
+            subscribers: Vec::new(),
+            serial: None,
+            virtio: Vec::new(),
+        }
+    }
+}
+
+/// Event fds shared between the devices, the vCPUs and the exit watcher.
+struct VmEvents {
+    console: Arc<ConsoleEvents>,
+    reset: EventFd,
+    stop: EventFd,
+    vcpu_exit: EventFd,
+}
+
+impl VmEvents {
+    fn new(started: Instant) -> Result<Self, BuildError> {
+        let fd = || EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd);
+        Ok(Self {
+            console: Arc::new(ConsoleEvents::new(started).map_err(BuildError::EventFd)?),
+            reset: fd()?,
+            stop: fd()?,
+            vcpu_exit: fd()?,
+        })
+    }
 }
 
 /// Builds a VM from `config` and leaves its vCPUs paused; `started` is when the process (or the
@@ -116,19 +172,17 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
     config.validate()?;
     let template = config.cpu_template.unwrap_or_else(CpuTemplate::detect);
     let vm = Vm::new(config.mem_bytes())?;
-    let console = Arc::new(ConsoleEvents::new(started).map_err(BuildError::EventFd)?);
-    let reset_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
-    let stop_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+    let evts = VmEvents::new(started)?;
 
-    let mut devices = DeviceSet {
-        pio: Bus::default(),
-        mmio: Bus::default(),
-        virtio_slots: Vec::new(),
-        blocks: Vec::new(),
-        vsock: None,
-        subscribers: Vec::new(),
-    };
-    attach_legacy_devices(&vm, &mut devices, config, console.clone(), &reset_evt)?;
+    let mut devices = DeviceSet::new();
+    attach_legacy_devices(
+        &vm,
+        &mut devices,
+        &config.console,
+        config.console_limit,
+        None,
+        &evts,
+    )?;
     for disk in &config.disks {
         attach_block_device(&vm, &mut devices, disk)?;
     }
@@ -140,80 +194,263 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
     let cmdline = build_cmdline(template, &devices.virtio_slots, &config.cmdline_extra)?;
     load_cmdline(vm.memory(), GuestAddress(CMDLINE_ADDR), &cmdline)
         .map_err(BuildError::LoadCmdline)?;
-    let cmdline_len = cmdline
+    let cmdline_str = cmdline
         .as_cstring()
-        .map(|c| c.as_bytes().len())
-        .unwrap_or(0);
-    log::info!(
-        "kernel command line: {}",
-        cmdline
-            .as_cstring()
-            .map(|c| c.to_string_lossy().into_owned())
-            .unwrap_or_default()
-    );
-    configure_system_for_boot(vm.memory(), cmdline_len, config.vcpus)?;
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    log::info!("kernel command line: {cmdline_str}");
+    configure_system_for_boot(vm.memory(), cmdline_str.len(), config.vcpus)?;
 
     register_kick_handler().map_err(BuildError::Signal)?;
-    let vcpu_exit_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
     let (pio, mmio) = (Arc::new(devices.pio), Arc::new(devices.mmio));
     let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
     for index in 0..config.vcpus {
-        let fd = vm.create_vcpu(index)?;
-        let exit = vcpu_exit_evt.try_clone().map_err(BuildError::EventFd)?;
-        let vcpu = Vcpu::new(
-            fd,
-            index,
-            pio.clone(),
-            mmio.clone(),
-            vm.memory().clone(),
-            exit,
-        );
+        let vcpu = new_vcpu(&vm, index, &pio, &mmio, &evts)?;
         configure_vcpu_for_boot(&vm, &vcpu, template, index, config.vcpus, entry)?;
         vcpus.push(vcpu.start_paused().map_err(BuildError::SpawnVcpu)?);
     }
+    let machine = MachineSnapshot {
+        vcpus: config.vcpus,
+        mem_mib: config.mem_mib,
+        cpu_template: template_name(template).into(),
+        cmdline: cmdline_str,
+    };
+    let parts = VmParts {
+        vm,
+        vcpus,
+        evts,
+        blocks: devices.blocks,
+        serial: devices.serial,
+        virtio: devices.virtio,
+        subscribers: devices.subscribers,
+        machine,
+        boot_timeout: config.boot_timeout,
+        started,
+        restore_started: None,
+    };
+    assemble(parts)
+}
 
+fn template_name(t: CpuTemplate) -> &'static str {
+    match t {
+        CpuTemplate::Host => "host",
+        CpuTemplate::NestedPvm => "nested",
+    }
+}
+
+fn new_vcpu(
+    vm: &Vm,
+    index: u8,
+    pio: &Arc<Bus>,
+    mmio: &Arc<Bus>,
+    evts: &VmEvents,
+) -> Result<Vcpu, BuildError> {
+    let fd = vm.create_vcpu(index)?;
+    let exit = evts.vcpu_exit.try_clone().map_err(BuildError::EventFd)?;
+    let mut vcpu = Vcpu::new(
+        fd,
+        index,
+        pio.clone(),
+        mmio.clone(),
+        vm.memory().clone(),
+        exit,
+    );
+    vcpu.set_msr_index_list(vm.msr_index_list());
+    Ok(vcpu)
+}
+
+/// Everything a VM is made of once devices and vCPUs exist.
+struct VmParts {
+    vm: Vm,
+    vcpus: Vec<VcpuHandle>,
+    evts: VmEvents,
+    blocks: Vec<Arc<Mutex<Block>>>,
+    serial: Option<Arc<Mutex<SerialDevice>>>,
+    virtio: Vec<(Arc<Mutex<MmioTransport>>, DeviceKind)>,
+    subscribers: Vec<Subscriber>,
+    machine: MachineSnapshot,
+    boot_timeout: Option<Duration>,
+    started: Instant,
+    restore_started: Option<Instant>,
+}
+
+/// The event loop with the exit watcher and every device's subscriber, and the `Vmm`.
+fn assemble(p: VmParts) -> Result<Vmm, BuildError> {
+    let serial = p
+        .serial
+        .ok_or_else(|| BuildError::Restore("no serial device".into()))?;
     let control = Arc::new(Mutex::new(ControlState::default()));
+    let (control_handle, commands) = command_channel().map_err(BuildError::EventFd)?;
     let mut events: EventManager<Subscriber> =
         EventManager::new().map_err(BuildError::EventManager)?;
     let deadline = TimerFd::new().map_err(|e| BuildError::EventFd(e.into()))?;
     let grace = TimerFd::new().map_err(|e| BuildError::EventFd(e.into()))?;
-    let stop = stop_evt.try_clone().map_err(BuildError::EventFd)?;
+    let stop = p.evts.stop.try_clone().map_err(BuildError::EventFd)?;
     let watcher = ExitWatcher {
-        reset_evt,
-        stop_evt,
-        vcpu_exit_evt,
-        console: console.clone(),
+        reset_evt: p.evts.reset,
+        stop_evt: p.evts.stop,
+        vcpu_exit_evt: p.evts.vcpu_exit,
+        command_evt: commands.wake.try_clone().map_err(BuildError::EventFd)?,
+        console: p.evts.console.clone(),
         deadline,
         panic_grace: grace,
-        boot_timeout: config.boot_timeout,
+        boot_timeout: p.boot_timeout,
         state: control.clone(),
         ready_logged: AtomicBool::new(false),
-        guest_ranges: guest_host_ranges(vm.memory()),
+        guest_ranges: guest_host_ranges(p.vm.memory()),
     };
     events.add_subscriber(Arc::new(Mutex::new(watcher)));
-    for s in devices.subscribers {
+    for s in p.subscribers {
         events.add_subscriber(s);
     }
     Ok(Vmm {
-        vm,
-        vcpus,
+        vm: p.vm,
+        vcpus: p.vcpus,
         events,
         control,
-        console,
-        started,
-        blocks: devices.blocks,
+        console: p.evts.console,
+        started: p.started,
+        blocks: p.blocks,
         stop,
+        serial,
+        virtio: p.virtio,
+        machine: p.machine,
+        commands,
+        control_handle,
+        paused: false,
+        restore_started: p.restore_started,
     })
+}
+
+/// Where a restored VM's console and vsock go, and which snapshot it comes from.
+#[derive(Clone, Debug)]
+pub struct RestoreConfig {
+    pub snapshot_dir: std::path::PathBuf,
+    /// The host side of the vsock device, required when the snapshot has one.
+    pub vsock_uds: Option<std::path::PathBuf>,
+    pub console: ConsoleOutput,
+    pub console_limit: u64,
+    pub cpu_template: Option<CpuTemplate>,
+}
+
+/// Builds a VM from a snapshot directory and leaves its vCPUs paused; `run` starts them.
+/// Guest memory is the snapshot's memory file mapped `MAP_PRIVATE`, so nothing of it is read
+/// here. Steps: state file (checked) → memory mapping → KVM VM → legacy devices (serial state)
+/// → virtio devices in their slots (transport and queue state; active devices re-activated) →
+/// KVM VM state (irqchip, PIT, clock) → vCPUs with their KVM state → a vsock transport reset.
+pub fn build_microvm_from_snapshot(
+    config: &RestoreConfig,
+    started: Instant,
+) -> Result<Vmm, BuildError> {
+    let restore_started = Instant::now();
+    let snap = Snapshot::read_state(&config.snapshot_dir)?;
+    let template = config.cpu_template.unwrap_or_else(CpuTemplate::detect);
+    if snap.machine.cpu_template != template_name(template) {
+        return Err(BuildError::Restore(format!(
+            "the snapshot was taken with CPU template {:?}, this host uses {:?}",
+            snap.machine.cpu_template,
+            template_name(template)
+        )));
+    }
+    let mem = memory::map_private(&config.snapshot_dir.join(MEMORY_FILE), &snap.memory)
+        .map_err(SnapshotError::from)?;
+    let vm = Vm::with_memory(mem)?;
+    let evts = VmEvents::new(started)?;
+    let mut devices = DeviceSet::new();
+    attach_legacy_devices(
+        &vm,
+        &mut devices,
+        &config.console,
+        config.console_limit,
+        Some(&snap.serial),
+        &evts,
+    )?;
+    for v in &snap.virtio {
+        let transport = match &v.kind {
+            DeviceKind::Block {
+                path,
+                read_only,
+                id,
+            } => attach_block_device(
+                &vm,
+                &mut devices,
+                &DiskConfig {
+                    path: path.clone(),
+                    read_only: *read_only,
+                    id: id.clone(),
+                },
+            )?,
+            DeviceKind::Vsock { guest_cid } => {
+                let uds_path = config.vsock_uds.clone().ok_or_else(|| {
+                    BuildError::Restore("the snapshot has a vsock device: give its socket".into())
+                })?;
+                let cfg = VsockConfig {
+                    guest_cid: *guest_cid,
+                    uds_path,
+                };
+                attach_vsock_device(&vm, &mut devices, &cfg)?
+            }
+        };
+        transport
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .restore(&v.transport)
+            .map_err(|e| BuildError::Restore(format!("{:?}: {e}", v.kind)))?;
+    }
+    snap.vm
+        .restore(vm.fd())
+        .map_err(|e| BuildError::Snapshot(e.into()))?;
+    register_kick_handler().map_err(BuildError::Signal)?;
+    let (pio, mmio) = (Arc::new(devices.pio), Arc::new(devices.mmio));
+    let mut vcpus = Vec::with_capacity(snap.vcpus.len());
+    for state in &snap.vcpus {
+        let vcpu = new_vcpu(&vm, state.index, &pio, &mmio, &evts)?;
+        state
+            .restore(vcpu.fd())
+            .map_err(|e| BuildError::Snapshot(e.into()))?;
+        vcpus.push(vcpu.start_paused().map_err(BuildError::SpawnVcpu)?);
+    }
+    // Host connections from before the snapshot are gone; tell the guest (it resets its
+    // sockets), and let every device look at its queues once in case a notification was in
+    // flight when the snapshot was taken.
+    if let Some(vsock) = &devices.vsock {
+        let mut dev = vsock.lock().unwrap_or_else(|e| e.into_inner());
+        if !dev.send_transport_reset() {
+            log::warn!("vsock: the guest driver had no event buffer for the transport reset");
+        }
+    }
+    for (t, _) in &devices.virtio {
+        let t = t.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = t.device().lock().unwrap_or_else(|e| e.into_inner());
+        for evt in dev.queue_events() {
+            let _ = evt.write(1);
+        }
+    }
+    let parts = VmParts {
+        vm,
+        vcpus,
+        evts,
+        blocks: devices.blocks,
+        serial: devices.serial,
+        virtio: devices.virtio,
+        subscribers: devices.subscribers,
+        machine: snap.machine,
+        boot_timeout: None,
+        started,
+        restore_started: Some(restore_started),
+    };
+    assemble(parts)
 }
 
 fn attach_legacy_devices(
     vm: &Vm,
     devices: &mut DeviceSet,
-    config: &VmConfig,
-    console: Arc<ConsoleEvents>,
-    reset_evt: &EventFd,
+    console: &ConsoleOutput,
+    console_limit: u64,
+    serial_state: Option<&SerialSnapshot>,
+    evts: &VmEvents,
 ) -> Result<(), BuildError> {
-    let out: Box<dyn Write + Send> = match &config.console {
+    let out: Box<dyn Write + Send> = match console {
         ConsoleOutput::Stdout => Box::new(std::io::stdout()),
         ConsoleOutput::Discard => Box::new(std::io::sink()),
         ConsoleOutput::File(p) => {
@@ -224,12 +461,23 @@ fn attach_legacy_devices(
     vm.fd()
         .register_irqfd(&irq, SERIAL_IRQ)
         .map_err(BuildError::RegisterEvent)?;
-    let sink = ConsoleSink::new(out, config.console_limit, console);
-    let serial = SerialDevice(Serial::new(EventFdTrigger(irq), sink));
+    let sink = ConsoleSink::new(out, console_limit, evts.console.clone());
+    let uart = match serial_state {
+        None => Serial::new(EventFdTrigger(irq), sink),
+        Some(state) => Serial::from_state(
+            &state.into(),
+            EventFdTrigger(irq),
+            vm_superio::serial::NoEvents,
+            sink,
+        )
+        .map_err(|e| BuildError::Restore(format!("serial state: {e:?}")))?,
+    };
+    let serial = Arc::new(Mutex::new(SerialDevice(uart)));
     devices
         .pio
-        .insert(Arc::new(Mutex::new(serial)), u64::from(SERIAL_PORT_BASE), 8)?;
-    let reset = reset_evt.try_clone().map_err(BuildError::EventFd)?;
+        .insert(serial.clone(), u64::from(SERIAL_PORT_BASE), 8)?;
+    devices.serial = Some(serial);
+    let reset = evts.reset.try_clone().map_err(BuildError::EventFd)?;
     let i8042 = I8042(I8042Device::new(EventFdTrigger(reset)));
     devices
         .pio
@@ -243,7 +491,8 @@ fn attach_virtio_device(
     vm: &Vm,
     devices: &mut DeviceSet,
     device: Arc<Mutex<dyn VirtioDevice>>,
-) -> Result<(), BuildError> {
+    kind: DeviceKind,
+) -> Result<Arc<Mutex<MmioTransport>>, BuildError> {
     let slot = devices.virtio_slots.len() as u64;
     if slot >= VIRTIO_MMIO_MAX_SLOTS {
         return Err(BuildError::TooManyDevices);
@@ -264,44 +513,57 @@ fn attach_virtio_device(
         }
     }
     let interrupt = Arc::new(VirtioInterrupt::new(irqfd));
-    let transport = MmioTransport::new(vm.memory().clone(), device, interrupt);
+    let transport = Arc::new(Mutex::new(MmioTransport::new(
+        vm.memory().clone(),
+        device,
+        interrupt,
+    )));
     devices
         .mmio
-        .insert(Arc::new(Mutex::new(transport)), addr, VIRTIO_MMIO_SLOT_SIZE)?;
+        .insert(transport.clone(), addr, VIRTIO_MMIO_SLOT_SIZE)?;
     devices.virtio_slots.push((addr, gsi));
-    Ok(())
+    devices.virtio.push((transport.clone(), kind));
+    Ok(transport)
 }
 
 /// Adds a virtio-blk device for `disk`.
 fn attach_block_device(
     vm: &Vm,
     devices: &mut DeviceSet,
-    disk: &crate::config::DiskConfig,
-) -> Result<(), BuildError> {
+    disk: &DiskConfig,
+) -> Result<Arc<Mutex<MmioTransport>>, BuildError> {
     let block = Arc::new(Mutex::new(Block::new(
         &disk.path,
         disk.read_only,
         &disk.id,
     )?));
-    attach_virtio_device(vm, devices, block.clone())?;
+    let kind = DeviceKind::Block {
+        path: disk.path.clone(),
+        read_only: disk.read_only,
+        id: disk.id.clone(),
+    };
+    let transport = attach_virtio_device(vm, devices, block.clone(), kind)?;
     let handler = BlockEventHandler::new(block.clone()).map_err(BuildError::EventFd)?;
     devices.subscribers.push(Arc::new(Mutex::new(handler)));
     devices.blocks.push(block);
-    Ok(())
+    Ok(transport)
 }
 
 /// Adds the virtio-vsock device with its Unix-socket host side.
 fn attach_vsock_device(
     vm: &Vm,
     devices: &mut DeviceSet,
-    config: &crate::config::VsockConfig,
-) -> Result<(), BuildError> {
+    config: &VsockConfig,
+) -> Result<Arc<Mutex<MmioTransport>>, BuildError> {
     let vsock = Arc::new(Mutex::new(Vsock::new(config.guest_cid, &config.uds_path)?));
-    attach_virtio_device(vm, devices, vsock.clone())?;
+    let kind = DeviceKind::Vsock {
+        guest_cid: config.guest_cid,
+    };
+    let transport = attach_virtio_device(vm, devices, vsock.clone(), kind)?;
     let handler = VsockEventHandler::new(vsock.clone()).map_err(BuildError::EventFd)?;
     devices.subscribers.push(Arc::new(Mutex::new(handler)));
     devices.vsock = Some(vsock);
-    Ok(())
+    Ok(transport)
 }
 
 /// Loads the ELF `vmlinux` and returns its 64-bit entry point.
@@ -352,22 +614,40 @@ fn configure_vcpu_for_boot(
 impl Vmm {
     /// Resumes every vCPU and runs the event loop until the VM ends; returns why it ended.
     pub fn run(mut self) -> Result<VmExit, BuildError> {
-        for v in &self.vcpus {
-            v.send(VcpuEvent::Resume);
+        if let Err(e) = self.resume() {
+            log::error!("start the vCPUs: {e}");
+        }
+        if let Some(t) = self.restore_started.take() {
+            log::info!(
+                "restored: vcpus running {} us after the restore began ({} us after process start)",
+                t.elapsed().as_micros(),
+                self.started.elapsed().as_micros()
+            );
         }
         let exit = loop {
             if let Err(e) = self.events.run() {
                 log::error!("event loop: {e:?}");
             }
-            let mut st = self.control.lock().unwrap_or_else(|e| e.into_inner());
-            if st.vcpu_exited {
-                st.vcpu_exited = false;
-                if let Some(exit) = self.collect_vcpu_exit() {
+            let (vcpu_exited, exit, commands) = {
+                let mut st = self.control.lock().unwrap_or_else(|e| e.into_inner());
+                (
+                    std::mem::take(&mut st.vcpu_exited),
+                    st.exit.take(),
+                    std::mem::take(&mut st.commands_pending),
+                )
+            };
+            if vcpu_exited && let Some(exit) = self.collect_vcpu_exit() {
+                break exit;
+            }
+            if let Some(exit) = exit {
+                break exit;
+            }
+            if commands {
+                self.handle_commands();
+                let mut st = self.control.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(exit) = st.exit.take() {
                     break exit;
                 }
-            }
-            if let Some(exit) = st.exit.take() {
-                break exit;
             }
         };
         if matches!(exit, VmExit::BootTimeout { .. }) {
@@ -375,6 +655,169 @@ impl Vmm {
         }
         self.shutdown();
         Ok(exit)
+    }
+
+    /// A handle that sends [`VmCommand`]s to this VM's event loop from any thread (also what
+    /// the control socket uses).
+    pub fn control_handle(&self) -> std::io::Result<ControlHandle> {
+        self.control_handle.try_clone()
+    }
+
+    fn handle_commands(&mut self) {
+        while let Ok((cmd, reply)) = self.commands.rx.try_recv() {
+            log::info!("control: {cmd:?}");
+            let answer = self.execute(cmd);
+            if let Err(e) = &answer {
+                log::warn!("control: {e}");
+            }
+            let _ = reply.send(answer);
+        }
+    }
+
+    fn execute(&mut self, cmd: VmCommand) -> CommandReply {
+        match cmd {
+            VmCommand::Pause => self
+                .pause()
+                .map(|()| serde_json::json!({"state": "paused"})),
+            VmCommand::Resume => self
+                .resume()
+                .map(|()| serde_json::json!({"state": "running"})),
+            VmCommand::Snapshot(dir) => self.snapshot(&dir),
+            VmCommand::Status => Ok(serde_json::json!({
+                "state": if self.paused { "paused" } else { "running" },
+                "vcpus": self.machine.vcpus,
+                "mem_mib": self.machine.mem_mib,
+                "cpu_template": self.machine.cpu_template,
+                "uptime_ms": self.started.elapsed().as_millis() as u64,
+                "userspace_up": self.console.ready_after_us().is_some(),
+            })),
+            VmCommand::Stop => {
+                let mut st = self.control.lock().unwrap_or_else(|e| e.into_inner());
+                st.exit.get_or_insert(VmExit::Stopped);
+                Ok(serde_json::json!({}))
+            }
+        }
+    }
+
+    /// Waits for each vCPU's answer to an event it was sent; a vCPU that stops for good meanwhile
+    /// ends the VM with its reason.
+    fn await_vcpus<T>(
+        &self,
+        mut pick: impl FnMut(VcpuResponse) -> Option<T>,
+    ) -> Result<Vec<T>, String> {
+        let mut out = Vec::with_capacity(self.vcpus.len());
+        for v in &self.vcpus {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match v.responses.recv_timeout(left) {
+                    Ok(VcpuResponse::Exited(exit)) => {
+                        self.control
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .exit
+                            .get_or_insert(exit);
+                        return Err(format!("vcpu{} stopped: the VM is ending", v.index));
+                    }
+                    Ok(r) => {
+                        if let Some(t) = pick(r) {
+                            out.push(t);
+                            break;
+                        }
+                    }
+                    Err(_) => return Err(format!("vcpu{} did not answer", v.index)),
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Parks every vCPU outside `KVM_RUN` (idempotent). Devices stay attached; nothing runs in
+    /// the guest until [`Self::resume`].
+    pub fn pause(&mut self) -> Result<(), String> {
+        if self.paused {
+            return Ok(());
+        }
+        for v in &self.vcpus {
+            v.send(VcpuEvent::Pause);
+        }
+        self.await_vcpus(|r| matches!(r, VcpuResponse::Paused).then_some(()))?;
+        self.paused = true;
+        Ok(())
+    }
+
+    /// Lets every vCPU run again (idempotent).
+    pub fn resume(&mut self) -> Result<(), String> {
+        for v in &self.vcpus {
+            v.send(VcpuEvent::Resume);
+        }
+        self.await_vcpus(|r| matches!(r, VcpuResponse::Resumed).then_some(()))?;
+        self.paused = false;
+        Ok(())
+    }
+
+    /// Writes a snapshot of the paused VM into `dir`: guest memory first, then the `state`
+    /// file (renamed into place last, so a directory with a `state` file is complete).
+    pub fn snapshot(&mut self, dir: &std::path::Path) -> CommandReply {
+        if !self.paused {
+            return Err("pause the VM before taking a snapshot".into());
+        }
+        let began = Instant::now();
+        std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+        for v in &self.vcpus {
+            v.send(VcpuEvent::SaveState);
+        }
+        let vcpus = self
+            .await_vcpus(|r| match r {
+                VcpuResponse::Saved(s) => Some(s),
+                _ => None,
+            })?
+            .into_iter()
+            .map(|s| s.map(|b| *b))
+            .collect::<Result<Vec<_>, _>>()?;
+        let vm = VmKvmState::save(self.vm.fd()).map_err(|e| e.to_string())?;
+        let serial = self
+            .serial
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .state()
+            .into();
+        let virtio = self
+            .virtio
+            .iter()
+            .map(|(t, kind)| VirtioSnapshot {
+                kind: kind.clone(),
+                transport: t.lock().unwrap_or_else(|e| e.into_inner()).snapshot(),
+            })
+            .collect();
+        let snap = Snapshot {
+            machine: self.machine.clone(),
+            memory: memory::layout(self.vm.memory()),
+            vm,
+            vcpus,
+            serial,
+            virtio,
+        };
+        snap.validate().map_err(|e| error_text(&e))?;
+        let mem_at = Instant::now();
+        let written =
+            memory::save(self.vm.memory(), &dir.join(MEMORY_FILE)).map_err(|e| error_text(&e))?;
+        let mem_ms = mem_at.elapsed().as_secs_f64() * 1e3;
+        let state_bytes = snap.write_state(dir).map_err(|e| error_text(&e))?;
+        let ms = began.elapsed().as_secs_f64() * 1e3;
+        log::info!(
+            "snapshot written to {} in {ms:.1} ms ({} MiB of memory in {mem_ms:.1} ms)",
+            dir.display(),
+            written >> 20
+        );
+        Ok(serde_json::json!({
+            "dir": dir.display().to_string(),
+            "memory_bytes_written": written,
+            "state_bytes": state_bytes,
+            "snapshot_ms": ms,
+            "memory_ms": mem_ms,
+        }))
     }
 
     /// Logs where every vCPU is, for a VM that is about to be stopped from outside.
@@ -464,6 +907,17 @@ impl Vmm {
     }
 }
 
+fn error_text(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        cur = inner.source();
+    }
+    s
+}
+
 /// The stop eventfd for [`handle_stop_signal`]; -1 when none.
 static STOP_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
 
@@ -484,6 +938,7 @@ extern "C" fn handle_stop_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mu
 struct ControlState {
     exit: Option<VmExit>,
     vcpu_exited: bool,
+    commands_pending: bool,
 }
 
 /// Watches everything that can end the VM: the i8042 reset, a vCPU that stopped, the console
@@ -492,6 +947,8 @@ struct ExitWatcher {
     reset_evt: EventFd,
     stop_evt: EventFd,
     vcpu_exit_evt: EventFd,
+    /// Written by a [`ControlHandle`] when a command is queued.
+    command_evt: EventFd,
     console: Arc<ConsoleEvents>,
     deadline: TimerFd,
     panic_grace: TimerFd,
@@ -555,6 +1012,12 @@ impl MutEventSubscriber for ExitWatcher {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .vcpu_exited = true;
+        } else if fd == self.command_evt.as_raw_fd() {
+            let _ = self.command_evt.read();
+            self.state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .commands_pending = true;
         } else if fd == self.console.notify.as_raw_fd() {
             self.on_console();
         } else if fd == self.deadline.as_raw_fd() {
@@ -579,6 +1042,7 @@ impl MutEventSubscriber for ExitWatcher {
             self.reset_evt.as_raw_fd(),
             self.stop_evt.as_raw_fd(),
             self.vcpu_exit_evt.as_raw_fd(),
+            self.command_evt.as_raw_fd(),
             self.console.notify.as_raw_fd(),
             self.deadline.as_raw_fd(),
             self.panic_grace.as_raw_fd(),

@@ -295,6 +295,103 @@ impl MmioTransport {
     }
 }
 
+/// Why a transport's saved state cannot be restored.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportRestoreError {
+    #[error("{got} queue states for a device with {want} queues")]
+    QueueCount { got: usize, want: usize },
+    #[error("queue {0}: {1}")]
+    BadQueue(usize, String),
+    #[error("activate the device: {0}")]
+    Activate(#[from] super::ActivateError),
+}
+
+impl MmioTransport {
+    /// The transport's registers and the queues (the device's while it is active).
+    pub fn snapshot(&self) -> crate::snapshot::TransportSnapshot {
+        let dev = lock(&self.device);
+        let queues = if dev.is_activated() {
+            dev.active_queue_states()
+        } else {
+            self.queues.iter().map(Queue::state).collect()
+        };
+        crate::snapshot::TransportSnapshot {
+            status: self.status,
+            driver_features: self.driver_features,
+            features_select: self.features_select,
+            driver_features_select: self.driver_features_select,
+            queue_select: self.queue_select,
+            config_generation: self.config_generation,
+            interrupt_status: self.interrupt.status(),
+            queues: queues.into_iter().map(Into::into).collect(),
+        }
+    }
+
+    /// Puts a fresh transport (and its fresh device) into the saved state: registers, acked
+    /// features, queues, and — if the driver had finished initialisation — the device
+    /// activated on the saved queues. The queue states come from a file and are checked like
+    /// driver writes are (sizes, and ring addresses inside guest memory on activation).
+    pub fn restore(
+        &mut self,
+        state: &crate::snapshot::TransportSnapshot,
+    ) -> Result<(), TransportRestoreError> {
+        let mut dev = lock(&self.device);
+        let want = dev.queue_max_sizes().len();
+        if state.queues.len() != want {
+            return Err(TransportRestoreError::QueueCount {
+                got: state.queues.len(),
+                want,
+            });
+        }
+        let mut queues = Vec::with_capacity(want);
+        for (i, (q, &max)) in state.queues.iter().zip(dev.queue_max_sizes()).enumerate() {
+            if q.max_size != max {
+                return Err(TransportRestoreError::BadQueue(
+                    i,
+                    format!("max size {} (the device has {max})", q.max_size),
+                ));
+            }
+            let queue = Queue::try_from(virtio_queue::QueueState::from(q))
+                .map_err(|e| TransportRestoreError::BadQueue(i, e.to_string()))?;
+            queues.push(queue);
+        }
+        if state.status & VIRTIO_CONFIG_S_FEATURES_OK != 0 {
+            let offered = dev.avail_features();
+            dev.set_acked_features(state.driver_features & offered);
+        }
+        let live = state.status & VIRTIO_CONFIG_S_DRIVER_OK != 0
+            && state.status & (VIRTIO_CONFIG_S_NEEDS_RESET | VIRTIO_CONFIG_S_FAILED) == 0;
+        if live {
+            if let Some(i) = queues.iter().position(|q| !q.is_valid(&self.mem)) {
+                return Err(super::ActivateError::InvalidQueue(i).into());
+            }
+            dev.activate(self.mem.clone(), queues, self.interrupt.clone())?;
+            self.queues = Vec::new();
+        } else {
+            self.queues = queues;
+        }
+        drop(dev);
+        self.status = state.status;
+        self.driver_features = state.driver_features;
+        self.features_select = state.features_select;
+        self.driver_features_select = state.driver_features_select;
+        self.queue_select = state.queue_select;
+        self.config_generation = state.config_generation;
+        self.interrupt.restore_status(state.interrupt_status);
+        Ok(())
+    }
+
+    /// The device behind this transport.
+    pub fn device(&self) -> &Arc<Mutex<dyn VirtioDevice>> {
+        &self.device
+    }
+
+    /// The transport's interrupt line.
+    pub fn interrupt(&self) -> &Arc<VirtioInterrupt> {
+        &self.interrupt
+    }
+}
+
 impl BusDevice for MmioTransport {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         if offset >= u64::from(VIRTIO_MMIO_CONFIG) {
@@ -371,6 +468,9 @@ mod tests {
         }
         fn queue_events(&self) -> &[EventFd] {
             &self.evts
+        }
+        fn active_queue_states(&self) -> Vec<virtio_queue::QueueState> {
+            Vec::new()
         }
     }
 

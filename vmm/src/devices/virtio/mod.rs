@@ -76,6 +76,18 @@ impl VirtioInterrupt {
         self.status.fetch_and(!bits, Ordering::SeqCst);
     }
 
+    /// Sets the status word from a snapshot and, if any bit is set, raises the line again: the
+    /// driver may not have seen the interrupt before the snapshot, and a spurious one is
+    /// harmless (it reads the status and acks nothing).
+    pub fn restore_status(&self, bits: u32) {
+        self.status.store(bits, Ordering::SeqCst);
+        if bits != 0
+            && let Err(e) = self.irqfd.write(1)
+        {
+            crate::warn_ratelimited!("virtio interrupt: {e}");
+        }
+    }
+
     /// The irqfd, for registration with KVM.
     pub fn irqfd(&self) -> &EventFd {
         &self.irqfd
@@ -109,6 +121,9 @@ pub trait VirtioDevice: Send {
     fn is_activated(&self) -> bool;
     /// One eventfd per queue, written by KVM when the driver notifies that queue.
     fn queue_events(&self) -> &[EventFd];
+    /// The state of the queues the device works on while active (empty when not active), for
+    /// snapshots.
+    fn active_queue_states(&self) -> Vec<virtio_queue::QueueState>;
 }
 
 /// Reads `data.len()` bytes at `offset` of `config` (zero beyond its end).

@@ -294,6 +294,10 @@ impl VirtioDevice for Block {
     fn queue_events(&self) -> &[EventFd] {
         &self.queue_evts
     }
+
+    fn active_queue_states(&self) -> Vec<virtio_queue::QueueState> {
+        self.active.iter().map(|a| a.queue.state()).collect()
+    }
 }
 
 #[cfg(test)]

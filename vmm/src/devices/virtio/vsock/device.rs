@@ -49,6 +49,10 @@ pub struct Vsock {
     acked_features: u64,
     queue_evts: Vec<EventFd>,
     active: Option<Active>,
+    /// A transport reset went to the guest and the driver has not yet answered by refilling
+    /// the event queue (this is the event queue's available index when the reset was sent);
+    /// until it has, new host connections wait (the guest would reset them).
+    reset_pending: Option<u16>,
 }
 
 impl std::fmt::Debug for Vsock {
@@ -75,6 +79,7 @@ impl Vsock {
             acked_features: 0,
             queue_evts,
             active: None,
+            reset_pending: None,
         })
     }
 
@@ -187,7 +192,36 @@ impl Vsock {
         });
         let _ = active.queues[EVQ].add_used(&active.mem, head, if ok { 4 } else { 0 });
         active.interrupt.signal_used_queue();
-        ok
+        self.reset_pending = ok.then(|| Self::evq_avail_idx(active)).flatten();
+        ok && self.reset_pending.is_some()
+    }
+
+    fn evq_avail_idx(active: &Active) -> Option<u16> {
+        active.queues[EVQ]
+            .avail_idx(&active.mem, std::sync::atomic::Ordering::Acquire)
+            .ok()
+            .map(|w| w.0)
+    }
+
+    /// Whether a transport reset is still waiting for the driver (see [`Self::event_queue_notified`]).
+    pub fn reset_pending(&self) -> bool {
+        self.reset_pending.is_some()
+    }
+
+    /// The event queue was notified. Linux's driver notifies after it handled the events it
+    /// found (for a transport reset: after resetting every connected socket), when it puts the
+    /// buffer back, so the available index has moved. Returns true if that ends a pending
+    /// reset; a notification without a new buffer (a spurious one, or the VMM's own kick after a
+    /// restore) does not.
+    pub fn event_queue_notified(&mut self) -> bool {
+        let (Some(sent_at), Some(active)) = (self.reset_pending, self.active.as_ref()) else {
+            return false;
+        };
+        if Self::evq_avail_idx(active).is_some_and(|now| now != sent_at) {
+            self.reset_pending = None;
+            return true;
+        }
+        false
     }
 }
 
@@ -252,6 +286,13 @@ impl VirtioDevice for Vsock {
 
     fn queue_events(&self) -> &[EventFd] {
         &self.queue_evts
+    }
+
+    fn active_queue_states(&self) -> Vec<virtio_queue::QueueState> {
+        self.active
+            .iter()
+            .flat_map(|a| a.queues.iter().map(Queue::state))
+            .collect()
     }
 }
 
@@ -415,6 +456,16 @@ mod tests {
         }
         let mut buf = [0u8; 1];
         assert_eq!(host.read(&mut buf).unwrap(), 0);
+        // New host connections wait until the driver has handled the event: a notification
+        // without a new event buffer does not count, the driver putting one back does.
+        assert!(dev.reset_pending());
+        assert!(!dev.event_queue_notified());
+        assert!(dev.reset_pending());
+        evq.add_desc_chains(&[desc(0x30000, 4, VRING_DESC_F_WRITE, 0)], 1)
+            .unwrap();
+        assert!(dev.event_queue_notified());
+        assert!(!dev.reset_pending());
+        assert!(!dev.event_queue_notified());
         let _ = std::fs::remove_file(&path);
         let _ = std::fs::remove_file(format!("{}_7000", path.display()));
     }

@@ -19,6 +19,8 @@ pub struct VsockEventHandler {
     queue_evts: Vec<EventFd>,
     /// Host fds currently registered with the event loop.
     registered: HashSet<RawFd>,
+    /// Whether the host listener is watched (not while a transport reset is pending).
+    listening: bool,
 }
 
 impl VsockEventHandler {
@@ -35,7 +37,15 @@ impl VsockEventHandler {
             device,
             queue_evts,
             registered: HashSet::new(),
+            listening: false,
         })
+    }
+
+    fn watch_listener(&mut self, dev: &Vsock, ops: &mut EventOps) {
+        if let Err(e) = ops.add(Events::new_raw(dev.muxer.listener_fd(), EventSet::IN)) {
+            log::error!("vsock: cannot watch the host socket: {e:?}");
+        }
+        self.listening = true;
     }
 
     fn apply_changes(&mut self, dev: &mut Vsock, ops: &mut EventOps) {
@@ -92,7 +102,12 @@ impl MutEventSubscriber for VsockEventHandler {
             match q {
                 RXQ => dev.process_rx(),
                 TXQ => dev.process_tx(),
-                EVQ => {} // the driver added event buffers; they are used on transport reset
+                // The driver put event buffers back: after a transport reset, that means it has
+                // reset its sockets, and host connections can come in again.
+                EVQ if dev.event_queue_notified() && !self.listening => {
+                    log::info!("vsock: the guest handled the transport reset");
+                    self.watch_listener(&dev, ops);
+                }
                 _ => {}
             }
         } else if dev.muxer.owns_fd(fd) {
@@ -112,14 +127,10 @@ impl MutEventSubscriber for VsockEventHandler {
                 log::error!("vsock: cannot watch queue event: {e:?}");
             }
         }
-        let listener = self
-            .device
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .muxer
-            .listener_fd();
-        if let Err(e) = ops.add(Events::new_raw(listener, EventSet::IN)) {
-            log::error!("vsock: cannot watch the host socket: {e:?}");
+        let device = self.device.clone();
+        let dev = device.lock().unwrap_or_else(|e| e.into_inner());
+        if !dev.reset_pending() {
+            self.watch_listener(&dev, ops);
         }
     }
 }
