@@ -203,6 +203,16 @@ link_busybox_applets() {
   done < <(chroot "$tree" /bin/busybox --list-full)
 }
 
+# /bin/sh is busybox's ash instead of dash: the shell snippets users send (`sh -c ...`) get the
+# common extensions ($RANDOM, `[[`, arrays of positional tricks dash lacks), and $RANDOM in a
+# clone restored from a snapshot is seeded from its own pid and clock. dash stays installed at
+# /bin/dash for scripts that name it.
+use_busybox_sh() {
+  local tree=$1
+  [[ -x $tree/bin/busybox ]] || die "busybox is missing from the tree"
+  ln -sfn busybox "$tree/usr/bin/sh"
+}
+
 write_system_files() {
   local tree=$1
   printf 'airlock\n' >"$tree/etc/hostname"
@@ -369,6 +379,7 @@ main() {
   build_tree "$tree" "$mirror"
   epoch=$(source_epoch "$tree") # before trim_tree, which deletes the Release file
   applets=$(link_busybox_applets "$tree")
+  use_busybox_sh "$tree"
   trim_tree "$tree"
   clamp_mtimes "$tree" "$epoch"
   make_image "$tree" "$WORK_DIR/image.ext4" "$(uuid_from_hash "$hash")" "$epoch"

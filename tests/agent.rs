@@ -7,18 +7,12 @@
 //! Cold boots cost tens of seconds on the nested-KVM build machines, so every agent check
 //! shares one VM. Timeouts are in minutes for the same reason.
 
-use std::os::unix::net::UnixStream;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use airlock_proto::pb::{self, StreamKind, exec_exit};
-use airlock_proto::{AGENT_VSOCK_PORT, AgentClient, ClientError};
-use airlock_system_tests::{ChildGuard, TempDir, binary, kernel, require_kvm, rootfs};
-
-const BOOT_DEADLINE: Duration = Duration::from_secs(300);
-const READ_TIMEOUT: Duration = Duration::from_secs(300);
-
-type Client = AgentClient<UnixStream, UnixStream>;
+use airlock_system_tests::{
+    Client, VmProcess, binary, exit_code, kernel, require_kvm, rootfs, sh, step,
+};
 
 #[test]
 fn run_streams_stdout_and_stderr_and_exits_with_the_command_status() {
@@ -45,89 +39,6 @@ fn run_streams_stdout_and_stderr_and_exits_with_the_command_status() {
     assert!(stderr.lines().any(|l| l == "err"), "stderr: {stderr}");
 }
 
-/// A VM booted with a vsock device, killed on drop.
-struct Vm {
-    _child: ChildGuard,
-    dir: TempDir,
-}
-
-impl Vm {
-    fn boot() -> Self {
-        require_kvm();
-        let dir = TempDir::new("agent-vm");
-        let child = ChildGuard::spawn(
-            Command::new(binary("airlock-vmm"))
-                .arg("boot")
-                .arg("--kernel")
-                .arg(kernel())
-                .arg("--rootfs")
-                .arg(rootfs())
-                .args(["--mem-mib", "512"])
-                .arg("--vsock")
-                .arg(dir.0.join("vsock.sock"))
-                .arg("--console")
-                .arg(dir.0.join("console.txt"))
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(dir.0.join("vmm.log")).expect("log file")),
-        );
-        Self { _child: child, dir }
-    }
-
-    fn diagnostics(&self) -> String {
-        let read = |f: &str| std::fs::read_to_string(self.dir.0.join(f)).unwrap_or_default();
-        format!(
-            "--- console ---\n{}\n--- vmm ---\n{}",
-            read("console.txt"),
-            read("vmm.log")
-        )
-    }
-
-    fn connect(&self) -> Client {
-        let deadline = Instant::now() + BOOT_DEADLINE;
-        let sock = self.dir.0.join("vsock.sock");
-        loop {
-            match AgentClient::connect_vsock(&sock, AGENT_VSOCK_PORT) {
-                Ok(c) => {
-                    c.reader()
-                        .set_read_timeout(Some(READ_TIMEOUT))
-                        .expect("read timeout");
-                    return c;
-                }
-                Err(ClientError::Handshake(_) | ClientError::Connect { .. })
-                    if Instant::now() < deadline =>
-                {
-                    std::thread::sleep(Duration::from_millis(200));
-                }
-                Err(e) => panic!("agent did not answer: {e}\n{}", self.diagnostics()),
-            }
-        }
-    }
-}
-
-/// Runs `shell` and returns (stdout, stderr, exit).
-fn sh(c: &mut Client, shell: &str, timeout: Duration) -> (Vec<u8>, Vec<u8>, pb::ExecExit) {
-    let exec = pb::Exec {
-        command: Some(pb::exec::Command::Shell(shell.to_owned())),
-        timeout_ms: timeout.as_millis() as u64,
-        ..Default::default()
-    };
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let exit = c
-        .exec_collect(exec, |s, d| match s {
-            StreamKind::Stderr => err.extend_from_slice(d),
-            _ => out.extend_from_slice(d),
-        })
-        .unwrap_or_else(|e| panic!("exec {shell:?}: {e}"));
-    (out, err, exit)
-}
-
-fn exit_code(exit: &pb::ExecExit) -> Option<i32> {
-    match exit.status {
-        Some(exec_exit::Status::ExitCode(c)) => Some(c),
-        _ => None,
-    }
-}
-
 /// Names (`comm`) of every process in the guest, listed with shell builtins only, after
 /// running `before` in the same shell.
 fn running_commands(c: &mut Client, before: &str) -> Vec<String> {
@@ -140,12 +51,6 @@ fn running_commands(c: &mut Client, before: &str) -> Vec<String> {
         .lines()
         .map(str::to_owned)
         .collect()
-}
-
-/// Prints how long a step took (guest-side steps are slow on nested KVM; this shows where).
-fn step(name: &str, t: &mut Instant) {
-    eprintln!("step {name}: {:.1} s", t.elapsed().as_secs_f64());
-    *t = Instant::now();
 }
 
 /// Deterministic, incompressible-looking bytes (xorshift), so no test data file is needed.
@@ -164,7 +69,7 @@ fn pseudo_random(len: usize, mut seed: u64) -> Vec<u8> {
 #[test]
 fn agent_in_a_vm_runs_python_enforces_timeouts_and_moves_data_intact() {
     let mut t = Instant::now();
-    let vm = Vm::boot();
+    let vm = VmProcess::boot("agent-vm", &["--mem-mib", "512"]);
     let mut c = vm.connect();
     step("boot to agent ready", &mut t);
     assert_eq!(c.ready().protocol_version, airlock_proto::PROTOCOL_VERSION);
