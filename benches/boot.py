@@ -12,10 +12,11 @@ import os
 import platform
 import re
 import select
-import statistics
 import subprocess
 import sys
 import time
+
+from stats import pct, summary  # benches/stats.py
 
 READY = b"airlock: userspace up"
 OVERHEAD_RE = re.compile(rb"vmm overhead: (\d+) KiB")
@@ -49,28 +50,6 @@ def run_once(cmd, timeout_s, env=None):
         proc.kill()
         code = proc.wait()
     return ready_ms, code, err
-
-
-def pct(values, p):
-    s = sorted(values)
-    if not s:
-        return None
-    k = (len(s) - 1) * p / 100.0
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def summary(values):
-    return {
-        "runs": len(values),
-        "p50": pct(values, 50),
-        "p90": pct(values, 90),
-        "p99": pct(values, 99),
-        "mean": statistics.fmean(values) if values else None,
-        "min": min(values) if values else None,
-        "max": max(values) if values else None,
-        "samples": [round(v, 1) for v in values],
-    }
 
 
 def git_sha():

@@ -43,12 +43,13 @@ import shutil
 import signal
 import socket
 import stat
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+from stats import summary  # benches/stats.py
 
 READY = b"airlock: userspace up"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,29 +63,6 @@ class BenchError(Exception):
 
 def log(msg):
     print(f"qemu_restore: {msg}", file=sys.stderr, flush=True)
-
-
-# --- statistics, as benches/boot.py computes them -------------------------------------------
-
-def pct(values, p):
-    s = sorted(values)
-    if not s:
-        return None
-    k = (len(s) - 1) * p / 100.0
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def summary(values):
-    return {
-        "p50": pct(values, 50),
-        "p90": pct(values, 90),
-        "p99": pct(values, 99),
-        "mean": statistics.fmean(values) if values else None,
-        "min": min(values) if values else None,
-        "max": max(values) if values else None,
-        "runs": [round(v, 2) for v in values],
-    }
 
 
 # --- QMP -------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks. Usage: benches/run.sh boot|exec
+# Benchmarks. Usage: benches/run.sh boot|exec|restore
 #   boot  time from process start to `airlock: userspace up`, airlock-vmm vs QEMU microvm
 #         (same kernel, image, vCPUs and memory, interleaved runs), and the VMM's resident
 #         memory outside guest RAM. RUNS (default 5), VCPUS (1), MEM_MIB (256).
@@ -7,6 +7,10 @@
 #         the guest agent over virtio-vsock, and the same agent on the host over a Unix socket
 #         in the same run. RUNS (default 10), MIB (4), VCPUS (1), MEM_MIB (512); the guest kernel
 #         is emulated on nested-KVM build hosts, where a MiB of output takes seconds.
+#   restore  snapshot restore: VMM-side restore time at 256 MiB and 2 GiB, process spawn to
+#         agent answer, VMM overhead, PSS of 1 and of CLONES (20) idle clones, and QEMU
+#         restoring its own snapshot of the same guest in the same run. RUNS (default 10),
+#         VCPUS (1); two cold boots make the snapshots.
 # AIRLOCK_KERNEL / AIRLOCK_ROOTFS default to the outputs of kernel-config/build.sh and
 # rootfs/build.sh. The last line of output is one JSON object.
 set -euo pipefail
@@ -50,12 +54,26 @@ bench_exec() {
     --runs "${RUNS:-10}" --mib "${MIB:-4}" --vcpus "${VCPUS:-1}" --mem-mib "${MEM_MIB:-512}"
 }
 
+bench_restore() {
+  command -v qemu-system-x86_64 >/dev/null || {
+    echo "qemu-system-x86_64 is missing: apt-get install -y qemu-system-x86" >&2
+    exit 1
+  }
+  artifacts
+  build_release
+  python3 "$root/benches/restore.py" \
+    --vmm "$root/target/release/airlock-vmm" \
+    --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" \
+    --runs "${RUNS:-10}" --clones "${CLONES:-20}" --vcpus "${VCPUS:-1}"
+}
+
 main() {
   case "${1:-}" in
     boot) bench_boot ;;
     exec) bench_exec ;;
+    restore) bench_restore ;;
     *)
-      sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac

@@ -58,8 +58,10 @@ pub struct Vm {
     kvm: Kvm,
     fd: VmFd,
     mem: GuestMemoryMmap,
-    supported_cpuid: CpuId,
-    msr_index_list: Vec<u32>,
+    /// Queried on first use: a restore takes CPUID from the snapshot and never needs it.
+    supported_cpuid: std::sync::OnceLock<CpuId>,
+    /// Queried on first use (boot, or the first snapshot).
+    msr_index_list: std::sync::OnceLock<Vec<u32>>,
 }
 
 impl Vm {
@@ -78,20 +80,12 @@ impl Vm {
             return Err(VmError::MissingCap(*cap));
         }
         let fd = kvm.create_vm().map_err(VmError::CreateVm)?;
-        let supported_cpuid = kvm
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(VmError::SupportedCpuid)?;
-        let msr_index_list = kvm
-            .get_msr_index_list()
-            .map_err(VmError::MsrIndexList)?
-            .as_slice()
-            .to_vec();
         let vm = Self {
             kvm,
             fd,
             mem,
-            supported_cpuid,
-            msr_index_list,
+            supported_cpuid: std::sync::OnceLock::new(),
+            msr_index_list: std::sync::OnceLock::new(),
         };
         vm.register_memory()?;
         vm.setup_irqchip()?;
@@ -150,13 +144,29 @@ impl Vm {
     }
 
     /// CPUID entries KVM supports on this host.
-    pub fn supported_cpuid(&self) -> &CpuId {
-        &self.supported_cpuid
+    pub fn supported_cpuid(&self) -> Result<&CpuId, VmError> {
+        if let Some(c) = self.supported_cpuid.get() {
+            return Ok(c);
+        }
+        let c = self
+            .kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(VmError::SupportedCpuid)?;
+        Ok(self.supported_cpuid.get_or_init(|| c))
     }
 
     /// MSRs KVM can save and restore on this host.
-    pub fn msr_index_list(&self) -> &[u32] {
-        &self.msr_index_list
+    pub fn msr_index_list(&self) -> Result<&[u32], VmError> {
+        if let Some(l) = self.msr_index_list.get() {
+            return Ok(l);
+        }
+        let l = self
+            .kvm
+            .get_msr_index_list()
+            .map_err(VmError::MsrIndexList)?
+            .as_slice()
+            .to_vec();
+        Ok(self.msr_index_list.get_or_init(|| l))
     }
 
     /// The `/dev/kvm` handle.

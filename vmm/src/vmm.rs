@@ -205,7 +205,7 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
     let (pio, mmio) = (Arc::new(devices.pio), Arc::new(devices.mmio));
     let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
     for index in 0..config.vcpus {
-        let vcpu = new_vcpu(&vm, index, &pio, &mmio, &evts)?;
+        let vcpu = new_vcpu(&vm, index, &pio, &mmio, &evts, vm.msr_index_list()?)?;
         configure_vcpu_for_boot(&vm, &vcpu, template, index, config.vcpus, entry)?;
         vcpus.push(vcpu.start_paused().map_err(BuildError::SpawnVcpu)?);
     }
@@ -231,6 +231,36 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
     assemble(parts)
 }
 
+/// Durations of consecutive steps, for the restore log line.
+struct StepTimer {
+    last: Instant,
+    steps: Vec<(&'static str, u128)>,
+}
+
+impl StepTimer {
+    fn new(start: Instant) -> Self {
+        Self {
+            last: start,
+            steps: Vec::new(),
+        }
+    }
+
+    fn mark(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.steps
+            .push((name, now.duration_since(self.last).as_micros()));
+        self.last = now;
+    }
+
+    fn report(&self) -> String {
+        self.steps
+            .iter()
+            .map(|(n, us)| format!("{n}={us}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
 fn template_name(t: CpuTemplate) -> &'static str {
     match t {
         CpuTemplate::Host => "host",
@@ -238,12 +268,14 @@ fn template_name(t: CpuTemplate) -> &'static str {
     }
 }
 
+/// A vCPU on the buses; `msrs` are the MSRs its snapshots will save.
 fn new_vcpu(
     vm: &Vm,
     index: u8,
     pio: &Arc<Bus>,
     mmio: &Arc<Bus>,
     evts: &VmEvents,
+    msrs: &[u32],
 ) -> Result<Vcpu, BuildError> {
     let fd = vm.create_vcpu(index)?;
     let exit = evts.vcpu_exit.try_clone().map_err(BuildError::EventFd)?;
@@ -255,7 +287,7 @@ fn new_vcpu(
         vm.memory().clone(),
         exit,
     );
-    vcpu.set_msr_index_list(vm.msr_index_list());
+    vcpu.set_msr_index_list(msrs);
     Ok(vcpu)
 }
 
@@ -343,7 +375,9 @@ pub fn build_microvm_from_snapshot(
     started: Instant,
 ) -> Result<Vmm, BuildError> {
     let restore_started = Instant::now();
+    let mut marks = StepTimer::new(restore_started);
     let snap = Snapshot::read_state(&config.snapshot_dir)?;
+    marks.mark("state");
     let template = config.cpu_template.unwrap_or_else(CpuTemplate::detect);
     if snap.machine.cpu_template != template_name(template) {
         return Err(BuildError::Restore(format!(
@@ -354,7 +388,9 @@ pub fn build_microvm_from_snapshot(
     }
     let mem = memory::map_private(&config.snapshot_dir.join(MEMORY_FILE), &snap.memory)
         .map_err(SnapshotError::from)?;
+    marks.mark("map");
     let vm = Vm::with_memory(mem)?;
+    marks.mark("kvm-vm");
     let evts = VmEvents::new(started)?;
     let mut devices = DeviceSet::new();
     attach_legacy_devices(
@@ -397,19 +433,25 @@ pub fn build_microvm_from_snapshot(
             .restore(&v.transport)
             .map_err(|e| BuildError::Restore(format!("{:?}: {e}", v.kind)))?;
     }
+    marks.mark("devices");
     snap.vm
         .restore(vm.fd())
         .map_err(|e| BuildError::Snapshot(e.into()))?;
+    marks.mark("vm-state");
     register_kick_handler().map_err(BuildError::Signal)?;
     let (pio, mmio) = (Arc::new(devices.pio), Arc::new(devices.mmio));
     let mut vcpus = Vec::with_capacity(snap.vcpus.len());
     for state in &snap.vcpus {
-        let vcpu = new_vcpu(&vm, state.index, &pio, &mmio, &evts)?;
+        // The MSRs the snapshot holds are the ones KVM could read: save the same ones again
+        // (no index-list query on the restore path).
+        let msrs: Vec<u32> = state.msrs.iter().map(|(i, _)| *i).collect();
+        let vcpu = new_vcpu(&vm, state.index, &pio, &mmio, &evts, &msrs)?;
         state
             .restore(vcpu.fd())
             .map_err(|e| BuildError::Snapshot(e.into()))?;
         vcpus.push(vcpu.start_paused().map_err(BuildError::SpawnVcpu)?);
     }
+    marks.mark("vcpus");
     // Host connections from before the snapshot are gone; tell the guest (it resets its
     // sockets), and let every device look at its queues once in case a notification was in
     // flight when the snapshot was taken.
@@ -426,6 +468,8 @@ pub fn build_microvm_from_snapshot(
             let _ = evt.write(1);
         }
     }
+    marks.mark("reset");
+    log::info!("restore steps (us): {}", marks.report());
     let parts = VmParts {
         vm,
         vcpus,
@@ -602,8 +646,8 @@ fn configure_vcpu_for_boot(
     entry: u64,
 ) -> Result<(), BuildError> {
     let fd = vcpu.fd();
-    regs::configure_cpuid(fd, vm.supported_cpuid(), template, index, count)?;
-    regs::configure_msrs(fd, vm.msr_index_list())?;
+    regs::configure_cpuid(fd, vm.supported_cpuid()?, template, index, count)?;
+    regs::configure_msrs(fd, vm.msr_index_list()?)?;
     regs::configure_regs(fd, entry)?;
     regs::configure_sregs(fd)?;
     regs::configure_fpu(fd)?;

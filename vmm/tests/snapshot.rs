@@ -75,7 +75,7 @@ fn start_vcpu(vm: &Vm, fd: kvm_ioctls::VcpuFd, dev: &Arc<Mutex<Counts>>) -> Vcpu
         vm.memory().clone(),
         EventFd::new(libc::EFD_NONBLOCK).unwrap(),
     );
-    vcpu.set_msr_index_list(vm.msr_index_list());
+    vcpu.set_msr_index_list(vm.msr_index_list().unwrap());
     let h = vcpu.start_paused().unwrap();
     h.send(VcpuEvent::Resume);
     assert!(matches!(recv(&h), VcpuResponse::Resumed));
@@ -99,7 +99,7 @@ fn count_and_snapshot(dir: &Path) -> u32 {
         .write_slice(COUNTER, GuestAddress(CODE_ADDR))
         .unwrap();
     let fd = vm.create_vcpu(0).unwrap();
-    fd.set_cpuid2(vm.supported_cpuid()).unwrap();
+    fd.set_cpuid2(vm.supported_cpuid().unwrap()).unwrap();
     let mut sregs = fd.get_sregs().unwrap();
     sregs.cs.base = 0;
     sregs.cs.selector = 0;
