@@ -13,6 +13,7 @@ usage: airlock-vmm boot --kernel PATH --rootfs PATH [options]
        airlock-vmm run  --snapshot DIR [run options] -- CMD [ARGS...]
        airlock-vmm snapshot --kernel PATH --rootfs PATH --out DIR [options]
        airlock-vmm restore --snapshot DIR [--vsock PATH] [--control PATH] [--console PATH]
+       airlock-vmm pool --control PATH [--vcpus N] [--vsock PATH] [--console PATH]
 
 boot: boots the kernel with the root filesystem image as /dev/vda (read-only) and exits when the
 guest powers off. Exit codes: 0 clean power-off, 1 VMM error, 2 usage, 64 guest panic, 65 triple
@@ -29,6 +30,10 @@ snapshot: boots, waits until the guest agent answers, pauses the VM, writes a sn
 
 restore: restores the snapshot in DIR into this process and runs the VM until it powers off or
 is stopped (SIGTERM, or `stop` on the control socket). Its vsock device needs --vsock PATH.
+
+pool: a warm process for a later restore: creates the KVM VM, its irqchip and N vCPUs now, then
+waits on the control socket for `restore DIR` (answered once the clone runs, with the restore
+time) and goes on as `restore` would; `status` answers while it waits.
 
 options:
   --vcpus N                 vCPUs (default 1, at most 32)
@@ -257,6 +262,50 @@ pub fn parse_restore(args: &[String]) -> Result<RestoreOptions, String> {
     Ok(opts)
 }
 
+/// `airlock-vmm pool`.
+#[derive(Debug)]
+pub struct PoolOptions {
+    pub vcpus: u8,
+    pub control: PathBuf,
+    pub vsock: Option<PathBuf>,
+    pub console: ConsoleOutput,
+}
+
+pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
+    let mut vcpus = 1u8;
+    let mut control = None;
+    let mut vsock = None;
+    let mut console = ConsoleOutput::Stdout;
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .cloned()
+                .ok_or_else(|| format!("{flag} needs a value"))
+        };
+        match flag.as_str() {
+            "--vcpus" => {
+                vcpus = value()?
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=vmm::arch::mptable::MAX_CPUS).contains(n))
+                    .ok_or("--vcpus: between 1 and 32")?
+            }
+            "--control" => control = Some(PathBuf::from(value()?)),
+            "--vsock" => vsock = Some(PathBuf::from(value()?)),
+            "--console" => console = ConsoleOutput::File(PathBuf::from(value()?)),
+            "-h" | "--help" => return Err(String::new()),
+            other => return Err(format!("unknown option {other}")),
+        }
+    }
+    Ok(PoolOptions {
+        vcpus,
+        control: control.ok_or("--control PATH is required")?,
+        vsock,
+        console,
+    })
+}
+
 pub fn log_vm_exit(exit: &VmExit) -> u8 {
     let c = exit.exit_code();
     if exit.is_clean() {
@@ -333,6 +382,18 @@ mod tests {
         assert_eq!(r.control, Some(PathBuf::from("/c")));
         assert!(parse_restore(&args("--vsock /v")).is_err());
         assert!(parse_restore(&args("--snapshot /s --bogus")).is_err());
+    }
+
+    #[test]
+    fn pool_needs_a_control_socket_and_a_sane_vcpu_count() {
+        let p = parse_pool(&args("--control /c --vcpus 2 --vsock /v")).unwrap();
+        assert_eq!(
+            (p.vcpus, p.control.as_path()),
+            (2, std::path::Path::new("/c"))
+        );
+        assert!(parse_pool(&args("--vcpus 2")).is_err());
+        assert!(parse_pool(&args("--control /c --vcpus 0")).is_err());
+        assert!(parse_pool(&args("--control /c --vcpus 99")).is_err());
     }
 
     #[test]

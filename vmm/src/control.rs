@@ -155,9 +155,7 @@ fn serve_one(stream: UnixStream, handle: &ControlHandle) {
 /// Binds `path` (replacing a stale socket file) and serves commands on a `control-api`
 /// thread, one connection at a time, until the VM ends.
 pub fn serve_control_socket(path: &Path, handle: ControlHandle) -> std::io::Result<()> {
-    let _ = std::fs::remove_file(path);
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    let listener = bind_control_socket(path)?;
     std::thread::Builder::new()
         .name("control-api".into())
         .spawn(move || {
@@ -169,6 +167,54 @@ pub fn serve_control_socket(path: &Path, handle: ControlHandle) -> std::io::Resu
             }
         })?;
     Ok(())
+}
+
+/// Binds a control socket at `path` (mode 0600, replacing a stale socket file).
+pub fn bind_control_socket(path: &Path) -> std::io::Result<UnixListener> {
+    let _ = std::fs::remove_file(path);
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// Answers one command on the control socket of a pool process, which has no VM yet: `status`
+/// says so, `restore DIR` is returned (with its connection, to answer once the VM runs), and
+/// anything else is refused.
+pub fn next_restore_request(listener: &UnixListener, vcpus: usize) -> (UnixStream, PathBuf) {
+    loop {
+        let Ok((stream, _)) = listener.accept() else {
+            continue;
+        };
+        let _ = stream.set_read_timeout(Some(CLIENT_TIMEOUT));
+        let _ = stream.set_write_timeout(Some(CLIENT_TIMEOUT));
+        let Ok(mut w) = stream.try_clone() else {
+            continue;
+        };
+        let mut line = String::new();
+        let read = BufReader::new(stream.take(MAX_LINE as u64 + 1)).read_line(&mut line);
+        let reply: CommandReply = match read {
+            Ok(n) if n > 0 && line.len() <= MAX_LINE => {
+                let line = line.trim();
+                match line.split_once(' ') {
+                    Some(("restore", dir)) if !dir.trim().is_empty() => {
+                        return (w, PathBuf::from(dir.trim()));
+                    }
+                    _ if line == "status" => Ok(json!({"state": "prepared", "vcpus": vcpus})),
+                    _ => Err(format!(
+                        "no VM yet: this pool process takes `restore DIR` or `status`, not {line:?}"
+                    )),
+                }
+            }
+            Ok(_) => Err(format!("empty command or longer than {MAX_LINE} bytes")),
+            Err(e) => Err(format!("read the command: {e}")),
+        };
+        let _ = w.write_all(reply_line(&reply).as_bytes());
+    }
+}
+
+/// Writes the answer to a `restore` request.
+pub fn answer(mut stream: UnixStream, reply: &CommandReply) {
+    let _ = stream.write_all(reply_line(reply).as_bytes());
 }
 
 /// Sends one command line to a control socket and returns the JSON answer (for tools and
@@ -199,6 +245,30 @@ mod tests {
         assert!(parse_command("pause now").is_err());
         assert!(parse_command("").is_err());
         assert!(parse_command("rm -rf /").is_err());
+    }
+
+    #[test]
+    fn a_pool_process_answers_status_refuses_the_rest_and_returns_the_restore_request() {
+        let path = std::env::temp_dir().join(format!("airlock-pool-{}.sock", std::process::id()));
+        let listener = bind_control_socket(&path).unwrap();
+        let client = {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let status = send_command(&path, "status").unwrap();
+                let bogus = send_command(&path, "pause").unwrap();
+                let restored = send_command(&path, "restore /snap/dir").unwrap();
+                (status, bogus, restored)
+            })
+        };
+        let (stream, dir) = next_restore_request(&listener, 2);
+        assert_eq!(dir, PathBuf::from("/snap/dir"));
+        answer(stream, &Ok(json!({"state": "running"})));
+        let (status, bogus, restored) = client.join().unwrap();
+        assert_eq!(status["state"], "prepared");
+        assert_eq!(status["vcpus"], 2);
+        assert_eq!(bogus["ok"], false);
+        assert_eq!(restored["ok"], true);
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]

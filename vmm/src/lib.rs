@@ -20,4 +20,5 @@ pub use config::VmConfig;
 pub use exit::VmExit;
 pub use vmm::{
     BuildError, RestoreConfig, Vmm, build_microvm_for_boot, build_microvm_from_snapshot,
+    restore_microvm,
 };

@@ -63,6 +63,69 @@ fn restore(opts: &cli::RestoreOptions, started: Instant) -> ExitCode {
     finish(vmm.run())
 }
 
+/// `airlock-vmm pool`: prepare the KVM VM now, restore when asked.
+fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
+    use vmm::control;
+    let prepared = match vmm::vm::PreparedVm::new(opts.vcpus) {
+        Ok(p) => p,
+        Err(e) => {
+            log::error!("{}", cli::error_chain(&e));
+            return ExitCode::from(code::VMM_ERROR);
+        }
+    };
+    let listener = match control::bind_control_socket(&opts.control) {
+        Ok(l) => l,
+        Err(e) => {
+            log::error!("control socket {}: {e}", opts.control.display());
+            return ExitCode::from(code::VMM_ERROR);
+        }
+    };
+    log::info!(
+        "pool: {} vCPU(s) prepared after {} us; waiting for `restore DIR` on {}",
+        opts.vcpus,
+        started.elapsed().as_micros(),
+        opts.control.display()
+    );
+    let (requester, dir) = control::next_restore_request(&listener, usize::from(opts.vcpus));
+    let asked = Instant::now();
+    let config = vmm::RestoreConfig {
+        snapshot_dir: dir,
+        vsock_uds: opts.vsock.clone(),
+        console: opts.console.clone(),
+        console_limit: 64 << 20,
+        cpu_template: None,
+    };
+    let vmm = match vmm::restore_microvm(&config, started, Some(prepared), asked) {
+        Ok(v) => v,
+        Err(e) => {
+            let msg = cli::error_chain(&e);
+            log::error!("{msg}");
+            control::answer(requester, &Err(msg));
+            return ExitCode::from(code::VMM_ERROR);
+        }
+    };
+    drop(listener);
+    if let Err(code) = run::serve_control(&vmm, Some(&opts.control)) {
+        return code;
+    }
+    if let Err(e) = vmm.stop_on_termination_signals() {
+        log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
+    }
+    let handle = vmm.control_handle();
+    // Answer once the vCPUs run (the event loop takes commands only after resuming them).
+    std::thread::spawn(move || {
+        if let Ok(h) = handle {
+            let _ = h.call(vmm::control::VmCommand::Status);
+        }
+        let answer = serde_json::json!({
+            "state": "running",
+            "running_after_us": asked.elapsed().as_micros() as u64,
+        });
+        control::answer(requester, &Ok(answer));
+    });
+    finish(vmm.run())
+}
+
 fn usage_error(msg: &str) -> ExitCode {
     if !msg.is_empty() {
         eprintln!("airlock-vmm: {msg}");
@@ -82,6 +145,10 @@ fn main() -> ExitCode {
         },
         Some((cmd, rest)) if cmd == "restore" => match cli::parse_restore(rest) {
             Ok(opts) => restore(&opts, started),
+            Err(msg) => usage_error(&msg),
+        },
+        Some((cmd, rest)) if cmd == "pool" => match cli::parse_pool(rest) {
+            Ok(opts) => pool(&opts, started),
             Err(msg) => usage_error(&msg),
         },
         Some((cmd, rest)) if cmd == "snapshot" => match cli::parse_snapshot(rest) {

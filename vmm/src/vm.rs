@@ -52,6 +52,57 @@ const REQUIRED_CAPS: &[Cap] = &[
     Cap::ExtCpuid,
 ];
 
+/// The in-kernel devices every VM has: TSS and identity-map addresses (before any vCPU), the
+/// irqchip (PICs, IOAPIC, LAPICs) and the PIT.
+fn setup_irqchip(fd: &VmFd) -> Result<(), VmError> {
+    fd.set_tss_address(KVM_TSS_ADDR as usize)
+        .map_err(VmError::SetTss)?;
+    fd.set_identity_map_address(KVM_IDENTITY_MAP_ADDR)
+        .map_err(VmError::SetIdentityMap)?;
+    fd.create_irq_chip().map_err(VmError::CreateIrqchip)?;
+    // The dummy speaker port keeps port 0x61 in the kernel instead of exiting to us.
+    let pit = kvm_pit_config {
+        flags: KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    };
+    fd.create_pit2(pit).map_err(VmError::CreatePit)
+}
+
+/// A KVM VM created before its memory, with its in-kernel devices and vCPU fds: everything of
+/// a restore that does not depend on the snapshot, done by a pool process while it waits (see
+/// `airlock-vmm pool`).
+#[derive(Debug)]
+pub struct PreparedVm {
+    kvm: Kvm,
+    fd: VmFd,
+    vcpus: Vec<VcpuFd>,
+}
+
+impl PreparedVm {
+    /// Opens KVM, checks its capabilities, creates the VM, its irqchip and PIT, and `vcpus`
+    /// vCPU fds (APIC ids 0..vcpus).
+    pub fn new(vcpus: u8) -> Result<Self, VmError> {
+        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+        if let Some(cap) = REQUIRED_CAPS.iter().find(|c| !kvm.check_extension(**c)) {
+            return Err(VmError::MissingCap(*cap));
+        }
+        let fd = kvm.create_vm().map_err(VmError::CreateVm)?;
+        setup_irqchip(&fd)?;
+        let vcpus = (0..vcpus)
+            .map(|i| {
+                fd.create_vcpu(u64::from(i))
+                    .map_err(|e| VmError::CreateVcpu(i, e))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self { kvm, fd, vcpus })
+    }
+
+    /// How many vCPU fds were created in advance.
+    pub fn vcpu_count(&self) -> usize {
+        self.vcpus.len()
+    }
+}
+
 /// A KVM VM with its guest memory.
 #[derive(Debug)]
 pub struct Vm {
@@ -75,21 +126,23 @@ impl Vm {
     /// Opens KVM, checks its capabilities and creates a VM over `mem` (for example guest
     /// memory mapped from a snapshot).
     pub fn with_memory(mem: GuestMemoryMmap) -> Result<Self, VmError> {
-        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
-        if let Some(cap) = REQUIRED_CAPS.iter().find(|c| !kvm.check_extension(**c)) {
-            return Err(VmError::MissingCap(*cap));
-        }
-        let fd = kvm.create_vm().map_err(VmError::CreateVm)?;
+        Ok(Self::from_prepared(PreparedVm::new(0)?, mem)?.0)
+    }
+
+    /// Gives a prepared VM its memory; returns the VM and the vCPU fds created in advance.
+    pub fn from_prepared(
+        prepared: PreparedVm,
+        mem: GuestMemoryMmap,
+    ) -> Result<(Self, Vec<VcpuFd>), VmError> {
         let vm = Self {
-            kvm,
-            fd,
+            kvm: prepared.kvm,
+            fd: prepared.fd,
             mem,
             supported_cpuid: std::sync::OnceLock::new(),
             msr_index_list: std::sync::OnceLock::new(),
         };
         vm.register_memory()?;
-        vm.setup_irqchip()?;
-        Ok(vm)
+        Ok((vm, prepared.vcpus))
     }
 
     fn register_memory(&self) -> Result<(), VmError> {
@@ -108,22 +161,6 @@ impl Vm {
                 .map_err(|e| VmError::SetMemoryRegion(slot, e))?;
         }
         Ok(())
-    }
-
-    fn setup_irqchip(&self) -> Result<(), VmError> {
-        self.fd
-            .set_tss_address(KVM_TSS_ADDR as usize)
-            .map_err(VmError::SetTss)?;
-        self.fd
-            .set_identity_map_address(KVM_IDENTITY_MAP_ADDR)
-            .map_err(VmError::SetIdentityMap)?;
-        self.fd.create_irq_chip().map_err(VmError::CreateIrqchip)?;
-        // The dummy speaker port keeps port 0x61 in the kernel instead of exiting to us.
-        let pit = kvm_pit_config {
-            flags: KVM_PIT_SPEAKER_DUMMY,
-            ..Default::default()
-        };
-        self.fd.create_pit2(pit).map_err(VmError::CreatePit)
     }
 
     /// Creates vCPU `index` (its APIC id).

@@ -205,7 +205,8 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
     let (pio, mmio) = (Arc::new(devices.pio), Arc::new(devices.mmio));
     let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
     for index in 0..config.vcpus {
-        let vcpu = new_vcpu(&vm, index, &pio, &mmio, &evts, vm.msr_index_list()?)?;
+        let fd = vm.create_vcpu(index)?;
+        let vcpu = new_vcpu(&vm, fd, index, &pio, &mmio, &evts, vm.msr_index_list()?)?;
         configure_vcpu_for_boot(&vm, &vcpu, template, index, config.vcpus, entry)?;
         vcpus.push(vcpu.start_paused().map_err(BuildError::SpawnVcpu)?);
     }
@@ -271,13 +272,13 @@ fn template_name(t: CpuTemplate) -> &'static str {
 /// A vCPU on the buses; `msrs` are the MSRs its snapshots will save.
 fn new_vcpu(
     vm: &Vm,
+    fd: kvm_ioctls::VcpuFd,
     index: u8,
     pio: &Arc<Bus>,
     mmio: &Arc<Bus>,
     evts: &VmEvents,
     msrs: &[u32],
 ) -> Result<Vcpu, BuildError> {
-    let fd = vm.create_vcpu(index)?;
     let exit = evts.vcpu_exit.try_clone().map_err(BuildError::EventFd)?;
     let mut vcpu = Vcpu::new(
         fd,
@@ -374,7 +375,18 @@ pub fn build_microvm_from_snapshot(
     config: &RestoreConfig,
     started: Instant,
 ) -> Result<Vmm, BuildError> {
-    let restore_started = Instant::now();
+    restore_microvm(config, started, None, Instant::now())
+}
+
+/// [`build_microvm_from_snapshot`] into a VM prepared in advance (its KVM VM, irqchip, PIT and
+/// vCPU fds already exist; see `PreparedVm`), as a pool process does; `restore_started` is
+/// when the restore was asked for.
+pub fn restore_microvm(
+    config: &RestoreConfig,
+    started: Instant,
+    prepared: Option<crate::vm::PreparedVm>,
+    restore_started: Instant,
+) -> Result<Vmm, BuildError> {
     let mut marks = StepTimer::new(restore_started);
     let snap = Snapshot::read_state(&config.snapshot_dir)?;
     marks.mark("state");
@@ -389,8 +401,20 @@ pub fn build_microvm_from_snapshot(
     let mem = memory::map_private(&config.snapshot_dir.join(MEMORY_FILE), &snap.memory)
         .map_err(SnapshotError::from)?;
     marks.mark("map");
-    let vm = Vm::with_memory(mem)?;
+    let prepared = match prepared {
+        Some(p) => p,
+        None => crate::vm::PreparedVm::new(snap.machine.vcpus)?,
+    };
+    if prepared.vcpu_count() != snap.vcpus.len() {
+        return Err(BuildError::Restore(format!(
+            "{} vCPUs were prepared, the snapshot has {}",
+            prepared.vcpu_count(),
+            snap.vcpus.len()
+        )));
+    }
     marks.mark("kvm-vm");
+    let (vm, vcpu_fds) = Vm::from_prepared(prepared, mem)?;
+    marks.mark("memory-slots");
     let evts = VmEvents::new(started)?;
     let mut devices = DeviceSet::new();
     attach_legacy_devices(
@@ -441,11 +465,11 @@ pub fn build_microvm_from_snapshot(
     register_kick_handler().map_err(BuildError::Signal)?;
     let (pio, mmio) = (Arc::new(devices.pio), Arc::new(devices.mmio));
     let mut vcpus = Vec::with_capacity(snap.vcpus.len());
-    for state in &snap.vcpus {
+    for (state, fd) in snap.vcpus.iter().zip(vcpu_fds) {
         // The MSRs the snapshot holds are the ones KVM could read: save the same ones again
         // (no index-list query on the restore path).
         let msrs: Vec<u32> = state.msrs.iter().map(|(i, _)| *i).collect();
-        let vcpu = new_vcpu(&vm, state.index, &pio, &mmio, &evts, &msrs)?;
+        let vcpu = new_vcpu(&vm, fd, state.index, &pio, &mmio, &evts, &msrs)?;
         state
             .restore(vcpu.fd())
             .map_err(|e| BuildError::Snapshot(e.into()))?;
