@@ -4,12 +4,16 @@ reference in the same run.
 
 1. `airlock-vmm snapshot` boots the guest twice (256 MiB and 2048 MiB) and snapshots each once
    its agent answers (two cold boots: the slow part on nested-KVM build machines).
-2. For each size, RUNS restores, one at a time (`airlock-vmm restore`): `restore_ms_<size>` is
-   the VMM's own measurement from the start of the restore call to vCPUs running (its log line
-   "restored: vcpus running N us after the restore began"); `restore_process_ms_<size>` the
-   same from before the process was spawned; `restore_to_agent_ms` (256 MiB) from before the
-   spawn until the guest agent's Ready frame arrives over vsock; `restored_vmm_overhead_kib`
-   the VMM's resident memory outside guest memory once the agent answered.
+2. For each size, RUNS restores of each kind, one at a time. `restore_ms_<size>`: a warm
+   `airlock-vmm pool` process (KVM VM and vCPUs prepared, as airlockd's pool keeps them) is
+   sent `restore DIR`; the VMM's own measurement from receiving the request to vCPUs running
+   (its log line "restored: vcpus running N us after the restore began").
+   `cold_restore_ms_<size>`: the same inside a fresh `airlock-vmm restore` process, and
+   `cold_process_to_running_ms_<size>` from that process's start. `restore_to_agent_ms`
+   (256 MiB, pool): from the restore request until the guest agent's Ready frame arrives over
+   vsock; `cold_spawn_to_agent_ms` from spawning `airlock-vmm restore`.
+   `restored_vmm_overhead_kib`: the VMM's resident memory outside guest memory once the agent
+   answered.
 3. `single_vm_pss_mib`: proportional set size of one restored, idle VM (agent answered);
    `clones20_pss_mib`: the PSS of 20 idle clones of the same snapshot, all running at once,
    summed; their ratio shows how much the MAP_PRIVATE clones share.
@@ -96,22 +100,60 @@ def read_ready(sock_path, deadline):
     raise BenchError(f"no agent answer on {sock_path}")
 
 
-class Restored:
-    """One `airlock-vmm restore` process."""
+def control(path, line, timeout=60):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(timeout)
+    s.connect(path)
+    s.sendall(line.encode() + b"\n")
+    data = b""
+    while not data.endswith(b"\n"):
+        b = s.recv(4096)
+        if not b:
+            break
+        data += b
+    s.close()
+    answer = json.loads(data.decode())
+    if not answer.get("ok"):
+        raise BenchError(f"control {line}: {answer}")
+    return answer
 
-    def __init__(self, vmm, snapshot, workdir, tag):
+
+class Restored:
+    """One restored VM: `airlock-vmm restore` (cold process) or, with `pool=True`, a warm
+    `airlock-vmm pool` process that is asked to restore once it has prepared its VM."""
+
+    def __init__(self, vmm, snapshot, workdir, tag, pool=False):
         self.sock = os.path.join(workdir, f"{tag}.vsock")
+        self.ctl = os.path.join(workdir, f"{tag}.ctl")
         self.err_path = os.path.join(workdir, f"{tag}.log")
-        for p in (self.sock,):
+        for p in (self.sock, self.ctl):
             if os.path.exists(p):
                 os.unlink(p)
         self.err = open(self.err_path, "wb")
+        console = os.path.join(workdir, f"{tag}.console")
         self.spawned = time.monotonic()
-        self.proc = subprocess.Popen(
-            [vmm, "restore", "--snapshot", snapshot, "--vsock", self.sock,
-             "--console", os.path.join(workdir, f"{tag}.console")],
-            stdout=subprocess.DEVNULL, stderr=self.err)
+        if pool:
+            argv = [vmm, "pool", "--control", self.ctl, "--vsock", self.sock, "--console",
+                    console]
+        else:
+            argv = [vmm, "restore", "--snapshot", snapshot, "--vsock", self.sock, "--console",
+                    console]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self.err)
         self.conn = None
+        if pool:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    control(self.ctl, "status")
+                    break
+                except (OSError, BenchError, ValueError):
+                    if time.monotonic() > deadline or self.proc.poll() is not None:
+                        raise BenchError("the pool process did not come up")
+                    time.sleep(0.005)
+            time.sleep(0.05)
+            # From here on, the clock of "restore requested".
+            self.spawned = time.monotonic()
+            control(self.ctl, f"restore {snapshot}")
 
     def wait_ready(self, timeout=120):
         self.conn = read_ready(self.sock, time.monotonic() + timeout)
@@ -207,26 +249,32 @@ def main():
                                              args.vcpus))
 
         restore_ms = {256: [], 2048: []}
+        cold_ms = {256: [], 2048: []}
         process_ms = {256: [], 2048: []}
-        to_agent, overhead = [], []
+        to_agent, cold_to_agent, overhead = [], [], []
         for run in range(args.runs):
             for mib in (256, 2048):
                 snap = snaps[mib][0]
-                vm = Restored(args.vmm, snap, workdir, f"r{mib}-{run}")
-                live.append(vm)
-                ready_ms = vm.wait_ready()
-                us = vm.restore_us()
-                restore_ms[mib].append(us / 1000.0)
-                process_ms[mib].append(vm.process_to_running_ms())
-                if mib == 256:
-                    to_agent.append(ready_ms)
-                    time.sleep(0.2)
-                    _, _, outside = vm.smaps_totals(os.path.join(snap, "memory"))
-                    overhead.append(float(outside))
-                log(f"run {run + 1}/{args.runs} {mib} MiB: restore {us / 1000.0:.2f} ms, "
-                    f"agent after {ready_ms:.1f} ms")
-                vm.stop()
-                live.remove(vm)
+                for pool in (True, False):
+                    vm = Restored(args.vmm, snap, workdir, f"r{mib}-{run}-{pool}", pool=pool)
+                    live.append(vm)
+                    ready_ms = vm.wait_ready()
+                    us = vm.restore_us()
+                    if pool:
+                        restore_ms[mib].append(us / 1000.0)
+                    else:
+                        cold_ms[mib].append(us / 1000.0)
+                        process_ms[mib].append(vm.process_to_running_ms())
+                    if mib == 256:
+                        (to_agent if pool else cold_to_agent).append(ready_ms)
+                        if pool:
+                            time.sleep(0.2)
+                            _, _, outside = vm.smaps_totals(os.path.join(snap, "memory"))
+                            overhead.append(float(outside))
+                    log(f"run {run + 1}/{args.runs} {mib} MiB {'pool' if pool else 'cold'}: "
+                        f"restore {us / 1000.0:.2f} ms, agent after {ready_ms:.1f} ms")
+                    vm.stop()
+                    live.remove(vm)
 
         snap256 = snaps[256][0]
         mem_path = os.path.join(snap256, "memory")
@@ -266,9 +314,12 @@ def main():
             "restore_ms_256": r256,
             "restore_ms_2048": r2048,
             "restore_ratio_2048_to_256_p50": (r2048["p50"] / r256["p50"]) if r256["p50"] else None,
-            "restore_process_ms_256": summary(process_ms[256], 3),
-            "restore_process_ms_2048": summary(process_ms[2048], 3),
+            "cold_restore_ms_256": summary(cold_ms[256], 3),
+            "cold_restore_ms_2048": summary(cold_ms[2048], 3),
+            "cold_process_to_running_ms_256": summary(process_ms[256], 3),
+            "cold_process_to_running_ms_2048": summary(process_ms[2048], 3),
             "restore_to_agent_ms": summary(to_agent),
+            "cold_spawn_to_agent_ms": summary(cold_to_agent),
             "restored_vmm_overhead_kib": summary(overhead, 0),
             "single_vm_pss_mib": round(single_pss, 1),
             "clones20_pss_mib": round(clones_pss, 1),

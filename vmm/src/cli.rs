@@ -14,6 +14,7 @@ usage: airlock-vmm boot --kernel PATH --rootfs PATH [options]
        airlock-vmm snapshot --kernel PATH --rootfs PATH --out DIR [options]
        airlock-vmm restore --snapshot DIR [--vsock PATH] [--control PATH] [--console PATH]
        airlock-vmm pool --control PATH [--vcpus N] [--vsock PATH] [--console PATH]
+       airlock-vmm control PATH pause|resume|status|stop|snapshot DIR|restore DIR
 
 boot: boots the kernel with the root filesystem image as /dev/vda (read-only) and exits when the
 guest powers off. Exit codes: 0 clean power-off, 1 VMM error, 2 usage, 64 guest panic, 65 triple
@@ -34,6 +35,8 @@ is stopped (SIGTERM, or `stop` on the control socket). Its vsock device needs --
 pool: a warm process for a later restore: creates the KVM VM, its irqchip and N vCPUs now, then
 waits on the control socket for `restore DIR` (answered once the clone runs, with the restore
 time) and goes on as `restore` would; `status` answers while it waits.
+
+control: sends one command to the control socket PATH and prints the JSON answer.
 
 options:
   --vcpus N                 vCPUs (default 1, at most 32)

@@ -63,6 +63,25 @@ fn restore(opts: &cli::RestoreOptions, started: Instant) -> ExitCode {
     finish(vmm.run())
 }
 
+/// `airlock-vmm control PATH COMMAND...`: one command to a VMM's control socket; prints the
+/// JSON answer, exits 0 if it says ok.
+fn control(path: &str, command: &str) -> ExitCode {
+    match vmm::control::send_command(std::path::Path::new(path), command) {
+        Ok(v) => {
+            println!("{v}");
+            ExitCode::from(if v["ok"] == true {
+                code::OK
+            } else {
+                code::VMM_ERROR
+            })
+        }
+        Err(e) => {
+            eprintln!("airlock-vmm: control socket {path}: {e}");
+            ExitCode::from(code::VMM_ERROR)
+        }
+    }
+}
+
 /// `airlock-vmm pool`: prepare the KVM VM now, restore when asked.
 fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
     use vmm::control;
@@ -146,6 +165,10 @@ fn main() -> ExitCode {
         Some((cmd, rest)) if cmd == "restore" => match cli::parse_restore(rest) {
             Ok(opts) => restore(&opts, started),
             Err(msg) => usage_error(&msg),
+        },
+        Some((cmd, rest)) if cmd == "control" => match rest {
+            [path, words @ ..] if !words.is_empty() => control(path, &words.join(" ")),
+            _ => usage_error("control needs PATH and a command"),
         },
         Some((cmd, rest)) if cmd == "pool" => match cli::parse_pool(rest) {
             Ok(opts) => pool(&opts, started),
