@@ -235,6 +235,11 @@ def main():
     ap.add_argument("--vcpus", type=int, default=1)
     ap.add_argument("--no-qemu", action="store_true")
     ap.add_argument("--workdir")
+    ap.add_argument("--reuse-snapshots", action="store_true",
+                    help="keep snapshots found in --workdir (same artifacts!) instead of booting")
+    ap.add_argument("--settle", type=float, default=1.0,
+                    help="seconds to wait after a VM ends before the next restore (the host "
+                         "tears the last one down meanwhile)")
     args = ap.parse_args()
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="airlock-restore-bench-")
@@ -244,6 +249,9 @@ def main():
         snaps = {}
         for mib in (256, 2048):
             out = os.path.join(workdir, f"snap{mib}")
+            if args.reuse_snapshots and os.path.exists(os.path.join(out, "state")):
+                snaps[mib] = (out, {"reused": out})
+                continue
             shutil.rmtree(out, ignore_errors=True)
             snaps[mib] = (out, make_snapshot(args.vmm, args.kernel, args.rootfs, mib, out,
                                              args.vcpus))
@@ -275,6 +283,7 @@ def main():
                         f"restore {us / 1000.0:.2f} ms, agent after {ready_ms:.1f} ms")
                     vm.stop()
                     live.remove(vm)
+                    time.sleep(args.settle)
 
         snap256 = snaps[256][0]
         mem_path = os.path.join(snap256, "memory")

@@ -124,25 +124,28 @@ fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
         }
     };
     drop(listener);
-    if let Err(code) = run::serve_control(&vmm, Some(&opts.control)) {
-        return code;
-    }
     if let Err(e) = vmm.stop_on_termination_signals() {
         log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
     }
-    let handle = vmm.control_handle();
-    // Answer once the vCPUs run (the event loop takes commands only after resuming them).
-    std::thread::spawn(move || {
-        if let Ok(h) = handle {
-            let _ = h.call(vmm::control::VmCommand::Status);
+    let handle = match vmm.control_handle() {
+        Ok(h) => h,
+        Err(e) => {
+            log::error!("control handle: {e}");
+            return ExitCode::from(code::VMM_ERROR);
         }
+    };
+    let path = opts.control.clone();
+    // Everything that does not need to happen before the vCPUs run happens after.
+    finish(vmm.run_then(move || {
         let answer = serde_json::json!({
             "state": "running",
             "running_after_us": asked.elapsed().as_micros() as u64,
         });
+        if let Err(e) = control::serve_control_socket(&path, handle) {
+            log::error!("control socket {}: {e}", path.display());
+        }
         control::answer(requester, &Ok(answer));
-    });
-    finish(vmm.run())
+    }))
 }
 
 fn usage_error(msg: &str) -> ExitCode {

@@ -681,14 +681,23 @@ fn configure_vcpu_for_boot(
 
 impl Vmm {
     /// Resumes every vCPU and runs the event loop until the VM ends; returns why it ended.
-    pub fn run(mut self) -> Result<VmExit, BuildError> {
+    pub fn run(self) -> Result<VmExit, BuildError> {
+        self.run_then(|| {})
+    }
+
+    /// [`Self::run`], calling `on_running` once the vCPUs run (for work that should not delay
+    /// them, such as answering whoever asked for a restore).
+    pub fn run_then(mut self, on_running: impl FnOnce()) -> Result<VmExit, BuildError> {
         if let Err(e) = self.resume() {
             log::error!("start the vCPUs: {e}");
         }
-        if let Some(t) = self.restore_started.take() {
+        let restore_started = self.restore_started.take();
+        let running_us = restore_started.map(|t| t.elapsed().as_micros());
+        on_running();
+        if let Some(us) = running_us {
             log::info!(
-                "restored: vcpus running {} us after the restore began ({} us after process start)",
-                t.elapsed().as_micros(),
+                "restored: vcpus running {us} us after the restore began ({} us after process \
+                 start)",
                 self.started.elapsed().as_micros()
             );
         }
