@@ -126,7 +126,23 @@ impl Vm {
     /// Opens KVM, checks its capabilities and creates a VM over `mem` (for example guest
     /// memory mapped from a snapshot).
     pub fn with_memory(mem: GuestMemoryMmap) -> Result<Self, VmError> {
-        Ok(Self::from_prepared(PreparedVm::new(0)?, mem)?.0)
+        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+        if let Some(cap) = REQUIRED_CAPS.iter().find(|c| !kvm.check_extension(**c)) {
+            return Err(VmError::MissingCap(*cap));
+        }
+        let fd = kvm.create_vm().map_err(VmError::CreateVm)?;
+        let vm = Self {
+            kvm,
+            fd,
+            mem,
+            supported_cpuid: std::sync::OnceLock::new(),
+            msr_index_list: std::sync::OnceLock::new(),
+        };
+        // Memory before the irqchip: registering a slot right after the irqchip was created
+        // took 5-9 ms instead of 0.3 ms on the nested hosts (KVM waits for grace periods).
+        vm.register_memory()?;
+        setup_irqchip(&vm.fd)?;
+        Ok(vm)
     }
 
     /// Gives a prepared VM its memory; returns the VM and the vCPU fds created in advance.

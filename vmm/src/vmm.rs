@@ -401,20 +401,28 @@ pub fn restore_microvm(
     let mem = memory::map_private(&config.snapshot_dir.join(MEMORY_FILE), &snap.memory)
         .map_err(SnapshotError::from)?;
     marks.mark("map");
-    let prepared = match prepared {
-        Some(p) => p,
-        None => crate::vm::PreparedVm::new(snap.machine.vcpus)?,
+    let (vm, vcpu_fds) = match prepared {
+        Some(prepared) => {
+            if prepared.vcpu_count() != snap.vcpus.len() {
+                return Err(BuildError::Restore(format!(
+                    "{} vCPUs were prepared, the snapshot has {}",
+                    prepared.vcpu_count(),
+                    snap.vcpus.len()
+                )));
+            }
+            Vm::from_prepared(prepared, mem)?
+        }
+        None => {
+            let vm = Vm::with_memory(mem)?;
+            let fds = snap
+                .vcpus
+                .iter()
+                .map(|v| vm.create_vcpu(v.index))
+                .collect::<Result<_, _>>()?;
+            (vm, fds)
+        }
     };
-    if prepared.vcpu_count() != snap.vcpus.len() {
-        return Err(BuildError::Restore(format!(
-            "{} vCPUs were prepared, the snapshot has {}",
-            prepared.vcpu_count(),
-            snap.vcpus.len()
-        )));
-    }
     marks.mark("kvm-vm");
-    let (vm, vcpu_fds) = Vm::from_prepared(prepared, mem)?;
-    marks.mark("memory-slots");
     let evts = VmEvents::new(started)?;
     let mut devices = DeviceSet::new();
     attach_legacy_devices(
