@@ -45,7 +45,8 @@ pub enum VcpuEvent {
 /// Answers to [`VcpuEvent`]s, and the unsolicited report that the guest stopped.
 #[derive(Debug)]
 pub enum VcpuResponse {
-    Resumed,
+    /// Running (again), since this instant: the next thing the thread does is `KVM_RUN`.
+    Resumed(std::time::Instant),
     Paused,
     /// The vCPU stopped for good; the VM should end with this reason.
     Exited(VmExit),
@@ -145,10 +146,14 @@ pub struct VcpuHandle {
 }
 
 impl VcpuHandle {
-    /// Sends `event` and kicks the thread so that it sees it.
+    /// Sends `event` and kicks the thread so that it sees it. `Resume` needs no kick: a paused
+    /// thread waits on the channel, a running one has nothing to do.
     pub fn send(&self, event: VcpuEvent) {
         if self.events.send(event).is_err() {
             return; // the thread has ended already
+        }
+        if event == VcpuEvent::Resume {
+            return;
         }
         if let Some(t) = &self.thread
             && let Err(e) = t.kill(kick_signal())
@@ -233,9 +238,11 @@ impl Vcpu {
         loop {
             state = match state {
                 VcpuState::Paused => match events.recv() {
-                    Ok(VcpuEvent::Resume) => {
-                        reply(responses, VcpuResponse::Resumed, VcpuState::Running)
-                    }
+                    Ok(VcpuEvent::Resume) => reply(
+                        responses,
+                        VcpuResponse::Resumed(std::time::Instant::now()),
+                        VcpuState::Running,
+                    ),
                     Ok(VcpuEvent::Pause) => {
                         reply(responses, VcpuResponse::Paused, VcpuState::Paused)
                     }
@@ -253,9 +260,11 @@ impl Vcpu {
                         self.complete_pending_io();
                         reply(responses, VcpuResponse::Paused, VcpuState::Paused)
                     }
-                    Ok(VcpuEvent::Resume) => {
-                        reply(responses, VcpuResponse::Resumed, VcpuState::Running)
-                    }
+                    Ok(VcpuEvent::Resume) => reply(
+                        responses,
+                        VcpuResponse::Resumed(std::time::Instant::now()),
+                        VcpuState::Running,
+                    ),
                     Ok(VcpuEvent::ReportState) => self.report_state(responses, VcpuState::Running),
                     Ok(VcpuEvent::SaveState) => reply(
                         responses,

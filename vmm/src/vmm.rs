@@ -107,6 +107,8 @@ pub struct Vmm {
     paused: bool,
     /// When a restore began, until the vCPUs run (for the restore timing).
     restore_started: Option<Instant>,
+    /// When the last vCPU went back to running, as it reported.
+    last_resumed: Option<Instant>,
 }
 
 impl std::fmt::Debug for Vmm {
@@ -352,6 +354,7 @@ fn assemble(p: VmParts) -> Result<Vmm, BuildError> {
         control_handle,
         paused: false,
         restore_started: p.restore_started,
+        last_resumed: None,
     })
 }
 
@@ -699,8 +702,14 @@ impl Vmm {
         if let Err(e) = self.resume() {
             log::error!("start the vCPUs: {e}");
         }
-        let restore_started = self.restore_started.take();
-        let running_us = restore_started.map(|t| t.elapsed().as_micros());
+        // Measured to the instant the last vCPU thread reported running, not to when this
+        // thread got the CPU back to read the reports.
+        let running_us = self.restore_started.take().map(|t| {
+            self.last_resumed
+                .unwrap_or_else(Instant::now)
+                .saturating_duration_since(t)
+                .as_micros()
+        });
         on_running();
         if let Some(us) = running_us {
             log::info!(
@@ -836,7 +845,11 @@ impl Vmm {
         for v in &self.vcpus {
             v.send(VcpuEvent::Resume);
         }
-        self.await_vcpus(|r| matches!(r, VcpuResponse::Resumed).then_some(()))?;
+        let at = self.await_vcpus(|r| match r {
+            VcpuResponse::Resumed(at) => Some(at),
+            _ => None,
+        })?;
+        self.last_resumed = at.into_iter().max();
         self.paused = false;
         Ok(())
     }

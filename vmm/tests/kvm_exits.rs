@@ -71,7 +71,7 @@ fn start(code: &[u8], mem_bytes: u64, pio: Bus, mmio: Bus) -> Guest {
     );
     let handle = vcpu.start_paused().unwrap();
     handle.send(VcpuEvent::Resume);
-    assert!(matches!(recv(&handle), VcpuResponse::Resumed));
+    assert!(matches!(recv(&handle), VcpuResponse::Resumed(_)));
     Guest { _vm: vm, handle }
 }
 
@@ -136,7 +136,7 @@ fn spinning_vcpu_pauses_resumes_and_finishes_on_request() {
     g.handle.send(VcpuEvent::Pause);
     assert!(matches!(recv(&g.handle), VcpuResponse::Paused));
     g.handle.send(VcpuEvent::Resume);
-    assert!(matches!(recv(&g.handle), VcpuResponse::Resumed));
+    assert!(matches!(recv(&g.handle), VcpuResponse::Resumed(_)));
     let started = Instant::now();
     drop(g); // Finish + join; hangs here if the kick does not reach KVM_RUN.
     assert!(started.elapsed() < Duration::from_secs(30));

@@ -78,7 +78,7 @@ fn start_vcpu(vm: &Vm, fd: kvm_ioctls::VcpuFd, dev: &Arc<Mutex<Counts>>) -> Vcpu
     vcpu.set_msr_index_list(vm.msr_index_list().unwrap());
     let h = vcpu.start_paused().unwrap();
     h.send(VcpuEvent::Resume);
-    assert!(matches!(recv(&h), VcpuResponse::Resumed));
+    assert!(matches!(recv(&h), VcpuResponse::Resumed(_)));
     h
 }
 
