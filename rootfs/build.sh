@@ -203,14 +203,15 @@ link_busybox_applets() {
   done < <(chroot "$tree" /bin/busybox --list-full)
 }
 
-# /bin/sh is busybox's ash instead of dash: the shell snippets users send (`sh -c ...`) get the
-# common extensions ($RANDOM, `[[`, arrays of positional tricks dash lacks), and $RANDOM in a
-# clone restored from a snapshot is seeded from its own pid and clock. dash stays installed at
-# /bin/dash for scripts that name it.
-use_busybox_sh() {
+# /bin/sh is bash instead of dash: the shell snippets users send (`sh -c ...`) get what most
+# expect from a Linux shell ($RANDOM, `[[ ]]`, arrays, `{a..b}`), and $RANDOM in a clone restored
+# from a snapshot is seeded from its own clock. (busybox ash was tried: its standalone mode runs
+# busybox applets instead of coreutils, so `head -c 4M` and friends changed meaning.) dash stays
+# installed as /bin/dash.
+use_bash_sh() {
   local tree=$1
-  [[ -x $tree/bin/busybox ]] || die "busybox is missing from the tree"
-  ln -sfn busybox "$tree/usr/bin/sh"
+  [[ -x $tree/usr/bin/bash ]] || die "bash is missing from the tree"
+  ln -sfn bash "$tree/usr/bin/sh"
 }
 
 write_system_files() {
@@ -379,7 +380,7 @@ main() {
   build_tree "$tree" "$mirror"
   epoch=$(source_epoch "$tree") # before trim_tree, which deletes the Release file
   applets=$(link_busybox_applets "$tree")
-  use_busybox_sh "$tree"
+  use_bash_sh "$tree"
   trim_tree "$tree"
   clamp_mtimes "$tree" "$epoch"
   make_image "$tree" "$WORK_DIR/image.ext4" "$(uuid_from_hash "$hash")" "$epoch"
