@@ -14,14 +14,14 @@ use airlock_system_tests::{Client, TempDir, VmProcess, exit_code, sh, step};
 const CLONES: usize = 5;
 const LINES: usize = 150;
 
-/// Runs an execution that prints `LINES` lines over several seconds (builtins only: `read -t`
-/// on the open stdin paces it, no process is forked), pauses the VM through the control socket
+/// Runs an execution that prints `LINES` lines over several seconds (builtins only: a counting
+/// loop paces it, no process is forked), pauses the VM through the control socket
 /// as soon as the first output arrives, keeps it paused for a second, resumes it, and checks
 /// that every line arrives, in order.
 fn pause_and_resume_in_the_middle_of_an_execution(vm: &VmProcess, c: &mut Client) {
     let script = format!(
-        "i=0; while [ $i -lt {LINES} ]; do echo line $i; i=$((i+1)); read -t 0.02 x; done; \
-         echo done"
+        "i=0; while [ $i -lt {LINES} ]; do echo line $i; i=$((i+1)); \
+         j=0; while [ $j -lt 20000 ]; do j=$((j+1)); done; done; echo done"
     );
     let exec = pb::Exec {
         command: Some(pb::exec::Command::Shell(script)),
