@@ -238,11 +238,14 @@ impl Vcpu {
         loop {
             state = match state {
                 VcpuState::Paused => match events.recv() {
-                    Ok(VcpuEvent::Resume) => reply(
-                        responses,
-                        VcpuResponse::Resumed(std::time::Instant::now()),
-                        VcpuState::Running,
-                    ),
+                    Ok(VcpuEvent::Resume) => {
+                        self.rearm_lapic_timer();
+                        reply(
+                            responses,
+                            VcpuResponse::Resumed(std::time::Instant::now()),
+                            VcpuState::Running,
+                        )
+                    }
                     Ok(VcpuEvent::Pause) => {
                         reply(responses, VcpuResponse::Paused, VcpuState::Paused)
                     }
@@ -304,6 +307,27 @@ impl Vcpu {
             if let Err(e) = samples.write(&path) {
                 log::warn!("write profile {path}: {e}");
             }
+        }
+    }
+
+    /// Writes the LAPIC's TSC deadline back to itself before the vCPU runs again. A deadline
+    /// that passed while the vCPU was parked outside `KVM_RUN` was lost on the nested hosts
+    /// (the guest then slept until some device interrupt came); written again, KVM arms the
+    /// timer anew and fires at once if the deadline is past. Harmless elsewhere: the same value.
+    fn rearm_lapic_timer(&self) {
+        const MSR_IA32_TSC_DEADLINE: u32 = 0x6e0;
+        let entry = kvm_bindings::kvm_msr_entry {
+            index: MSR_IA32_TSC_DEADLINE,
+            ..Default::default()
+        };
+        let Ok(mut msrs) = kvm_bindings::Msrs::from_entries(&[entry]) else {
+            return;
+        };
+        if matches!(self.fd.get_msrs(&mut msrs), Ok(1))
+            && msrs.as_slice().first().is_some_and(|e| e.data != 0)
+            && let Err(e) = self.fd.set_msrs(&msrs)
+        {
+            log::warn!("vcpu{}: re-arm the LAPIC timer: {e}", self.index);
         }
     }
 
