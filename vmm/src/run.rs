@@ -49,14 +49,13 @@ fn temp_dir() -> std::io::Result<TempDir> {
     Ok(TempDir(dir))
 }
 
-pub fn run(mut opts: RunOptions, started: Instant) -> ExitCode {
-    let tmp = match temp_dir() {
-        Ok(t) => t,
-        Err(e) => {
-            log::error!("create a temporary directory: {e}");
-            return ExitCode::from(code::VMM_ERROR);
-        }
-    };
+/// The temporary directory of one `run` or `snapshot`, with the console file (used unless
+/// `--console` was given) and the vsock socket (a temporary one unless `--vsock` was given);
+/// `None` (logged) if the directory cannot be created.
+fn session_files(opts: &mut RunOptions) -> Option<(TempDir, PathBuf, PathBuf)> {
+    let tmp = temp_dir()
+        .map_err(|e| log::error!("create a temporary directory: {e}"))
+        .ok()?;
     let console_path = tmp.0.join("console.log");
     if !opts.console_given {
         opts.vm.console = ConsoleOutput::File(console_path.clone());
@@ -71,6 +70,13 @@ pub fn run(mut opts: RunOptions, started: Instant) -> ExitCode {
             });
             path
         }
+    };
+    Some((tmp, console_path, uds))
+}
+
+pub fn run(mut opts: RunOptions, started: Instant) -> ExitCode {
+    let Some((_tmp, console_path, uds)) = session_files(&mut opts) else {
+        return ExitCode::from(code::VMM_ERROR);
     };
     let built = match &opts.snapshot {
         None => vmm::build_microvm_for_boot(&opts.vm, started),
@@ -236,27 +242,8 @@ pub fn serve_control(vmm: &vmm::Vmm, path: Option<&Path>) -> Result<(), ExitCode
 /// `airlock-vmm snapshot`: boot, wait for the agent, pause, write the snapshot, end the VM.
 pub fn snapshot(opts: cli::SnapshotOptions, started: Instant) -> ExitCode {
     let mut run = opts.run;
-    let tmp = match temp_dir() {
-        Ok(t) => t,
-        Err(e) => {
-            log::error!("create a temporary directory: {e}");
-            return ExitCode::from(code::VMM_ERROR);
-        }
-    };
-    let console_path = tmp.0.join("console.log");
-    if !run.console_given {
-        run.vm.console = ConsoleOutput::File(console_path.clone());
-    }
-    let uds = match &run.vm.vsock {
-        Some(v) => v.uds_path.clone(),
-        None => {
-            let path = tmp.0.join("vsock.sock");
-            run.vm.vsock = Some(VsockConfig {
-                guest_cid: 3,
-                uds_path: path.clone(),
-            });
-            path
-        }
+    let Some((_tmp, console_path, uds)) = session_files(&mut run) else {
+        return ExitCode::from(code::VMM_ERROR);
     };
     let vmm = match vmm::build_microvm_for_boot(&run.vm, started) {
         Ok(v) => v,
