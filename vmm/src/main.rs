@@ -15,19 +15,10 @@ use vmm::VmConfig;
 use vmm::exit::code;
 
 fn boot(cfg: &VmConfig, control: Option<&std::path::Path>, started: Instant) -> ExitCode {
-    let vmm = match vmm::build_microvm_for_boot(cfg, started) {
+    let vmm = match run::start(vmm::build_microvm_for_boot(cfg, started), control) {
         Ok(v) => v,
-        Err(e) => {
-            log::error!("{}", cli::error_chain(&e));
-            return ExitCode::from(code::VMM_ERROR);
-        }
+        Err(code) => return code,
     };
-    if let Err(e) = vmm.stop_on_termination_signals() {
-        log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
-    }
-    if let Err(code) = run::serve_control(&vmm, control) {
-        return code;
-    }
     log::info!(
         "vm built in {:.1} ms; starting {} vcpu(s)",
         started.elapsed().as_secs_f64() * 1e3,
@@ -47,19 +38,11 @@ fn finish(result: Result<vmm::VmExit, vmm::BuildError>) -> ExitCode {
 }
 
 fn restore(opts: &cli::RestoreOptions, started: Instant) -> ExitCode {
-    let vmm = match vmm::build_microvm_from_snapshot(&opts.restore, started) {
+    let built = vmm::build_microvm_from_snapshot(&opts.restore, started);
+    let vmm = match run::start(built, opts.control.as_deref()) {
         Ok(v) => v,
-        Err(e) => {
-            log::error!("{}", cli::error_chain(&e));
-            return ExitCode::from(code::VMM_ERROR);
-        }
+        Err(code) => return code,
     };
-    if let Err(e) = vmm.stop_on_termination_signals() {
-        log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
-    }
-    if let Err(code) = run::serve_control(&vmm, opts.control.as_deref()) {
-        return code;
-    }
     finish(vmm.run())
 }
 

@@ -91,19 +91,10 @@ pub fn run(mut opts: RunOptions, started: Instant) -> ExitCode {
             started,
         ),
     };
-    let vmm = match built {
+    let vmm = match start(built, opts.control.as_deref()) {
         Ok(v) => v,
-        Err(e) => {
-            log::error!("{}", cli::error_chain(&e));
-            return ExitCode::from(code::VMM_ERROR);
-        }
+        Err(code) => return code,
     };
-    if let Err(e) = vmm.stop_on_termination_signals() {
-        log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
-    }
-    if let Err(code) = serve_control(&vmm, opts.control.as_deref()) {
-        return code;
-    }
     let stop = match vmm.stop_handle() {
         Ok(s) => s,
         Err(e) => {
@@ -227,6 +218,23 @@ pub fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// A built VM made ready to run: build errors logged, SIGTERM/SIGINT stopping it cleanly, and
+/// its control socket served if one was asked for. Every subcommand starts a VM this way.
+pub fn start(
+    built: Result<vmm::Vmm, vmm::BuildError>,
+    control: Option<&Path>,
+) -> Result<vmm::Vmm, ExitCode> {
+    let vmm = built.map_err(|e| {
+        log::error!("{}", cli::error_chain(&e));
+        ExitCode::from(code::VMM_ERROR)
+    })?;
+    if let Err(e) = vmm.stop_on_termination_signals() {
+        log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
+    }
+    serve_control(&vmm, control)?;
+    Ok(vmm)
+}
+
 /// Serves the control socket at `path`, if one was asked for.
 pub fn serve_control(vmm: &vmm::Vmm, path: Option<&Path>) -> Result<(), ExitCode> {
     let Some(path) = path else { return Ok(()) };
@@ -245,19 +253,11 @@ pub fn snapshot(opts: cli::SnapshotOptions, started: Instant) -> ExitCode {
     let Some((_tmp, console_path, uds)) = session_files(&mut run) else {
         return ExitCode::from(code::VMM_ERROR);
     };
-    let vmm = match vmm::build_microvm_for_boot(&run.vm, started) {
+    let built = vmm::build_microvm_for_boot(&run.vm, started);
+    let vmm = match start(built, run.control.as_deref()) {
         Ok(v) => v,
-        Err(e) => {
-            log::error!("{}", cli::error_chain(&e));
-            return ExitCode::from(code::VMM_ERROR);
-        }
+        Err(code) => return code,
     };
-    if let Err(e) = vmm.stop_on_termination_signals() {
-        log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
-    }
-    if let Err(code) = serve_control(&vmm, run.control.as_deref()) {
-        return code;
-    }
     let handle = match vmm.control_handle() {
         Ok(h) => h,
         Err(e) => {
