@@ -5,9 +5,12 @@ reference in the same run.
 1. `airlock-vmm snapshot` boots the guest twice (256 MiB and 2048 MiB) and snapshots each once
    its agent answers (two cold boots: the slow part on nested-KVM build machines).
 2. For each size, RUNS restores of each kind, one at a time. `restore_ms_<size>`: a warm
-   `airlock-vmm pool` process (KVM VM and vCPUs prepared, as airlockd's pool keeps them) is
-   sent `restore DIR`; the VMM's own measurement from receiving the request to vCPUs running
-   (its log line "restored: vcpus running N us after the restore began").
+   `airlock-vmm pool --snapshot DIR` process (KVM VM, vCPUs, and the template's memory mapped
+   and registered, as airlockd's pool per template keeps them) is sent `restore DIR`; the
+   VMM's own measurement from receiving the request to vCPUs running (its log line
+   "restored: vcpus running N us after the restore began").
+   `reserved_pool_restore_ms_<size>`: a pool for any snapshot of that size (`--mem-mib`:
+   address space reserved and registered, the memory file mapped over it at restore).
    `cold_restore_ms_<size>`: the same inside a fresh `airlock-vmm restore` process, and
    `cold_process_to_running_ms_<size>` from that process's start. `restore_to_agent_ms`
    (256 MiB, pool): from the restore request until the guest agent's Ready frame arrives over
@@ -122,7 +125,7 @@ class Restored:
     """One restored VM: `airlock-vmm restore` (cold process) or, with `pool=True`, a warm
     `airlock-vmm pool` process that is asked to restore once it has prepared its VM."""
 
-    def __init__(self, vmm, snapshot, workdir, tag, pool=False):
+    def __init__(self, vmm, snapshot, workdir, tag, pool=None, mem_mib=None):
         self.sock = os.path.join(workdir, f"{tag}.vsock")
         self.ctl = os.path.join(workdir, f"{tag}.ctl")
         self.err_path = os.path.join(workdir, f"{tag}.log")
@@ -135,6 +138,12 @@ class Restored:
         if pool:
             argv = [vmm, "pool", "--control", self.ctl, "--vsock", self.sock, "--console",
                     console]
+            if pool == "template":
+                # As airlockd's pool per template does: it knows the snapshot it will restore.
+                argv += ["--snapshot", snapshot]
+            elif pool == "reserved":
+                # A pool for any snapshot of this memory size.
+                argv += ["--mem-mib", str(mem_mib)]
         else:
             argv = [vmm, "restore", "--snapshot", snapshot, "--vsock", self.sock, "--console",
                     console]
@@ -257,29 +266,31 @@ def main():
                                              args.vcpus))
 
         restore_ms = {256: [], 2048: []}
+        reserved_ms = {256: [], 2048: []}
         cold_ms = {256: [], 2048: []}
         process_ms = {256: [], 2048: []}
         to_agent, cold_to_agent, overhead = [], [], []
         for run in range(args.runs):
             for mib in (256, 2048):
                 snap = snaps[mib][0]
-                for pool in (True, False):
-                    vm = Restored(args.vmm, snap, workdir, f"r{mib}-{run}-{pool}", pool=pool)
+                for kind in ("template", "reserved", "cold"):
+                    pool = None if kind == "cold" else kind
+                    vm = Restored(args.vmm, snap, workdir, f"r{mib}-{run}-{kind}", pool=pool,
+                                  mem_mib=mib)
                     live.append(vm)
                     ready_ms = vm.wait_ready()
                     us = vm.restore_us()
-                    if pool:
-                        restore_ms[mib].append(us / 1000.0)
-                    else:
-                        cold_ms[mib].append(us / 1000.0)
+                    {"template": restore_ms, "reserved": reserved_ms,
+                     "cold": cold_ms}[kind][mib].append(us / 1000.0)
+                    if kind == "cold":
                         process_ms[mib].append(vm.process_to_running_ms())
-                    if mib == 256:
+                    if mib == 256 and kind != "reserved":
                         (to_agent if pool else cold_to_agent).append(ready_ms)
                         if pool:
                             time.sleep(0.2)
                             _, _, outside = vm.smaps_totals(os.path.join(snap, "memory"))
                             overhead.append(float(outside))
-                    log(f"run {run + 1}/{args.runs} {mib} MiB {'pool' if pool else 'cold'}: "
+                    log(f"run {run + 1}/{args.runs} {mib} MiB {kind}: "
                         f"restore {us / 1000.0:.2f} ms, agent after {ready_ms:.1f} ms")
                     vm.stop()
                     live.remove(vm)
@@ -323,6 +334,8 @@ def main():
             "restore_ms_256": r256,
             "restore_ms_2048": r2048,
             "restore_ratio_2048_to_256_p50": (r2048["p50"] / r256["p50"]) if r256["p50"] else None,
+            "reserved_pool_restore_ms_256": summary(reserved_ms[256], 3),
+            "reserved_pool_restore_ms_2048": summary(reserved_ms[2048], 3),
             "cold_restore_ms_256": summary(cold_ms[256], 3),
             "cold_restore_ms_2048": summary(cold_ms[2048], 3),
             "cold_process_to_running_ms_256": summary(process_ms[256], 3),

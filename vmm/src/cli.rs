@@ -13,7 +13,8 @@ usage: airlock-vmm boot --kernel PATH --rootfs PATH [options]
        airlock-vmm run  --snapshot DIR [run options] -- CMD [ARGS...]
        airlock-vmm snapshot --kernel PATH --rootfs PATH --out DIR [options]
        airlock-vmm restore --snapshot DIR [--vsock PATH] [--control PATH] [--console PATH]
-       airlock-vmm pool --control PATH [--vcpus N] [--vsock PATH] [--console PATH]
+       airlock-vmm pool --control PATH [--vcpus N] [--mem-mib M | --snapshot DIR] [--vsock PATH]
+                        [--console PATH]
        airlock-vmm control PATH pause|resume|status|stop|snapshot DIR|restore DIR
 
 boot: boots the kernel with the root filesystem image as /dev/vda (read-only) and exits when the
@@ -34,7 +35,10 @@ is stopped (SIGTERM, or `stop` on the control socket). Its vsock device needs --
 
 pool: a warm process for a later restore: creates the KVM VM, its irqchip and N vCPUs now, then
 waits on the control socket for `restore DIR` (answered once the clone runs, with the restore
-time) and goes on as `restore` would; `status` answers while it waits.
+time) and goes on as `restore` would; `status` answers while it waits. Guest memory: with
+--snapshot DIR (the snapshot it will restore, as a pool per template knows) its memory file is
+mapped and registered in advance; with --mem-mib M (a pool for any snapshot of that size) host
+address space is reserved and registered and the memory file is mapped over it in place.
 
 control: sends one command to the control socket PATH and prints the JSON answer.
 
@@ -265,10 +269,18 @@ pub fn parse_restore(args: &[String]) -> Result<RestoreOptions, String> {
     Ok(opts)
 }
 
+/// Guest memory a pool process may reserve: what a bootable VM may have (see `VmConfig`).
+const POOL_MEM_MIB: std::ops::RangeInclusive<u64> =
+    (vmm::arch::layout::MIN_MEM_BYTES >> 20)..=(1 << 20);
+
 /// `airlock-vmm pool`.
 #[derive(Debug)]
 pub struct PoolOptions {
     pub vcpus: u8,
+    /// Guest memory to reserve and register in advance (the snapshot's size).
+    pub mem_mib: Option<u64>,
+    /// The snapshot this pool will restore: its memory is mapped and registered in advance.
+    pub snapshot: Option<PathBuf>,
     pub control: PathBuf,
     pub vsock: Option<PathBuf>,
     pub console: ConsoleOutput,
@@ -276,6 +288,8 @@ pub struct PoolOptions {
 
 pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
     let mut vcpus = 1u8;
+    let mut mem_mib = None;
+    let mut snapshot = None;
     let mut control = None;
     let mut vsock = None;
     let mut console = ConsoleOutput::Stdout;
@@ -294,6 +308,20 @@ pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
                     .filter(|n| (1..=vmm::arch::mptable::MAX_CPUS).contains(n))
                     .ok_or("--vcpus: between 1 and 32")?
             }
+            "--mem-mib" => {
+                mem_mib = Some(
+                    value()?
+                        .parse()
+                        .ok()
+                        .filter(|n| (POOL_MEM_MIB).contains(n))
+                        .ok_or(format!(
+                            "--mem-mib: between {} and {} MiB",
+                            POOL_MEM_MIB.start(),
+                            POOL_MEM_MIB.end()
+                        ))?,
+                )
+            }
+            "--snapshot" => snapshot = Some(PathBuf::from(value()?)),
             "--control" => control = Some(PathBuf::from(value()?)),
             "--vsock" => vsock = Some(PathBuf::from(value()?)),
             "--console" => console = ConsoleOutput::File(PathBuf::from(value()?)),
@@ -301,8 +329,13 @@ pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
             other => return Err(format!("unknown option {other}")),
         }
     }
+    if mem_mib.is_some() && snapshot.is_some() {
+        return Err("--mem-mib and --snapshot exclude each other".into());
+    }
     Ok(PoolOptions {
         vcpus,
+        mem_mib,
+        snapshot,
         control: control.ok_or("--control PATH is required")?,
         vsock,
         console,
@@ -390,6 +423,13 @@ mod tests {
     #[test]
     fn pool_needs_a_control_socket_and_a_sane_vcpu_count() {
         let p = parse_pool(&args("--control /c --vcpus 2 --vsock /v")).unwrap();
+        assert_eq!(p.mem_mib, None);
+        let m = parse_pool(&args("--control /c --mem-mib 2048")).unwrap();
+        assert_eq!(m.mem_mib, Some(2048));
+        assert!(parse_pool(&args("--control /c --mem-mib 1")).is_err());
+        let s = parse_pool(&args("--control /c --snapshot /s")).unwrap();
+        assert_eq!(s.snapshot, Some(PathBuf::from("/s")));
+        assert!(parse_pool(&args("--control /c --snapshot /s --mem-mib 256")).is_err());
         assert_eq!(
             (p.vcpus, p.control.as_path()),
             (2, std::path::Path::new("/c"))

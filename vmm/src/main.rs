@@ -65,13 +65,33 @@ fn control(path: &str, command: &str) -> ExitCode {
     }
 }
 
+/// The pool's KVM VM, with guest memory prepared as its options say.
+fn prepare_pool_vm(opts: &cli::PoolOptions) -> Result<vmm::vm::PreparedVm, String> {
+    use vmm::vm::{MemoryPlan, PreparedVm};
+    match (&opts.snapshot, opts.mem_mib) {
+        (Some(dir), _) => {
+            let snap = vmm::snapshot::Snapshot::read_state(dir)
+                .map_err(|e| format!("snapshot {}: {}", dir.display(), cli::error_chain(&e)))?;
+            let memory_file = dir.join(vmm::snapshot::MEMORY_FILE);
+            let plan = MemoryPlan::Snapshot {
+                memory_file: &memory_file,
+                layout: &snap.memory,
+            };
+            PreparedVm::new(opts.vcpus, plan)
+        }
+        (None, Some(mib)) => PreparedVm::new(opts.vcpus, MemoryPlan::Reserve(mib << 20)),
+        (None, None) => PreparedVm::new(opts.vcpus, MemoryPlan::Later),
+    }
+    .map_err(|e| cli::error_chain(&e))
+}
+
 /// `airlock-vmm pool`: prepare the KVM VM now, restore when asked.
 fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
     use vmm::control;
-    let prepared = match vmm::vm::PreparedVm::new(opts.vcpus) {
+    let prepared = match prepare_pool_vm(opts) {
         Ok(p) => p,
         Err(e) => {
-            log::error!("{}", cli::error_chain(&e));
+            log::error!("{e}");
             return ExitCode::from(code::VMM_ERROR);
         }
     };
@@ -83,8 +103,13 @@ fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
         }
     };
     log::info!(
-        "pool: {} vCPU(s) prepared after {} us; waiting for `restore DIR` on {}",
+        "pool: {} vCPU(s){} prepared after {} us; waiting for `restore DIR` on {}",
         opts.vcpus,
+        match (&opts.snapshot, opts.mem_mib) {
+            (Some(dir), _) => format!(" and the memory of {}", dir.display()),
+            (None, Some(m)) => format!(" and {m} MiB of guest memory"),
+            (None, None) => String::new(),
+        },
         started.elapsed().as_micros(),
         opts.control.display()
     );

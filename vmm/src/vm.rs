@@ -10,6 +10,7 @@ use thiserror::Error;
 use vm_memory::{Address, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
 use crate::arch::layout::{KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR, ram_ranges};
+use crate::snapshot::memory::{self, MemoryError, RegionLayout, Reservation};
 
 /// Errors setting up the KVM VM.
 #[derive(Debug, Error)]
@@ -38,6 +39,8 @@ pub enum VmError {
     MsrIndexList(#[source] kvm_ioctls::Error),
     #[error("create vCPU {0}")]
     CreateVcpu(u8, #[source] kvm_ioctls::Error),
+    #[error("guest memory from the snapshot")]
+    SnapshotMemory(#[source] MemoryError),
 }
 
 /// Capabilities the VMM relies on.
@@ -68,25 +71,91 @@ fn setup_irqchip(fd: &VmFd) -> Result<(), VmError> {
     fd.create_pit2(pit).map_err(VmError::CreatePit)
 }
 
+/// What a prepared VM does about guest memory before the restore request names a snapshot.
+#[derive(Clone, Copy, Debug)]
+pub enum MemoryPlan<'a> {
+    /// Nothing: memory is mapped and registered during the restore.
+    Later,
+    /// Reserve and register host address space for this many bytes of guest memory, laid out
+    /// as a booted VM's would be; the snapshot's memory file is mapped over it in place.
+    Reserve(u64),
+    /// Map this snapshot memory file (privately, as a restore would) and register it now: a
+    /// pool for one template restores that template.
+    Snapshot {
+        memory_file: &'a std::path::Path,
+        layout: &'a [RegionLayout],
+    },
+}
+
+/// Guest memory prepared in advance, registered with KVM as slots 0..n.
+#[derive(Debug)]
+enum PreparedMemory {
+    None,
+    Reserved(Reservation),
+    Mapped {
+        memory_file: std::path::PathBuf,
+        layout: Vec<RegionLayout>,
+        mem: GuestMemoryMmap,
+    },
+}
+
 /// A KVM VM created before its memory, with its in-kernel devices and vCPU fds: everything of
 /// a restore that does not depend on the snapshot, done by a pool process while it waits (see
-/// `airlock-vmm pool`).
+/// `airlock-vmm pool`). Guest memory can be prepared as well ([`MemoryPlan`]), which takes the
+/// memory-size dependent slot registration out of the restore.
 #[derive(Debug)]
 pub struct PreparedVm {
     kvm: Kvm,
     fd: VmFd,
     vcpus: Vec<VcpuFd>,
+    // After `fd`: the slots are gone before their memory is unmapped.
+    memory: PreparedMemory,
 }
 
 impl PreparedVm {
-    /// Opens KVM, checks its capabilities, creates the VM, its irqchip and PIT, and `vcpus`
-    /// vCPU fds (APIC ids 0..vcpus).
-    pub fn new(vcpus: u8) -> Result<Self, VmError> {
+    /// Opens KVM, checks its capabilities, creates the VM, prepares guest memory as `plan` says,
+    /// and creates the irqchip, PIT and `vcpus` vCPU fds (APIC ids 0..vcpus).
+    pub fn new(vcpus: u8, plan: MemoryPlan<'_>) -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
         if let Some(cap) = REQUIRED_CAPS.iter().find(|c| !kvm.check_extension(**c)) {
             return Err(VmError::MissingCap(*cap));
         }
         let fd = kvm.create_vm().map_err(VmError::CreateVm)?;
+        // Memory before the irqchip, as in `Vm::with_memory`.
+        let memory = match plan {
+            MemoryPlan::Later => PreparedMemory::None,
+            MemoryPlan::Reserve(bytes) => {
+                let r = Reservation::new(&ram_ranges(bytes)).map_err(VmError::SnapshotMemory)?;
+                for (slot, range) in r.ranges().iter().enumerate() {
+                    // SAFETY: the reservation is a live mapping kept by this `PreparedVm` until
+                    // it is mapped over in place (and then never unmapped), or the slot is
+                    // deleted (`into_vm`), or the VM fd is closed (it drops first).
+                    unsafe {
+                        set_slot(
+                            &fd,
+                            slot as u32,
+                            range.guest_addr,
+                            range.host_addr,
+                            range.len,
+                        )
+                    }?;
+                }
+                PreparedMemory::Reserved(r)
+            }
+            MemoryPlan::Snapshot {
+                memory_file,
+                layout,
+            } => {
+                let mem =
+                    memory::map_private(memory_file, layout).map_err(VmError::SnapshotMemory)?;
+                register_all(&fd, &mem)?;
+                PreparedMemory::Mapped {
+                    memory_file: memory_file.to_path_buf(),
+                    layout: layout.to_vec(),
+                    mem,
+                }
+            }
+        };
         setup_irqchip(&fd)?;
         let vcpus = (0..vcpus)
             .map(|i| {
@@ -94,13 +163,118 @@ impl PreparedVm {
                     .map_err(|e| VmError::CreateVcpu(i, e))
             })
             .collect::<Result<_, _>>()?;
-        Ok(Self { kvm, fd, vcpus })
+        Ok(Self {
+            kvm,
+            fd,
+            vcpus,
+            memory,
+        })
     }
 
     /// How many vCPU fds were created in advance.
     pub fn vcpu_count(&self) -> usize {
         self.vcpus.len()
     }
+
+    /// Gives the prepared VM the snapshot memory file `memory_file` laid out by `layout`, mapped
+    /// `MAP_PRIVATE`: the mapping made in advance if it is this file, in place over the reserved
+    /// ranges if they match, else freshly (slots prepared in advance are deleted first). Returns
+    /// the VM and the vCPU fds made in advance.
+    pub fn into_vm(
+        mut self,
+        memory_file: &std::path::Path,
+        layout: &[RegionLayout],
+    ) -> Result<(Vm, Vec<VcpuFd>), VmError> {
+        let prepared = std::mem::replace(&mut self.memory, PreparedMemory::None);
+        let mem = match prepared {
+            PreparedMemory::Mapped {
+                memory_file: f,
+                layout: l,
+                mem,
+            } if f == memory_file && l == layout => Some(mem),
+            PreparedMemory::Reserved(r) if r.matches(layout) => Some(
+                r.map_file(memory_file, layout)
+                    .map_err(VmError::SnapshotMemory)?,
+            ),
+            PreparedMemory::None => None,
+            other => {
+                log::warn!(
+                    "the snapshot's memory differs from the memory prepared in advance; \
+                     mapping and registering it during the restore"
+                );
+                let slots = match &other {
+                    PreparedMemory::Reserved(r) => r.ranges().len(),
+                    PreparedMemory::Mapped { layout, .. } => layout.len(),
+                    PreparedMemory::None => 0,
+                };
+                for slot in 0..slots {
+                    // SAFETY: a zero size deletes the slot; nothing is mapped by it.
+                    unsafe { set_slot(&self.fd, slot as u32, 0, 0, 0) }?;
+                }
+                drop(other);
+                None
+            }
+        };
+        let (mem, registered) = match mem {
+            Some(mem) => (mem, true),
+            None => (
+                memory::map_private(memory_file, layout).map_err(VmError::SnapshotMemory)?,
+                false,
+            ),
+        };
+        let vm = Vm {
+            kvm: self.kvm,
+            fd: self.fd,
+            mem,
+            supported_cpuid: std::sync::OnceLock::new(),
+            msr_index_list: std::sync::OnceLock::new(),
+        };
+        if !registered {
+            register_all(&vm.fd, &vm.mem)?;
+        }
+        Ok((vm, self.vcpus))
+    }
+}
+
+/// Registers every region of `mem` as KVM slots 0..n.
+fn register_all(fd: &VmFd, mem: &GuestMemoryMmap) -> Result<(), VmError> {
+    for (slot, region) in mem.iter().enumerate() {
+        // SAFETY: the host range is a live mapping owned by `mem`, which the owner of `fd`
+        // keeps alive for as long as the VM fd exists; slots do not overlap (distinct regions).
+        unsafe {
+            set_slot(
+                fd,
+                slot as u32,
+                region.start_addr().raw_value(),
+                region.as_ptr() as usize,
+                region.len() as usize,
+            )
+        }?;
+    }
+    Ok(())
+}
+
+/// Sets KVM memory slot `slot` to guest-physical `guest_addr..+len` backed by host `host_addr`
+/// (a zero `len` deletes the slot).
+///
+/// # Safety
+/// `host_addr..+len` must stay mapped for as long as the slot exists with that size.
+unsafe fn set_slot(
+    fd: &VmFd,
+    slot: u32,
+    guest_addr: u64,
+    host_addr: usize,
+    len: usize,
+) -> Result<(), VmError> {
+    let region = kvm_userspace_memory_region {
+        slot,
+        flags: 0,
+        guest_phys_addr: guest_addr,
+        memory_size: len as u64,
+        userspace_addr: host_addr as u64,
+    };
+    // SAFETY: the caller keeps the host range mapped while the slot exists.
+    unsafe { fd.set_user_memory_region(region) }.map_err(|e| VmError::SetMemoryRegion(slot, e))
 }
 
 /// A KVM VM with its guest memory.
@@ -140,43 +314,9 @@ impl Vm {
         };
         // Memory before the irqchip: registering a slot right after the irqchip was created
         // took 5-9 ms instead of 0.3 ms on the nested hosts (KVM waits for grace periods).
-        vm.register_memory()?;
+        register_all(&vm.fd, &vm.mem)?;
         setup_irqchip(&vm.fd)?;
         Ok(vm)
-    }
-
-    /// Gives a prepared VM its memory; returns the VM and the vCPU fds created in advance.
-    pub fn from_prepared(
-        prepared: PreparedVm,
-        mem: GuestMemoryMmap,
-    ) -> Result<(Self, Vec<VcpuFd>), VmError> {
-        let vm = Self {
-            kvm: prepared.kvm,
-            fd: prepared.fd,
-            mem,
-            supported_cpuid: std::sync::OnceLock::new(),
-            msr_index_list: std::sync::OnceLock::new(),
-        };
-        vm.register_memory()?;
-        Ok((vm, prepared.vcpus))
-    }
-
-    fn register_memory(&self) -> Result<(), VmError> {
-        for (slot, region) in self.mem.iter().enumerate() {
-            let slot = slot as u32;
-            let region_desc = kvm_userspace_memory_region {
-                slot,
-                flags: 0,
-                guest_phys_addr: region.start_addr().raw_value(),
-                memory_size: region.len(),
-                userspace_addr: region.as_ptr() as u64,
-            };
-            // SAFETY: the host range is a live mapping owned by `self.mem`, which the `Vm` keeps
-            // alive for as long as the VM fd exists; slots do not overlap (distinct regions).
-            unsafe { self.fd.set_user_memory_region(region_desc) }
-                .map_err(|e| VmError::SetMemoryRegion(slot, e))?;
-        }
-        Ok(())
     }
 
     /// Creates vCPU `index` (its APIC id).

@@ -401,9 +401,7 @@ pub fn restore_microvm(
             template_name(template)
         )));
     }
-    let mem = memory::map_private(&config.snapshot_dir.join(MEMORY_FILE), &snap.memory)
-        .map_err(SnapshotError::from)?;
-    marks.mark("map");
+    let memory_file = config.snapshot_dir.join(MEMORY_FILE);
     let (vm, vcpu_fds) = match prepared {
         Some(prepared) => {
             if prepared.vcpu_count() != snap.vcpus.len() {
@@ -413,9 +411,12 @@ pub fn restore_microvm(
                     snap.vcpus.len()
                 )));
             }
-            Vm::from_prepared(prepared, mem)?
+            prepared.into_vm(&memory_file, &snap.memory)?
         }
         None => {
+            let mem =
+                memory::map_private(&memory_file, &snap.memory).map_err(SnapshotError::from)?;
+            marks.mark("map");
             let vm = Vm::with_memory(mem)?;
             let fds = snap
                 .vcpus

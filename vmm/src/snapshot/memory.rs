@@ -33,6 +33,10 @@ pub enum MemoryError {
     Map(#[source] vm_memory::mmap::MmapRegionError),
     #[error("assemble guest memory")]
     Assemble(#[source] vm_memory::GuestRegionCollectionError),
+    #[error("reserve {0} MiB of address space for guest memory")]
+    Reserve(u64, #[source] std::io::Error),
+    #[error("map the memory file over the reserved guest memory")]
+    MapFixed(#[source] std::io::Error),
 }
 
 /// One guest memory region and where it lies in the memory file.
@@ -148,9 +152,9 @@ pub fn validate_layout(regions: &[RegionLayout], max_bytes: u64) -> Result<u64, 
     Ok(file_end)
 }
 
-/// Maps the memory file `path` privately (copy-on-write) as guest memory laid out by
-/// `regions` (checked with [`validate_layout`] first).
-pub fn map_private(path: &Path, regions: &[RegionLayout]) -> Result<GuestMemoryMmap, MemoryError> {
+/// Opens the memory file `path` after checking `regions` with [`validate_layout`] and the
+/// file's size against them.
+fn open_memory_file(path: &Path, regions: &[RegionLayout]) -> Result<File, MemoryError> {
     let total = validate_layout(regions, u64::MAX)?;
     let file = File::open(path).map_err(|e| MemoryError::Open(path.display().to_string(), e))?;
     let actual = file
@@ -163,7 +167,13 @@ pub fn map_private(path: &Path, regions: &[RegionLayout]) -> Result<GuestMemoryM
             actual,
         });
     }
-    let file = std::sync::Arc::new(file);
+    Ok(file)
+}
+
+/// Maps the memory file `path` privately (copy-on-write) as guest memory laid out by
+/// `regions` (checked with [`validate_layout`] first).
+pub fn map_private(path: &Path, regions: &[RegionLayout]) -> Result<GuestMemoryMmap, MemoryError> {
+    let file = std::sync::Arc::new(open_memory_file(path, regions)?);
     let mut out = Vec::with_capacity(regions.len());
     for r in regions {
         let mapping = MmapRegionBuilder::new(r.len as usize)
@@ -178,6 +188,146 @@ pub fn map_private(path: &Path, regions: &[RegionLayout]) -> Result<GuestMemoryM
         out.push(region);
     }
     GuestMemoryMmap::from_regions(out).map_err(MemoryError::Assemble)
+}
+
+/// One reserved range: guest-physical start, host address, length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReservedRange {
+    pub guest_addr: u64,
+    pub host_addr: usize,
+    pub len: usize,
+}
+
+/// Host address space reserved for guest memory whose content is not known yet (a pool process
+/// waiting for the snapshot to restore). The ranges are inaccessible anonymous mappings
+/// (`PROT_NONE`, nothing committed) that KVM memory slots can be registered over in advance;
+/// [`Reservation::map_file`] later maps a snapshot's memory file over them in place, so the slots
+/// stay valid and their registration — which costs time in proportion to the memory size — is
+/// not part of the restore.
+#[derive(Debug)]
+pub struct Reservation {
+    ranges: Vec<ReservedRange>,
+}
+
+impl Reservation {
+    /// Reserves one range per `(guest address, length)` pair.
+    pub fn new(ranges: &[(GuestAddress, usize)]) -> Result<Self, MemoryError> {
+        let mut out = Reservation { ranges: Vec::new() };
+        for &(guest, len) in ranges {
+            // SAFETY: a new anonymous mapping at an address the kernel chooses; it replaces
+            // nothing, and the pointer is only kept as an address until `map_file`.
+            let addr = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            if addr == libc::MAP_FAILED {
+                // `out` unmaps what was reserved so far.
+                return Err(MemoryError::Reserve(
+                    (len >> 20) as u64,
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            out.ranges.push(ReservedRange {
+                guest_addr: guest.raw_value(),
+                host_addr: addr as usize,
+                len,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The reserved ranges.
+    pub fn ranges(&self) -> &[ReservedRange] {
+        &self.ranges
+    }
+
+    /// Whether a snapshot's memory `layout` has exactly the reserved ranges.
+    pub fn matches(&self, layout: &[RegionLayout]) -> bool {
+        self.ranges.len() == layout.len()
+            && self
+                .ranges
+                .iter()
+                .zip(layout)
+                .all(|(r, l)| r.guest_addr == l.guest_addr && r.len as u64 == l.len)
+    }
+
+    /// Maps the memory file `path`, laid out by `regions` (which must [`match`](Self::matches)),
+    /// privately over the reserved ranges and returns it as guest memory at the same host
+    /// addresses.
+    ///
+    /// The mapping is never unmapped afterwards: it lives until the process exits. Guest memory
+    /// is cloned into device threads and may outlive any owner we could give it; a pool process
+    /// restores one VM and exits with it.
+    pub fn map_file(
+        mut self,
+        path: &Path,
+        regions: &[RegionLayout],
+    ) -> Result<GuestMemoryMmap, MemoryError> {
+        if !self.matches(regions) {
+            return Err(MemoryError::BadLayout(
+                "the snapshot's memory does not fit the reserved ranges",
+            ));
+        }
+        let file = std::sync::Arc::new(open_memory_file(path, regions)?);
+        let mut out = Vec::with_capacity(regions.len());
+        for (res, r) in self.ranges.iter().zip(regions) {
+            // SAFETY: MAP_FIXED replaces exactly the reserved range, which this `Reservation`
+            // owns and nothing else uses (the guest has not run); the file is open and its size
+            // was checked against the layout.
+            let addr = unsafe {
+                libc::mmap(
+                    res.host_addr as *mut libc::c_void,
+                    res.len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                    std::os::fd::AsRawFd::as_raw_fd(&*file),
+                    r.file_offset as libc::off_t,
+                )
+            };
+            if addr == libc::MAP_FAILED {
+                // Dropping `self` unmaps every range, mapped over or not.
+                return Err(MemoryError::MapFixed(std::io::Error::last_os_error()));
+            }
+            // SAFETY: `res.host_addr..+res.len` is the live mapping made above; it is never
+            // unmapped (see the doc comment), so the region may use it for the rest of the
+            // process's life. The region does not own it and will not unmap it.
+            let builder = unsafe {
+                MmapRegionBuilder::new(res.len)
+                    .with_file_offset(FileOffset::from_arc(file.clone(), r.file_offset))
+                    .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+                    .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+                    .with_raw_mmap_pointer(res.host_addr as *mut u8)
+            };
+            let region = GuestRegionMmap::new(
+                builder.build().map_err(MemoryError::Map)?,
+                GuestAddress(r.guest_addr),
+            )
+            .ok_or(MemoryError::BadLayout(
+                "region wraps around the address space",
+            ))?;
+            out.push(region);
+        }
+        let mem = GuestMemoryMmap::from_regions(out).map_err(MemoryError::Assemble)?;
+        // From here the mappings belong to `mem` for the life of the process.
+        self.ranges.clear();
+        Ok(mem)
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        for r in &self.ranges {
+            // SAFETY: the range is a mapping this reservation made and still owns (ranges handed
+            // to guest memory were removed from the list).
+            unsafe { libc::munmap(r.host_addr as *mut libc::c_void, r.len) };
+        }
+    }
 }
 
 #[cfg(test)]
@@ -230,6 +380,50 @@ mod tests {
             c.read_obj::<u32>(GuestAddress(0x1234)).unwrap(),
             0xdead_beef
         );
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_memory_file_maps_in_place_over_a_reservation() {
+        let ranges = [(GuestAddress(0), 1 << 20), (GuestAddress(4 << 20), 2 << 20)];
+        let mem = GuestMemoryMmap::from_ranges(&ranges).unwrap();
+        mem.write_obj(0xfeed_u64, GuestAddress(0x1000)).unwrap();
+        mem.write_obj(0xbeef_u64, GuestAddress((5 << 20) + 8))
+            .unwrap();
+        let path = temp("reserve");
+        save(&mem, &path).unwrap();
+        let l = layout(&mem);
+
+        let small = Reservation::new(&ranges[..1]).unwrap();
+        assert!(!small.matches(&l));
+        assert!(matches!(
+            small.map_file(&path, &l),
+            Err(MemoryError::BadLayout(_))
+        ));
+
+        let reserved = Reservation::new(&ranges).unwrap();
+        assert!(reserved.matches(&l));
+        let hosts: Vec<usize> = reserved.ranges().iter().map(|r| r.host_addr).collect();
+        let restored = reserved.map_file(&path, &l).unwrap();
+        let mapped: Vec<usize> = restored.iter().map(|r| r.as_ptr() as usize).collect();
+        assert_eq!(
+            mapped, hosts,
+            "the file must land on the reserved addresses"
+        );
+        assert_eq!(
+            restored.read_obj::<u64>(GuestAddress(0x1000)).unwrap(),
+            0xfeed
+        );
+        assert_eq!(
+            restored
+                .read_obj::<u64>(GuestAddress((5 << 20) + 8))
+                .unwrap(),
+            0xbeef
+        );
+        // Private: writing to the clone leaves the file alone.
+        restored.write_obj(1_u64, GuestAddress(0x1000)).unwrap();
+        let again = map_private(&path, &l).unwrap();
+        assert_eq!(again.read_obj::<u64>(GuestAddress(0x1000)).unwrap(), 0xfeed);
         let _ = std::fs::remove_file(&path);
     }
 
