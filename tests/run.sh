@@ -38,6 +38,9 @@ static_checks() {
 
 run_tests() {
   echo "== tests" >&2
+  # The system tests start the binaries (airlock-vmm, airlockd), which `cargo test` alone
+  # does not build for packages without integration tests.
+  cargo build --workspace --bins
   cargo test --workspace -- --nocapture
 }
 

@@ -1,0 +1,261 @@
+//! Settings: sensible defaults, overridden by a TOML file (`--config PATH`), then by
+//! `--listen` and `--data-dir` on the command line.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// The daemon's settings. Every field has a default; see README "airlockd".
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Where the gRPC service listens: `unix://PATH` (default
+    /// `unix:///run/airlock/airlockd.sock`) or `tcp://HOST:PORT` (every call then needs a
+    /// token). Several are allowed.
+    pub listen: Vec<String>,
+    /// Templates, snapshots, records, execution output, VMM run directories.
+    pub data_dir: PathBuf,
+    /// The `airlock-vmm` binary (default: next to `airlockd`).
+    pub vmm_binary: Option<PathBuf>,
+    /// Default kernel and root filesystem for CreateTemplate (default: `$AIRLOCK_KERNEL` /
+    /// `$AIRLOCK_ROOTFS`, else the newest outputs of `kernel-config/build.sh` and
+    /// `rootfs/build.sh` under `/var/cache/airlock`).
+    pub kernel: Option<PathBuf>,
+    pub rootfs: Option<PathBuf>,
+    /// Warm `airlock-vmm` processes kept per template.
+    pub pool_size: usize,
+    /// Host capacity: sandboxes at once, and guest memory committed to them (MiB; 0: 80% of
+    /// the host's memory).
+    pub max_sandboxes: usize,
+    pub max_committed_mib: u64,
+    /// Per-tenant quotas (tenants without an entry in `tenants` get these).
+    pub default_quota: Quota,
+    /// Tenants and their tokens and quotas, by tenant name.
+    pub tenants: BTreeMap<String, TenantConfig>,
+    /// The tenant of token-less calls on a Unix socket.
+    pub default_tenant: String,
+    /// Sandbox idle TTL and lifetime when a request gives none, and their caps.
+    pub default_idle_ttl_s: u32,
+    pub max_idle_ttl_s: u32,
+    pub default_max_lifetime_s: u32,
+    pub max_lifetime_s: u32,
+    /// Execution timeout when a request gives none, and its cap.
+    pub default_exec_timeout_ms: u64,
+    pub max_exec_timeout_ms: u64,
+    /// Output stored per execution stream; more is dropped (the record says so).
+    pub max_output_bytes: u64,
+    /// Largest file WriteFile/ReadFile/CreateSandbox moves.
+    pub max_file_bytes: u64,
+    /// Default writable disk space of a sandbox (MiB) and its cap.
+    pub default_disk_mib: u32,
+    pub max_disk_mib: u32,
+    /// Default file policy (path prefixes in the guest).
+    pub writable_paths: Vec<String>,
+    pub exportable_paths: Vec<String>,
+    /// VMM memory beyond guest memory allowed by the sandbox's cgroup (MiB).
+    pub vmm_overhead_mib: u64,
+    /// Processes/threads allowed in a sandbox's cgroup (the VMM's threads).
+    pub vmm_pids_max: u64,
+    /// Parent cgroup name for sandbox cgroups.
+    pub cgroup_parent: String,
+    /// Prometheus endpoint (`HOST:PORT`, HTTP `GET /metrics`); empty: off.
+    pub metrics_listen: String,
+    /// How long a sandbox may take from restore to the agent's answer.
+    pub ready_timeout_ms: u64,
+}
+
+/// Limits of one tenant.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Quota {
+    /// Sandboxes at once (0: no limit beyond the host's).
+    pub max_sandboxes: usize,
+    /// Guest memory at once, MiB (0: no limit beyond the host's).
+    pub max_memory_mib: u64,
+}
+
+/// One tenant: its tokens and quota.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantConfig {
+    pub tokens: Vec<String>,
+    pub quota: Option<Quota>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: vec![format!("unix://{}", airlock_api::DEFAULT_SOCKET)],
+            data_dir: PathBuf::from("/var/lib/airlock"),
+            vmm_binary: None,
+            kernel: None,
+            rootfs: None,
+            pool_size: 2,
+            max_sandboxes: 256,
+            max_committed_mib: 0,
+            default_quota: Quota::default(),
+            tenants: BTreeMap::new(),
+            default_tenant: "default".into(),
+            default_idle_ttl_s: 600,
+            max_idle_ttl_s: 24 * 3600,
+            default_max_lifetime_s: 4 * 3600,
+            max_lifetime_s: 24 * 3600,
+            default_exec_timeout_ms: 600_000,
+            max_exec_timeout_ms: 24 * 3600 * 1000,
+            max_output_bytes: 64 << 20,
+            max_file_bytes: 100 << 20,
+            default_disk_mib: 1024,
+            max_disk_mib: 64 << 10,
+            writable_paths: vec![
+                "/tmp".into(),
+                "/root".into(),
+                "/home".into(),
+                "/workspace".into(),
+            ],
+            exportable_paths: vec![
+                "/tmp".into(),
+                "/root".into(),
+                "/home".into(),
+                "/workspace".into(),
+            ],
+            vmm_overhead_mib: 128,
+            vmm_pids_max: 64,
+            cgroup_parent: "airlock".into(),
+            metrics_listen: String::new(),
+            ready_timeout_ms: 30_000,
+        }
+    }
+}
+
+impl Config {
+    /// Reads a TOML file over the defaults.
+    pub fn load(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("reading {}: {e}", path.display()))?;
+        toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// The tenant a token belongs to.
+    pub fn tenant_of(&self, token: &str) -> Option<&str> {
+        self.tenants
+            .iter()
+            .find(|(_, t)| t.tokens.iter().any(|k| k == token))
+            .map(|(name, _)| name.as_str())
+    }
+
+    /// A tenant's quota.
+    pub fn quota_of(&self, tenant: &str) -> Quota {
+        self.tenants
+            .get(tenant)
+            .and_then(|t| t.quota.clone())
+            .unwrap_or_else(|| self.default_quota.clone())
+    }
+
+    /// The VMM binary: configured, else `airlock-vmm` next to this executable.
+    pub fn vmm_binary(&self) -> PathBuf {
+        self.vmm_binary.clone().unwrap_or_else(|| {
+            std::env::current_exe()
+                .ok()
+                .and_then(|p| p.parent().map(|d| d.join("airlock-vmm")))
+                .unwrap_or_else(|| PathBuf::from("airlock-vmm"))
+        })
+    }
+
+    /// The default kernel for templates.
+    pub fn default_kernel(&self) -> Option<PathBuf> {
+        self.kernel
+            .clone()
+            .or_else(|| std::env::var_os("AIRLOCK_KERNEL").map(PathBuf::from))
+            .or_else(|| newest(&cache_dir().join("kernel"), |p| Some(p.join("vmlinux"))))
+    }
+
+    /// The default root filesystem for templates.
+    pub fn default_rootfs(&self) -> Option<PathBuf> {
+        self.rootfs
+            .clone()
+            .or_else(|| std::env::var_os("AIRLOCK_ROOTFS").map(PathBuf::from))
+            .or_else(|| {
+                newest(&cache_dir().join("rootfs"), |p| {
+                    p.extension()
+                        .is_some_and(|e| e == "ext4")
+                        .then(|| p.to_path_buf())
+                })
+            })
+    }
+
+    /// Committed-memory capacity in MiB.
+    pub fn committed_capacity_mib(&self) -> u64 {
+        if self.max_committed_mib > 0 {
+            return self.max_committed_mib;
+        }
+        host_memory_mib() * 8 / 10
+    }
+}
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("AIRLOCK_CACHE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/airlock"))
+}
+
+/// The most recently modified entry `e` of `dir` for which `pick(e)` names an existing file.
+fn newest(dir: &Path, pick: impl Fn(&Path) -> Option<PathBuf>) -> Option<PathBuf> {
+    let mut best: Option<(std::time::SystemTime, PathBuf)> = None;
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let Some(candidate) = pick(&entry.path()) else {
+            continue;
+        };
+        let Ok(meta) = std::fs::metadata(&candidate) else {
+            continue;
+        };
+        let Ok(modified) = meta.modified() else {
+            continue;
+        };
+        if meta.is_file() && best.as_ref().is_none_or(|(t, _)| modified > *t) {
+            best = Some((modified, candidate));
+        }
+    }
+    best.map(|(_, p)| p)
+}
+
+/// MemTotal in MiB (0 if unknown).
+pub fn host_memory_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map(|kb| kb / 1024)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_overrides_defaults_and_rejects_unknown_keys() {
+        let c: Config = toml::from_str(
+            r#"
+            pool_size = 5
+            max_sandboxes = 3
+            [tenants.acme]
+            tokens = ["t1"]
+            quota = { max_sandboxes = 2 }
+            "#,
+        )
+        .expect("valid config");
+        assert_eq!(c.pool_size, 5);
+        assert_eq!(c.max_sandboxes, 3);
+        assert_eq!(c.default_tenant, "default");
+        assert_eq!(c.tenant_of("t1"), Some("acme"));
+        assert_eq!(c.tenant_of("t2"), None);
+        assert_eq!(c.quota_of("acme").max_sandboxes, 2);
+        assert_eq!(c.quota_of("other").max_sandboxes, 0);
+        assert!(toml::from_str::<Config>("pool_sise = 1").is_err());
+    }
+}

@@ -1,0 +1,236 @@
+//! Prometheus metrics: counters, gauges and histograms kept in memory and served as text on
+//! `GET /metrics` (a minimal HTTP/1.1 responder: the endpoint is for scrapers on the host).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Bucket bounds in seconds for latency histograms.
+const BUCKETS: &[f64] = &[
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+];
+
+#[derive(Debug, Default, Clone)]
+struct Histogram {
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn observe(&mut self, v: f64) {
+        if self.counts.is_empty() {
+            self.counts = vec![0; BUCKETS.len()];
+        }
+        for (i, b) in BUCKETS.iter().enumerate() {
+            if v <= *b {
+                self.counts[i] += 1;
+            }
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+}
+
+/// Per-sandbox usage for the exported gauges.
+#[derive(Debug, Clone)]
+pub struct SandboxUsage {
+    pub id: String,
+    pub tenant: String,
+    pub cpu_usage_us: u64,
+    pub memory_bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    create_seconds: Histogram,
+    create_host_seconds: Histogram,
+    restore_seconds: Histogram,
+    executions: BTreeMap<String, u64>,
+    creates_failed: BTreeMap<String, u64>,
+}
+
+/// The daemon's metrics.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+impl Metrics {
+    fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn observe_create(&self, total_s: f64, host_s: f64, restore_s: f64) {
+        let mut i = self.inner();
+        i.create_seconds.observe(total_s);
+        i.create_host_seconds.observe(host_s);
+        i.restore_seconds.observe(restore_s);
+    }
+
+    pub fn create_failed(&self, reason: &str) {
+        *self
+            .inner()
+            .creates_failed
+            .entry(reason.to_owned())
+            .or_default() += 1;
+    }
+
+    /// An execution ended with `outcome` (exited, timed_out, killed, oom_killed, failed).
+    pub fn execution_ended(&self, outcome: &str) {
+        *self
+            .inner()
+            .executions
+            .entry(outcome.to_owned())
+            .or_default() += 1;
+    }
+
+    /// The exposition text, with the sandbox gauges given by the caller.
+    pub fn render(&self, by_state: &BTreeMap<String, u64>, usage: &[SandboxUsage]) -> String {
+        let i = self.inner();
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "# HELP airlock_sandboxes Sandboxes by state.\n# TYPE airlock_sandboxes gauge"
+        );
+        for (state, n) in by_state {
+            let _ = writeln!(out, "airlock_sandboxes{{state=\"{state}\"}} {n}");
+        }
+        hist(
+            &mut out,
+            "airlock_create_seconds",
+            "CreateSandbox calls, request to ready.",
+            &i.create_seconds,
+        );
+        hist(
+            &mut out,
+            "airlock_create_host_seconds",
+            "Host share of CreateSandbox (without the wait for the guest).",
+            &i.create_host_seconds,
+        );
+        hist(
+            &mut out,
+            "airlock_restore_seconds",
+            "VMM restore, request to vCPUs running.",
+            &i.restore_seconds,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP airlock_executions_total Executions by outcome.\n# TYPE airlock_executions_total counter"
+        );
+        for (o, n) in &i.executions {
+            let _ = writeln!(out, "airlock_executions_total{{outcome=\"{o}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP airlock_create_failures_total Failed CreateSandbox calls by reason.\n# TYPE airlock_create_failures_total counter"
+        );
+        for (r, n) in &i.creates_failed {
+            let _ = writeln!(out, "airlock_create_failures_total{{reason=\"{r}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP airlock_sandbox_cpu_seconds_total CPU time of a sandbox's VMM (guest included).\n# TYPE airlock_sandbox_cpu_seconds_total counter"
+        );
+        for u in usage {
+            let _ = writeln!(
+                out,
+                "airlock_sandbox_cpu_seconds_total{{sandbox=\"{}\",tenant=\"{}\"}} {}",
+                u.id,
+                u.tenant,
+                u.cpu_usage_us as f64 / 1e6
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP airlock_sandbox_memory_bytes Peak memory of a sandbox's cgroup.\n# TYPE airlock_sandbox_memory_bytes gauge"
+        );
+        for u in usage {
+            let _ = writeln!(
+                out,
+                "airlock_sandbox_memory_bytes{{sandbox=\"{}\",tenant=\"{}\"}} {}",
+                u.id, u.tenant, u.memory_bytes
+            );
+        }
+        out
+    }
+}
+
+fn hist(out: &mut String, name: &str, help: &str, h: &Histogram) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+    for (i, b) in BUCKETS.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"{b}\"}} {}",
+            h.counts.get(i).copied().unwrap_or(0)
+        );
+    }
+    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", h.count);
+    let _ = writeln!(out, "{name}_sum {}", h.sum);
+    let _ = writeln!(out, "{name}_count {}", h.count);
+}
+
+/// Serves `GET /metrics` on `listener`; `render` makes the body.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    render: impl Fn() -> String + Send + Sync + 'static,
+) {
+    let render = std::sync::Arc::new(render);
+    loop {
+        let Ok((mut sock, _)) = listener.accept().await else {
+            continue;
+        };
+        let render = render.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            let mut n = 0;
+            // Read the request head (bounded), then answer.
+            while n < buf.len() {
+                match tokio::time::timeout(
+                    std::time::Duration::from_secs(5),
+                    sock.read(&mut buf[n..]),
+                )
+                .await
+                {
+                    Ok(Ok(0)) | Err(_) | Ok(Err(_)) => return,
+                    Ok(Ok(k)) => n += k,
+                }
+                if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+            let head = String::from_utf8_lossy(&buf[..n]);
+            let (status, body) = if head.starts_with("GET /metrics") {
+                ("200 OK", render())
+            } else {
+                ("404 Not Found", "not found: GET /metrics\n".to_owned())
+            };
+            let resp = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = sock.write_all(resp.as_bytes()).await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_are_cumulative() {
+        let m = Metrics::default();
+        m.observe_create(0.004, 0.003, 0.0015);
+        m.observe_create(0.3, 0.01, 0.002);
+        m.execution_ended("exited");
+        let text = m.render(&BTreeMap::from([("running".to_string(), 2)]), &[]);
+        assert!(text.contains("airlock_create_seconds_bucket{le=\"0.005\"} 1"));
+        assert!(text.contains("airlock_create_seconds_bucket{le=\"0.5\"} 2"));
+        assert!(text.contains("airlock_create_seconds_count 2"));
+        assert!(text.contains("airlock_sandboxes{state=\"running\"} 2"));
+        assert!(text.contains("airlock_executions_total{outcome=\"exited\"} 1"));
+    }
+}

@@ -1,0 +1,140 @@
+//! Airlock's public gRPC API, generated from `proto/airlock.proto` (package `airlock.v1`), the
+//! normative description of every call and field. Used by `airlockd` (server), the `airlock`
+//! CLI, the system tests and the benchmarks (clients).
+#![forbid(unsafe_code)]
+#![allow(missing_debug_implementations)] // generated code
+
+/// Types, client and server of `airlock.v1`.
+pub mod v1 {
+    tonic::include_proto!("airlock.v1");
+}
+
+/// The encoded file descriptor set of the API, for gRPC server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("airlock_descriptor");
+
+/// Domain of every `google.rpc.ErrorInfo` the daemon sends.
+pub const ERROR_DOMAIN: &str = "airlock.dev";
+
+/// The default path of the daemon's Unix socket.
+pub const DEFAULT_SOCKET: &str = "/run/airlock/airlockd.sock";
+
+/// Environment variable that overrides the daemon address for clients (`unix:///PATH`,
+/// `unix:PATH`, a bare path, or `http://HOST:PORT`).
+pub const ADDR_ENV: &str = "AIRLOCK_ADDR";
+
+/// Where clients find the daemon: `$AIRLOCK_ADDR` if set, else [`DEFAULT_SOCKET`].
+pub fn default_address() -> String {
+    std::env::var(ADDR_ENV)
+        .ok()
+        .filter(|a| !a.is_empty())
+        .unwrap_or_else(|| format!("unix://{DEFAULT_SOCKET}"))
+}
+
+/// Connects a channel to `address`: `unix:///PATH`, `unix:PATH`, a bare absolute path, or
+/// `http://HOST:PORT` / `tcp://HOST:PORT`.
+pub async fn connect(address: &str) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    use tonic::transport::Endpoint;
+    let unix = address
+        .strip_prefix("unix://")
+        .or_else(|| address.strip_prefix("unix:"))
+        .or_else(|| address.starts_with('/').then_some(address));
+    match unix {
+        Some(path) => {
+            let path = std::path::PathBuf::from(path);
+            // The URI is not used for a Unix socket; the connector is.
+            Endpoint::from_static("http://localhost")
+                .connect_with_connector(tower::service_fn(move |_| {
+                    let path = path.clone();
+                    async move {
+                        let s = tokio::net::UnixStream::connect(path).await?;
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
+                    }
+                }))
+                .await
+        }
+        None => {
+            let url = match address.strip_prefix("tcp://") {
+                Some(hp) => format!("http://{hp}"),
+                None => address.to_owned(),
+            };
+            Endpoint::from_shared(url)?.connect().await
+        }
+    }
+}
+
+/// A client for `address` ([`default_address`] when `None`) that sends `token` (if any) as
+/// `authorization: Bearer TOKEN` on every call.
+pub async fn client(
+    address: Option<&str>,
+    token: Option<&str>,
+) -> Result<v1::airlock_client::AirlockClient<AuthChannel>, tonic::transport::Error> {
+    let addr = address.map(str::to_owned).unwrap_or_else(default_address);
+    let channel = connect(&addr).await?;
+    let header = token.map(|t| {
+        format!("Bearer {t}")
+            .parse::<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>()
+            .unwrap_or_else(|_| tonic::metadata::MetadataValue::from_static("Bearer invalid"))
+    });
+    Ok(v1::airlock_client::AirlockClient::with_interceptor(
+        channel,
+        TokenAuth { header },
+    ))
+}
+
+/// Sends a tenant token as `authorization: Bearer TOKEN` on every call.
+#[derive(Clone, Debug)]
+pub struct TokenAuth {
+    header: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl tonic::service::Interceptor for TokenAuth {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(h) = &self.header {
+            req.metadata_mut().insert("authorization", h.clone());
+        }
+        Ok(req)
+    }
+}
+
+/// The channel type of [`client`].
+pub type AuthChannel =
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, TokenAuth>;
+
+/// The `google.rpc.ErrorInfo` of a failed call (reason and metadata), if it has one.
+pub fn error_info(
+    status: &tonic::Status,
+) -> Option<(String, std::collections::HashMap<String, String>)> {
+    use prost::Message;
+    // google.rpc.Status { code = 1, message = 2, details = 3 (Any { type_url = 1, value = 2 }) }
+    #[derive(Clone, PartialEq, Message)]
+    struct Any {
+        #[prost(string, tag = "1")]
+        type_url: String,
+        #[prost(bytes = "vec", tag = "2")]
+        value: Vec<u8>,
+    }
+    #[derive(Clone, PartialEq, Message)]
+    struct RpcStatus {
+        #[prost(int32, tag = "1")]
+        code: i32,
+        #[prost(string, tag = "2")]
+        message: String,
+        #[prost(message, repeated, tag = "3")]
+        details: Vec<Any>,
+    }
+    #[derive(Clone, PartialEq, Message)]
+    struct ErrorInfo {
+        #[prost(string, tag = "1")]
+        reason: String,
+        #[prost(string, tag = "2")]
+        domain: String,
+        #[prost(map = "string, string", tag = "3")]
+        metadata: std::collections::HashMap<String, String>,
+    }
+    let st = RpcStatus::decode(status.details()).ok()?;
+    st.details
+        .iter()
+        .find(|a| a.type_url.ends_with("google.rpc.ErrorInfo"))
+        .and_then(|a| ErrorInfo::decode(a.value.as_slice()).ok())
+        .map(|i| (i.reason, i.metadata))
+}
