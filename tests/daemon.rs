@@ -84,6 +84,24 @@ fn start_daemon(dir: &Path, cgroup_parent: &str) -> Daemon {
     }
 }
 
+impl Drop for Daemon {
+    /// A failed test still stops the daemon cleanly (SIGTERM ends every VMM it started) before
+    /// `ChildGuard` would kill it outright.
+    fn drop(&mut self) {
+        if let Some(child) = self.child.0.as_mut() {
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
 fn tail(p: &Path) -> String {
     let t = std::fs::read_to_string(p).unwrap_or_default();
     let lines: Vec<&str> = t.lines().collect();
@@ -262,8 +280,12 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         }));
     }
     let mut sandboxes = Vec::new();
+    let mut first_exec = None;
     for task in tasks {
         let (i, s, out, rec) = task.await.unwrap();
+        if i == 0 {
+            first_exec = Some((rec.id.clone(), out.clone()));
+        }
         assert_eq!(rec.state, ExecutionState::Exited as i32, "{rec:?}");
         assert_eq!(rec.exit_code, 0);
         let mine = format!("sandbox-{i}");
@@ -562,7 +584,17 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         old.execution.unwrap().state,
         ExecutionState::TimedOut as i32
     );
-    assert_eq!(String::from_utf8_lossy(&old.stdout), "before\n");
+    // Output stored before the restart is still there.
+    let (first_id, first_out) = first_exec.expect("sandbox 0 ran an exec");
+    let stored = c
+        .get_execution(GetExecutionRequest {
+            execution_id: first_id,
+            include_output: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(String::from_utf8_lossy(&stored.stdout), first_out);
     let records = c
         .list_sandboxes(ListSandboxesRequest {
             labels: HashMap::from([("test".into(), "daemon".into())]),
