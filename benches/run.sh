@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks. Usage: benches/run.sh boot|exec|restore
+# Benchmarks. Usage: benches/run.sh boot|exec|restore|create
 #   boot  time from process start to `airlock: userspace up`, airlock-vmm vs QEMU microvm
 #         (same kernel, image, vCPUs and memory, interleaved runs), and the VMM's resident
 #         memory outside guest RAM. RUNS (default 5), VCPUS (1), MEM_MIB (256).
@@ -11,6 +11,9 @@
 #         agent answer, VMM overhead, PSS of 1 and of CLONES (20) idle clones, and QEMU
 #         restoring its own snapshot of the same guest in the same run. RUNS (default 10),
 #         VCPUS (1); two cold boots make the snapshots.
+#   create  CreateSandbox -> ready through a live airlockd (gRPC, warm pool) at concurrency
+#         LEVELS (default 1,10,50), RUNS creates per level (default 20), the host's and the
+#         guest's share, creates/s, and the host memory (PSS) of IDLE (100) idle sandboxes.
 # AIRLOCK_KERNEL / AIRLOCK_ROOTFS default to the outputs of kernel-config/build.sh and
 # rootfs/build.sh. The last line of output is one JSON object.
 set -euo pipefail
@@ -67,13 +70,23 @@ bench_restore() {
     --runs "${RUNS:-10}" --clones "${CLONES:-20}" --vcpus "${VCPUS:-1}"
 }
 
+bench_create() {
+  artifacts
+  (cd "$root" && cargo build --release -q -p airlock-vmm -p airlockd -p airlock-bench >&2)
+  "$root/target/release/airlock-create-bench" \
+    --daemon "$root/target/release/airlockd" --vmm "$root/target/release/airlock-vmm" \
+    --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" \
+    --runs "${RUNS:-20}" --levels "${LEVELS:-1,10,50}" --idle "${IDLE:-100}"
+}
+
 main() {
   case "${1:-}" in
     boot) bench_boot ;;
     exec) bench_exec ;;
     restore) bench_restore ;;
+    create) bench_create ;;
     *)
-      sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac

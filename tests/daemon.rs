@@ -32,7 +32,7 @@ struct Daemon {
     log: PathBuf,
 }
 
-fn start_daemon(dir: &Path, cgroup_parent: &str) -> Daemon {
+fn start_daemon(dir: &Path, cgroup_parent: &str, metrics_port: u16) -> Daemon {
     let socket = dir.join("airlockd.sock");
     let data_dir = dir.join("data");
     let config = dir.join("airlockd.toml");
@@ -41,6 +41,7 @@ fn start_daemon(dir: &Path, cgroup_parent: &str) -> Daemon {
         format!(
             "pool_size = 2\nmax_sandboxes = {CAPACITY}\ncgroup_parent = \"{cgroup_parent}\"\n\
              kernel = \"{}\"\nrootfs = \"{}\"\nvmm_binary = \"{}\"\nready_timeout_ms = 120000\n\
+             metrics_listen = \"127.0.0.1:{metrics_port}\"\n\
              [tenants.acme]\ntokens = [\"{TENANT_TOKEN}\"]\n",
             kernel().display(),
             rootfs().display(),
@@ -100,6 +101,19 @@ impl Drop for Daemon {
             }
         }
     }
+}
+
+async fn http_get(port: u16, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.unwrap();
+    body
 }
 
 fn tail(p: &Path) -> String {
@@ -209,7 +223,11 @@ async fn daemon_serves_the_sandbox_lifecycle() {
     std::fs::create_dir_all(&dir).unwrap();
     let cgroup_parent = format!("airlock-test-{}", std::process::id());
     let mut t = Instant::now();
-    let mut daemon = start_daemon(&dir, &cgroup_parent);
+    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    let mut daemon = start_daemon(&dir, &cgroup_parent, metrics_port);
     let mut c = client(&daemon, None).await;
     let mut acme = client(&daemon, Some(TENANT_TOKEN)).await;
 
@@ -390,6 +408,212 @@ async fn daemon_serves_the_sandbox_lifecycle() {
     );
     step("tenant isolation", &mut t);
 
+    // Files under the policy, and outside it.
+    let data: Vec<u8> = (0..3 << 20).map(|i: u32| (i % 251) as u8).collect();
+    let mut msgs = vec![WriteFileRequest {
+        part: Some(write_file_request::Part::Header(WriteFileHeader {
+            sandbox_id: a.id.clone(),
+            path: "/workspace/data.bin".into(),
+            mode: 0o600,
+        })),
+    }];
+    msgs.extend(data.chunks(700_000).map(|c| WriteFileRequest {
+        part: Some(write_file_request::Part::Data(c.to_vec())),
+    }));
+    let written = c
+        .write_file(tokio_stream::iter(msgs))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(written.bytes_written, data.len() as u64);
+    let mut back = Vec::new();
+    let mut chunks = c
+        .read_file(ReadFileRequest {
+            sandbox_id: a.id.clone(),
+            path: "/workspace/data.bin".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    while let Some(ch) = chunks.message().await.unwrap() {
+        back.extend(ch.data);
+    }
+    assert!(
+        back == data,
+        "read back {} bytes, wrote {}",
+        back.len(),
+        data.len()
+    );
+    let listing = c
+        .list_files(ListFilesRequest {
+            sandbox_id: a.id.clone(),
+            path: "/workspace".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        listing
+            .entries
+            .iter()
+            .any(|e| e.name == "data.bin" && e.size == data.len() as u64)
+    );
+    let forbidden = c
+        .read_file(ReadFileRequest {
+            sandbox_id: a.id.clone(),
+            path: "/etc/shadow".into(),
+        })
+        .await
+        .expect_err("outside the policy");
+    assert_eq!(forbidden.code(), Code::PermissionDenied);
+    assert_eq!(reason(&forbidden).0, "PATH_NOT_ALLOWED");
+    step("files", &mut t);
+
+    // Pause and resume; a stream replayed from an offset; a kill.
+    let paused = c
+        .pause_sandbox(PauseSandboxRequest {
+            sandbox_id: a.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(paused.state, SandboxState::Paused as i32);
+    let refused = c
+        .exec(ExecRequest {
+            sandbox_id: a.id.clone(),
+            command: Some(exec_request::Command::Shell("true".into())),
+            ..Default::default()
+        })
+        .await
+        .expect_err("exec while paused");
+    assert_eq!(reason(&refused).0, "SANDBOX_NOT_RUNNING");
+    c.resume_sandbox(ResumeSandboxRequest {
+        sandbox_id: a.id.clone(),
+    })
+    .await
+    .unwrap();
+    let (out, _, rec) = run(&mut c, &a.id, &["sh", "-c", "echo 0123456789"]).await;
+    assert_eq!(out, "0123456789\n");
+    let mut replay = c
+        .stream_execution(StreamExecutionRequest {
+            execution_id: rec.id.clone(),
+            stdout_offset: 4,
+            stderr_offset: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut tail_out = Vec::new();
+    while let Some(ev) = replay.message().await.unwrap() {
+        if let Some(execution_event::Event::Output(o)) = ev.event {
+            assert!(o.offset >= 4);
+            tail_out.extend(o.data);
+        }
+    }
+    assert_eq!(String::from_utf8_lossy(&tail_out), "456789\n");
+    let long = c
+        .exec(ExecRequest {
+            sandbox_id: a.id.clone(),
+            command: Some(exec_request::Command::Shell("sleep 600".into())),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let killed = c
+        .kill_execution(KillExecutionRequest {
+            execution_id: long.execution_id.clone(),
+            signal: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(killed.signalled);
+    let rec = loop {
+        let r = c
+            .get_execution(GetExecutionRequest {
+                execution_id: long.execution_id.clone(),
+                include_output: false,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .execution
+            .unwrap();
+        if r.state != ExecutionState::Running as i32 {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(rec.state, ExecutionState::Killed as i32, "{rec:?}");
+    step("pause/resume, stream replay, kill", &mut t);
+
+    // A snapshot of a sandbox becomes the caller's template; a new sandbox has its file.
+    let snap = c
+        .snapshot_sandbox(SnapshotSandboxRequest {
+            sandbox_id: a.id.clone(),
+            template_name: "with-data".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(snap.source_sandbox_id, a.id);
+    let from_snap = c
+        .create_sandbox(CreateSandboxRequest {
+            template: "with-data".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(from_snap.template_id, snap.id);
+    let mut copy = Vec::new();
+    let mut chunks = c
+        .read_file(ReadFileRequest {
+            sandbox_id: from_snap.id.clone(),
+            path: "/workspace/data.bin".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    while let Some(ch) = chunks.message().await.unwrap() {
+        copy.extend(ch.data);
+    }
+    assert!(copy == data, "the snapshot's clone lacks the file");
+    assert!(
+        c.destroy_sandbox(DestroySandboxRequest {
+            sandbox_id: from_snap.id.clone()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .destroyed
+    );
+    step("snapshot to a template, clone from it", &mut t);
+
+    // Metrics.
+    let text = http_get(metrics_port, "/metrics").await;
+    assert!(
+        text.contains("airlock_sandboxes{state=\"running\"} 2"),
+        "{text}"
+    );
+    let creates = text
+        .lines()
+        .find(|l| l.starts_with("airlock_create_seconds_count"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0);
+    assert!(creates >= CONCURRENT as u64 + 2, "{text}");
+    assert!(
+        text.contains("airlock_executions_total{outcome=\"killed\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("airlock_sandbox_memory_bytes{sandbox="),
+        "{text}"
+    );
+
     // A 2 s timeout holds without any client following the execution.
     let started = Instant::now();
     let ex = c
@@ -543,7 +767,7 @@ async fn daemon_serves_the_sandbox_lifecycle() {
     daemon.child.0.take().unwrap().wait().unwrap();
     step("daemon killed", &mut t);
 
-    daemon = start_daemon(&dir, &cgroup_parent);
+    daemon = start_daemon(&dir, &cgroup_parent, metrics_port);
     c = client(&daemon, None).await;
     for pid in &vmms_before {
         assert!(

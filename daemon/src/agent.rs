@@ -46,10 +46,17 @@ pub fn client(vsock: &Path, timeout: Duration) -> Result<Client, String> {
     AgentClient::from_unix_stream(s).map_err(|e| e.to_string())
 }
 
-/// Connects until the agent answers with `Ready` or `deadline` passes.
-pub fn wait_ready(vsock: &Path, deadline: Instant) -> Result<(Client, Ready), String> {
+/// Connects until the agent answers with `Ready`, `deadline` passes or `cancelled` is set.
+pub fn wait_ready(
+    vsock: &Path,
+    deadline: Instant,
+    cancelled: &std::sync::atomic::AtomicBool,
+) -> Result<(Client, Ready), String> {
     let mut last = String::new();
     while Instant::now() < deadline {
+        if cancelled.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("the sandbox is ending".into());
+        }
         match client(vsock, Duration::from_secs(10)) {
             Ok(c) => {
                 let ready = c.ready().clone();

@@ -63,6 +63,11 @@ pub struct Config {
     pub metrics_listen: String,
     /// How long a sandbox may take from restore to the agent's answer.
     pub ready_timeout_ms: u64,
+    /// Restores (create → ready) running at once (0: twice the host's CPUs); more creates wait
+    /// in a queue of at most `max_start_queue`, beyond which they fail with
+    /// CAPACITY_EXHAUSTED (resource `start_queue`).
+    pub max_concurrent_starts: usize,
+    pub max_start_queue: usize,
 }
 
 /// Limits of one tenant.
@@ -124,6 +129,8 @@ impl Default for Config {
             cgroup_parent: "airlock".into(),
             metrics_listen: String::new(),
             ready_timeout_ms: 30_000,
+            max_concurrent_starts: 0,
+            max_start_queue: 1024,
         }
     }
 }
@@ -182,6 +189,16 @@ impl Config {
                         .then(|| p.to_path_buf())
                 })
             })
+    }
+
+    /// Restores allowed at once.
+    pub fn concurrent_starts(&self) -> usize {
+        if self.max_concurrent_starts > 0 {
+            return self.max_concurrent_starts;
+        }
+        std::thread::available_parallelism()
+            .map_or(2, |n| n.get() * 2)
+            .max(2)
     }
 
     /// Committed-memory capacity in MiB.

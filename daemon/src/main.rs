@@ -99,7 +99,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(serve(cfg)) {
+    let result = rt.block_on(serve(cfg));
+    // Blocking agent calls still waiting on guests that are gone end with the process.
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             error!("{e}");

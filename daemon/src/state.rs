@@ -163,6 +163,9 @@ pub struct Daemon {
     refilling: Mutex<std::collections::HashSet<String>>,
     /// Set by `shutdown`: no new VMM processes.
     stopping: std::sync::atomic::AtomicBool,
+    /// Restores allowed at once, and creates waiting for one.
+    starts: Arc<tokio::sync::Semaphore>,
+    start_queue: std::sync::atomic::AtomicUsize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -212,6 +215,7 @@ impl Daemon {
             })
             .collect();
         let vmm_binary = cfg.vmm_binary();
+        let starts = cfg.concurrent_starts();
         let d = Arc::new(Self {
             cfg,
             store,
@@ -229,6 +233,8 @@ impl Daemon {
             owners: Mutex::new(HashMap::new()),
             refilling: Mutex::new(Default::default()),
             stopping: Default::default(),
+            starts: Arc::new(tokio::sync::Semaphore::new(starts)),
+            start_queue: Default::default(),
         });
         d.reap_previous().map_err(|e| e.to_string())?;
         Ok(d)
@@ -918,7 +924,38 @@ impl Daemon {
             return Err(e);
         }
         self.store.put_sandbox(&record)?;
-        match self.start_sandbox(&rt, &template, &req, t0).await {
+        // At most `max_concurrent_starts` restores run at once; the rest queue (boundedly).
+        // A restore storm otherwise makes every starting guest slow at once.
+        let queued = Instant::now();
+        let waiting = self
+            .start_queue
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let permit = if waiting >= self.cfg.max_start_queue {
+            None
+        } else {
+            self.starts.clone().acquire_owned().await.ok()
+        };
+        self.start_queue
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        let Some(_permit) = permit else {
+            let e = ApiError::Capacity {
+                what: "start_queue",
+                limit: self.cfg.max_start_queue as u64,
+                current: waiting as u64,
+            };
+            self.metrics.create_failed(e.reason());
+            let _ = self
+                .end_sandbox(&rt, SandboxState::Dead, e.reason(), &e.to_string())
+                .await;
+            return Err(e);
+        };
+        let queue_ms = queued.elapsed().as_secs_f64() * 1000.0;
+        rt.update(|r| r.create_queue_ms = queue_ms);
+        let started = self.start_sandbox(&rt, &template, &req, t0).await;
+        // Refilled after the answer: starting a VMM process competes for the CPU with the
+        // restore it would replace.
+        self.refill_pool(&template);
+        match started {
             Ok(s) => Ok(s),
             Err(e) => {
                 self.metrics.create_failed(e.reason());
@@ -945,7 +982,6 @@ impl Daemon {
                 Some(v.remove(0))
             }
         });
-        self.refill_pool(template);
         let p = match warm {
             Some(p) => p,
             None => {
@@ -975,12 +1011,14 @@ impl Daemon {
         let deadline = Instant::now() + Duration::from_millis(self.cfg.ready_timeout_ms);
         let id = rt.id.clone();
         let files = req.files.clone();
+        let me = rt.clone();
         let (guest_ms, ident_ms) = tokio::task::spawn_blocking(move || -> ApiResult<(f64, f64)> {
             let unavailable = |m: String| ApiError::AgentUnavailable {
                 id: id.clone(),
                 message: m,
             };
-            let (mut client, _ready) = agent::wait_ready(&vsock, deadline).map_err(unavailable)?;
+            let (mut client, _ready) =
+                agent::wait_ready(&vsock, deadline, &me.ending).map_err(unavailable)?;
             // Many clones starting at once on a loaded host answer slowly; the ready deadline
             // bounds the whole wait.
             let _ = client
@@ -1003,9 +1041,10 @@ impl Daemon {
         .await
         .map_err(|e| ApiError::Internal(format!("agent task: {e}")))??;
         let total_ms = t0.elapsed().as_secs_f64() * 1000.0;
-        // Reseeding and placing files wait on the guest too.
+        // Reseeding and placing files wait on the guest too; a queued create waited for others.
         let guest_ms = guest_ms + ident_ms;
-        let host_ms = total_ms - guest_ms;
+        let queue_ms = rt.snapshot().create_queue_ms;
+        let host_ms = total_ms - guest_ms - queue_ms;
         let record = rt.update(|r| {
             r.state = SandboxState::Running as i32;
             r.create_ms = total_ms;

@@ -155,7 +155,14 @@ fn serve_one(stream: UnixStream, handle: &ControlHandle) {
 /// Binds `path` (replacing a stale socket file) and serves commands on a `control-api`
 /// thread, one connection at a time, until the VM ends.
 pub fn serve_control_socket(path: &Path, handle: ControlHandle) -> std::io::Result<()> {
-    let listener = bind_control_socket(path)?;
+    serve_control_listener(bind_control_socket(path)?, handle)
+}
+
+/// Serves the control socket `listener` (see [`serve_control_socket`]) on its own thread.
+pub fn serve_control_listener(
+    listener: UnixListener,
+    handle: ControlHandle,
+) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("control-api".into())
         .spawn(move || {

@@ -131,7 +131,6 @@ fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
             return ExitCode::from(code::VMM_ERROR);
         }
     };
-    drop(listener);
     if let Err(e) = vmm.stop_on_termination_signals() {
         log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
     }
@@ -143,16 +142,18 @@ fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
         }
     };
     let path = opts.control.clone();
-    // Everything that does not need to happen before the vCPUs run happens after.
+    // Everything that does not need to happen before the vCPUs run happens after. The answer
+    // goes first; the same listener then serves the usual commands (connections made meanwhile
+    // wait in its backlog), so there is no moment without a control socket.
     finish(vmm.run_then(move || {
         let answer = serde_json::json!({
             "state": "running",
             "running_after_us": asked.elapsed().as_micros() as u64,
         });
-        if let Err(e) = control::serve_control_socket(&path, handle) {
+        control::answer(requester, &Ok(answer));
+        if let Err(e) = control::serve_control_listener(listener, handle) {
             log::error!("control socket {}: {e}", path.display());
         }
-        control::answer(requester, &Ok(answer));
     }))
 }
 

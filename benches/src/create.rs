@@ -1,0 +1,420 @@
+//! `airlock-create-bench`: CreateSandbox → ready through a live `airlockd` and its gRPC API, at
+//! several concurrency levels with a warm pool, and the host memory of many idle sandboxes.
+//! Prints progress to stderr and one JSON object as the last line of stdout.
+//!
+//! Usage: airlock-create-bench --daemon PATH --vmm PATH --kernel PATH --rootfs PATH
+//!        [--runs N] [--levels 1,10,50] [--idle N]
+//!
+//! For each level L: batches of L concurrent creates (at least `runs` creates in all, at least
+//! one batch), each started once the warm pool holds L processes again. Per call: the client's
+//! wall time, and the daemon's split into the host's share (`create_host_ms`: from the request
+//! to the answer, without the wait for the guest) and the guest's. `creates_per_s`: creates of
+//! the largest level's batches divided by their wall time. `queue_p50`: time creates waited
+//! for one of the daemon's start slots (it runs twice the CPU count of restores at once).
+//! `idle<N>_host_mib`: the summed PSS of the daemon and N idle sandboxes' VMM processes (guest
+//! memory included), next to N × the guest memory size.
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use airlock_api::v1::*;
+
+type Client = airlock_client::AirlockClient<airlock_api::AuthChannel>;
+
+#[derive(Debug)]
+struct Args {
+    daemon: PathBuf,
+    vmm: PathBuf,
+    kernel: PathBuf,
+    rootfs: PathBuf,
+    runs: usize,
+    levels: Vec<usize>,
+    idle: usize,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        daemon: PathBuf::new(),
+        vmm: PathBuf::new(),
+        kernel: PathBuf::new(),
+        rootfs: PathBuf::new(),
+        runs: 20,
+        levels: vec![1, 10, 50],
+        idle: 100,
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let v = it.next().ok_or(format!("{flag} needs a value"))?;
+        let n = |s: &str| {
+            s.parse::<usize>()
+                .map_err(|_| format!("{flag}: not a number"))
+        };
+        match flag.as_str() {
+            "--daemon" => a.daemon = v.into(),
+            "--vmm" => a.vmm = v.into(),
+            "--kernel" => a.kernel = v.into(),
+            "--rootfs" => a.rootfs = v.into(),
+            "--runs" => a.runs = n(v)?,
+            "--idle" => a.idle = n(v)?,
+            "--levels" => a.levels = v.split(',').map(n).collect::<Result<_, _>>()?,
+            other => return Err(format!("unknown option {other}")),
+        }
+    }
+    if a.daemon.as_os_str().is_empty() || a.vmm.as_os_str().is_empty() {
+        return Err("usage: airlock-create-bench --daemon P --vmm P --kernel P --rootfs P".into());
+    }
+    if a.levels.is_empty() || a.levels.contains(&0) {
+        return Err("--levels: positive numbers".into());
+    }
+    Ok(a)
+}
+
+fn log(msg: &str) {
+    eprintln!("create: {msg}");
+}
+
+/// Percentile by linear interpolation between closest ranks (as benches/stats.py does).
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = p / 100.0 * (sorted.len() - 1) as f64;
+    let lo = rank.floor() as usize;
+    let hi = rank.ceil() as usize;
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
+}
+
+fn summary(samples: &[f64]) -> serde_json::Value {
+    let mut s = samples.to_vec();
+    s.sort_by(f64::total_cmp);
+    let r = |x: f64| (x * 1000.0).round() / 1000.0;
+    serde_json::json!({
+        "runs": s.len(),
+        "p50": r(percentile(&s, 50.0)),
+        "p90": r(percentile(&s, 90.0)),
+        "p99": r(percentile(&s, 99.0)),
+        "min": r(s.first().copied().unwrap_or(f64::NAN)),
+        "max": r(s.last().copied().unwrap_or(f64::NAN)),
+    })
+}
+
+/// Proportional set size of a process, KiB.
+fn pss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Pss:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+struct Daemon {
+    child: Child,
+    metrics: String,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // SIGTERM: the daemon ends every VMM it started.
+        let _ = Command::new("kill")
+            .arg(self.child.id().to_string())
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The number in a metrics line `name{labels} N`.
+async fn metric(addr: &str, line_prefix: &str) -> Option<f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.ok()?;
+    body.lines()
+        .find(|l| l.starts_with(line_prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+async fn wait_pool(d: &Daemon, n: usize) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(900);
+    loop {
+        let warm = metric(&d.metrics, "airlock_sandboxes{state=\"warm_pool\"}")
+            .await
+            .unwrap_or(0.0);
+        if warm as usize >= n {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("the warm pool did not reach {n} (has {warm})"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+struct Created {
+    wall_ms: f64,
+    sandbox: Sandbox,
+}
+
+async fn create_batch(c: &Client, n: usize) -> (Vec<Created>, usize, f64) {
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..n {
+        let mut c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            let t = Instant::now();
+            let r = c.create_sandbox(CreateSandboxRequest::default()).await;
+            (t.elapsed().as_secs_f64() * 1000.0, r)
+        }));
+    }
+    let mut ok = Vec::new();
+    let mut failed = 0;
+    for task in tasks {
+        match task.await {
+            Ok((wall_ms, Ok(s))) => ok.push(Created {
+                wall_ms,
+                sandbox: s.into_inner(),
+            }),
+            Ok((_, Err(e))) => {
+                failed += 1;
+                log(&format!(
+                    "create failed: {:?} {}",
+                    airlock_api::error_info(&e).map(|i| i.0),
+                    e.message()
+                ));
+            }
+            Err(e) => {
+                failed += 1;
+                log(&format!("create task: {e}"));
+            }
+        }
+    }
+    (ok, failed, t.elapsed().as_secs_f64())
+}
+
+async fn destroy_all(c: &Client, sandboxes: &[Sandbox]) {
+    let mut tasks = Vec::new();
+    for s in sandboxes {
+        let mut c = c.clone();
+        let id = s.id.clone();
+        tasks.push(tokio::spawn(async move {
+            let _ = c
+                .destroy_sandbox(DestroySandboxRequest { sandbox_id: id })
+                .await;
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+}
+
+async fn bench(a: Args) -> Result<serde_json::Value, String> {
+    let dir = std::env::temp_dir().join(format!("airlock-create-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let max_level = a.levels.iter().copied().max().unwrap_or(1);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port();
+    let metrics = format!("127.0.0.1:{port}");
+    let config = dir.join("airlockd.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "pool_size = {max_level}\nmax_sandboxes = {}\ncgroup_parent = \"airlock-bench-{}\"\n\
+             kernel = \"{}\"\nrootfs = \"{}\"\nvmm_binary = \"{}\"\nready_timeout_ms = 180000\n\
+             metrics_listen = \"{metrics}\"\nmax_committed_mib = 1048576\n",
+            max_level.max(a.idle) + 8,
+            std::process::id(),
+            a.kernel.display(),
+            a.rootfs.display(),
+            a.vmm.display()
+        ),
+    )
+    .map_err(|e| e.to_string())?;
+    let socket = dir.join("airlockd.sock");
+    let child = Command::new(&a.daemon)
+        .arg("--config")
+        .arg(&config)
+        .arg("--listen")
+        .arg(format!("unix://{}", socket.display()))
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("airlockd.log")).map_err(|e| e.to_string())?)
+        .spawn()
+        .map_err(|e| format!("starting {}: {e}", a.daemon.display()))?;
+    let daemon = Daemon { child, metrics };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !socket.exists() {
+        if Instant::now() > deadline {
+            return Err("airlockd did not start".into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let c = airlock_api::client(Some(&format!("unix://{}", socket.display())), None)
+        .await
+        .map_err(|e| e.to_string())?;
+
+    log("template: cold boot + snapshot (tens of seconds on nested KVM)");
+    let mut events = c
+        .clone()
+        .create_template(CreateTemplateRequest {
+            name: "base".into(),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .into_inner();
+    let mut template = None;
+    while let Some(ev) = events.message().await.map_err(|e| e.to_string())? {
+        template = ev.template.or(template);
+    }
+    let template = template.ok_or("no template")?;
+
+    let mut out = serde_json::Map::new();
+    out.insert("bench".into(), "create".into());
+    let mut creates_per_s = Vec::new();
+    for &level in &a.levels {
+        let batches = a.runs.div_ceil(level).max(1);
+        let (mut wall, mut host, mut guest, mut restore, mut queue) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut failures = 0;
+        for b in 0..batches {
+            wait_pool(&daemon, level).await?;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let (ok, failed, secs) = create_batch(&c, level).await;
+            failures += failed;
+            log(&format!(
+                "c{level} batch {}/{batches}: {} ok, {failed} failed in {secs:.2} s",
+                b + 1,
+                ok.len()
+            ));
+            if level == max_level && !ok.is_empty() {
+                creates_per_s.push(ok.len() as f64 / secs);
+            }
+            for x in &ok {
+                wall.push(x.wall_ms);
+                host.push(x.sandbox.create_host_ms);
+                guest.push(x.sandbox.create_guest_ms);
+                restore.push(x.sandbox.restore_ms);
+                queue.push(x.sandbox.create_queue_ms);
+            }
+            let sandboxes: Vec<Sandbox> = ok.into_iter().map(|x| x.sandbox).collect();
+            destroy_all(&c, &sandboxes).await;
+        }
+        let mut s = summary(&wall);
+        let hs = summary(&host);
+        s["host_p50"] = hs["p50"].clone();
+        s["host_p99"] = hs["p99"].clone();
+        s["guest_p50"] = summary(&guest)["p50"].clone();
+        s["restore_p50"] = summary(&restore)["p50"].clone();
+        s["queue_p50"] = summary(&queue)["p50"].clone();
+        s["failures"] = failures.into();
+        out.insert(format!("create_ms_c{level}"), s);
+    }
+    let mut cps = creates_per_s.clone();
+    cps.sort_by(f64::total_cmp);
+    out.insert(
+        "creates_per_s".into(),
+        serde_json::json!((percentile(&cps, 50.0) * 100.0).round() / 100.0),
+    );
+
+    // Idle sandboxes: created in waves of the pool size, then left alone.
+    let mut idle: Vec<Sandbox> = Vec::new();
+    let mut idle_failures = 0;
+    while idle.len() < a.idle {
+        let wave = (a.idle - idle.len()).min(max_level);
+        wait_pool(&daemon, wave).await?;
+        let (ok, failed, _) = create_batch(&c, wave).await;
+        idle_failures += failed;
+        idle.extend(ok.into_iter().map(|x| x.sandbox));
+        log(&format!("idle sandboxes: {}", idle.len()));
+        if failed > 0 && idle_failures > a.idle / 10 {
+            break;
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let mut pids: Vec<u32> = idle.iter().map(|s| s.vmm_pid).filter(|p| *p > 0).collect();
+    pids.push(daemon.child.id());
+    let host_kib: u64 = pids.iter().map(|p| pss_kib(*p)).sum();
+    let n = idle.len();
+    out.insert(
+        format!("idle{}_host_mib", a.idle),
+        serde_json::json!((host_kib as f64 / 1024.0 * 10.0).round() / 10.0),
+    );
+    out.insert("idle_sandboxes".into(), n.into());
+    out.insert("idle_failures".into(), idle_failures.into());
+    out.insert(
+        "idle_guest_memory_total_mib".into(),
+        serde_json::json!(n as u64 * u64::from(template.memory_mib)),
+    );
+    log(&format!(
+        "{n} idle sandboxes: {:.1} MiB PSS on the host (guest memory {} MiB each)",
+        host_kib as f64 / 1024.0,
+        template.memory_mib
+    ));
+    destroy_all(&c, &idle).await;
+    out.insert("memory_mib".into(), template.memory_mib.into());
+    out.insert("vcpus".into(), template.vcpus.into());
+    out.insert(
+        "host".into(),
+        serde_json::json!({
+            "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            "kvm": if std::path::Path::new("/sys/module/kvm_pvm").exists() { "nested-pvm" } else { "host" },
+        }),
+    );
+    drop(daemon);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(serde_json::Value::Object(out))
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(bench(args)) {
+        Ok(v) => {
+            println!("{v}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            log(&format!("error: {e}"));
+            ExitCode::FAILURE
+        }
+    }
+}
