@@ -26,6 +26,7 @@ const CONCURRENT: usize = 6;
 const CAPACITY: usize = CONCURRENT + 1;
 
 struct Daemon {
+    cgroup_parent: String,
     child: ChildGuard,
     socket: PathBuf,
     data_dir: PathBuf,
@@ -78,6 +79,7 @@ fn start_daemon(dir: &Path, cgroup_parent: &str, metrics_port: u16) -> Daemon {
         std::thread::sleep(Duration::from_millis(20));
     }
     Daemon {
+        cgroup_parent: cgroup_parent.to_owned(),
         child,
         socket,
         data_dir,
@@ -98,6 +100,14 @@ impl Drop for Daemon {
                     break;
                 }
                 std::thread::sleep(Duration::from_millis(50));
+            }
+            // The test's parent cgroups, if the daemon left them empty.
+            for h in ["", "memory", "cpu", "pids", "cpuacct"] {
+                let _ = std::fs::remove_dir(
+                    Path::new("/sys/fs/cgroup")
+                        .join(h)
+                        .join(&self.cgroup_parent),
+                );
             }
         }
     }
@@ -413,7 +423,7 @@ async fn daemon_serves_the_sandbox_lifecycle() {
     let mut msgs = vec![WriteFileRequest {
         part: Some(write_file_request::Part::Header(WriteFileHeader {
             sandbox_id: a.id.clone(),
-            path: "/workspace/data.bin".into(),
+            path: "/tmp/work/data.bin".into(),
             mode: 0o600,
         })),
     }];
@@ -430,7 +440,7 @@ async fn daemon_serves_the_sandbox_lifecycle() {
     let mut chunks = c
         .read_file(ReadFileRequest {
             sandbox_id: a.id.clone(),
-            path: "/workspace/data.bin".into(),
+            path: "/tmp/work/data.bin".into(),
         })
         .await
         .unwrap()
@@ -447,7 +457,7 @@ async fn daemon_serves_the_sandbox_lifecycle() {
     let listing = c
         .list_files(ListFilesRequest {
             sandbox_id: a.id.clone(),
-            path: "/workspace".into(),
+            path: "/tmp/work".into(),
         })
         .await
         .unwrap()
@@ -572,7 +582,7 @@ async fn daemon_serves_the_sandbox_lifecycle() {
     let mut chunks = c
         .read_file(ReadFileRequest {
             sandbox_id: from_snap.id.clone(),
-            path: "/workspace/data.bin".into(),
+            path: "/tmp/work/data.bin".into(),
         })
         .await
         .unwrap()

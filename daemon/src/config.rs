@@ -112,18 +112,9 @@ impl Default for Config {
             max_file_bytes: 100 << 20,
             default_disk_mib: 1024,
             max_disk_mib: 64 << 10,
-            writable_paths: vec![
-                "/tmp".into(),
-                "/root".into(),
-                "/home".into(),
-                "/workspace".into(),
-            ],
-            exportable_paths: vec![
-                "/tmp".into(),
-                "/root".into(),
-                "/home".into(),
-                "/workspace".into(),
-            ],
+            // The base image's root filesystem is read-only; /tmp is the guest's tmpfs.
+            writable_paths: vec!["/tmp".into()],
+            exportable_paths: vec!["/tmp".into()],
             vmm_overhead_mib: 128,
             vmm_pids_max: 64,
             cgroup_parent: "airlock".into(),

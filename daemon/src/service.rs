@@ -516,6 +516,10 @@ impl Airlock for Service {
                             id: id.clone(),
                             message: m,
                         })?;
+                    // A policy may name a directory the image lacks.
+                    if root != "/" {
+                        let _ = client.mkdir(&root, true);
+                    }
                     let mut offset = 0u64;
                     let mut pending: Vec<u8> = Vec::new();
                     let mut first = true;
