@@ -101,14 +101,7 @@ impl Drop for Daemon {
                 }
                 std::thread::sleep(Duration::from_millis(50));
             }
-            // The test's parent cgroups, if the daemon left them empty.
-            for h in ["", "memory", "cpu", "pids", "cpuacct"] {
-                let _ = std::fs::remove_dir(
-                    Path::new("/sys/fs/cgroup")
-                        .join(h)
-                        .join(&self.cgroup_parent),
-                );
-            }
+            remove_parent_cgroups(&self.cgroup_parent);
         }
     }
 }
@@ -124,6 +117,33 @@ async fn http_get(port: u16, path: &str) -> String {
     let mut body = String::new();
     s.read_to_string(&mut body).await.unwrap();
     body
+}
+
+/// Cgroup hierarchies the daemon may use (v2 at the root, v1 per controller).
+const HIERARCHIES: [&str; 5] = ["", "memory", "cpu", "pids", "cpuacct"];
+
+/// Removes the test's (empty) parent cgroups.
+fn remove_parent_cgroups(parent: &str) {
+    for h in HIERARCHIES {
+        let _ = std::fs::remove_dir(Path::new("/sys/fs/cgroup").join(h).join(parent));
+    }
+}
+
+/// Reads a whole file out of a sandbox.
+async fn read_all(c: &mut Client, sandbox: &str, path: &str) -> Vec<u8> {
+    let mut chunks = c
+        .read_file(ReadFileRequest {
+            sandbox_id: sandbox.into(),
+            path: path.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(ch) = chunks.message().await.unwrap() {
+        out.extend(ch.data);
+    }
+    out
 }
 
 fn tail(p: &Path) -> String {
@@ -216,7 +236,7 @@ fn processes_mentioning(needle: &str) -> Vec<u32> {
 /// Sandbox cgroups left under the test's parent, in every hierarchy.
 fn cgroups_left(parent: &str) -> Vec<PathBuf> {
     let mut left = Vec::new();
-    for h in ["", "memory", "cpu", "pids", "cpuacct"] {
+    for h in HIERARCHIES {
         let dir = Path::new("/sys/fs/cgroup").join(h).join(parent);
         if let Ok(rd) = std::fs::read_dir(&dir) {
             left.extend(rd.flatten().filter(|e| e.path().is_dir()).map(|e| e.path()));
@@ -436,18 +456,7 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         .unwrap()
         .into_inner();
     assert_eq!(written.bytes_written, data.len() as u64);
-    let mut back = Vec::new();
-    let mut chunks = c
-        .read_file(ReadFileRequest {
-            sandbox_id: a.id.clone(),
-            path: "/tmp/work/data.bin".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    while let Some(ch) = chunks.message().await.unwrap() {
-        back.extend(ch.data);
-    }
+    let back = read_all(&mut c, &a.id, "/tmp/work/data.bin").await;
     assert!(
         back == data,
         "read back {} bytes, wrote {}",
@@ -578,18 +587,7 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         .unwrap()
         .into_inner();
     assert_eq!(from_snap.template_id, snap.id);
-    let mut copy = Vec::new();
-    let mut chunks = c
-        .read_file(ReadFileRequest {
-            sandbox_id: from_snap.id.clone(),
-            path: "/tmp/work/data.bin".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    while let Some(ch) = chunks.message().await.unwrap() {
-        copy.extend(ch.data);
-    }
+    let copy = read_all(&mut c, &from_snap.id, "/tmp/work/data.bin").await;
     assert!(copy == data, "the snapshot's clone lacks the file");
     assert!(
         c.destroy_sandbox(DestroySandboxRequest {
@@ -880,8 +878,6 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         .map(|e| e.path())
         .collect();
     assert!(run_left.is_empty(), "run directories left: {run_left:?}");
-    for h in ["", "memory", "cpu", "pids", "cpuacct"] {
-        let _ = std::fs::remove_dir(Path::new("/sys/fs/cgroup").join(h).join(&cgroup_parent));
-    }
+    remove_parent_cgroups(&cgroup_parent);
     let _ = std::fs::remove_dir_all(&dir);
 }

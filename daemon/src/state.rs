@@ -113,6 +113,16 @@ impl SandboxRt {
             .unwrap_or(SandboxState::Unspecified)
     }
 
+    /// Guest memory committed to it.
+    pub fn memory_mib(&self) -> u64 {
+        u64::from(
+            self.record
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .memory_mib,
+        )
+    }
+
     pub fn touch(&self) {
         *self.last_activity.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
     }
@@ -767,17 +777,7 @@ impl Daemon {
     fn admit(&self, tenant: &str, memory_mib: u64, rt: Arc<SandboxRt>) -> ApiResult<()> {
         let mut all = lock(&self.sandboxes);
         let count = all.len() as u64;
-        let committed: u64 = all
-            .values()
-            .map(|s| {
-                u64::from(
-                    s.record
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .memory_mib,
-                )
-            })
-            .sum();
+        let committed: u64 = all.values().map(|s| s.memory_mib()).sum();
         if count >= self.cfg.max_sandboxes as u64 {
             return Err(ApiError::Capacity {
                 what: "sandboxes",
@@ -803,17 +803,7 @@ impl Daemon {
                 current: mine.len() as u64,
             });
         }
-        let my_mem: u64 = mine
-            .iter()
-            .map(|s| {
-                u64::from(
-                    s.record
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .memory_mib,
-                )
-            })
-            .sum();
+        let my_mem: u64 = mine.iter().map(|s| s.memory_mib()).sum();
         if quota.max_memory_mib > 0 && my_mem + memory_mib > quota.max_memory_mib {
             return Err(ApiError::Quota {
                 tenant: tenant.to_owned(),
