@@ -117,6 +117,7 @@ fn pss_kib(pid: u32) -> u64 {
 struct Daemon {
     child: Child,
     metrics: String,
+    cgroup_parent: String,
 }
 
 impl Drop for Daemon {
@@ -128,12 +129,26 @@ impl Drop for Daemon {
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
+                self.remove_cgroups();
                 return;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+impl Daemon {
+    /// Removes the benchmark's (empty) parent cgroups once the daemon is gone.
+    fn remove_cgroups(&self) {
+        for h in ["", "memory", "cpu", "pids", "cpuacct"] {
+            let _ = std::fs::remove_dir(
+                std::path::Path::new("/sys/fs/cgroup")
+                    .join(h)
+                    .join(&self.cgroup_parent),
+            );
+        }
     }
 }
 
@@ -264,7 +279,11 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
         .stderr(std::fs::File::create(dir.join("airlockd.log")).map_err(|e| e.to_string())?)
         .spawn()
         .map_err(|e| format!("starting {}: {e}", a.daemon.display()))?;
-    let daemon = Daemon { child, metrics };
+    let daemon = Daemon {
+        child,
+        metrics,
+        cgroup_parent: format!("airlock-bench-{}", std::process::id()),
+    };
     let deadline = Instant::now() + Duration::from_secs(30);
     while !socket.exists() {
         if Instant::now() > deadline {
