@@ -100,14 +100,15 @@ impl CgroupRoot {
         self.controllers
     }
 
-    /// Creates the cgroup of execution `id` with its limits, ready for a child to join.
-    pub fn create(&self, id: u64) -> Result<ExecCgroup, CgroupError> {
+    /// Creates the cgroup of execution `id` with its limits (and `memory_max` bytes of memory,
+    /// if given), ready for a child to join.
+    pub fn create(&self, id: u64, memory_max: Option<u64>) -> Result<ExecCgroup, CgroupError> {
         let dir = self.dir.join(format!("exec-{id}"));
         fs::create_dir(&dir).map_err(|source| CgroupError::Create {
             path: dir.clone(),
             source,
         })?;
-        let cgroup = ExecCgroup::configure(dir, self.controllers);
+        let cgroup = ExecCgroup::configure(dir, self.controllers, memory_max);
         if cgroup.is_err() {
             // Best effort: an empty cgroup we could not configure is not worth keeping.
             let _ = fs::remove_dir(self.dir.join(format!("exec-{id}")));
@@ -168,7 +169,11 @@ pub struct ExecCgroup {
 }
 
 impl ExecCgroup {
-    fn configure(dir: PathBuf, controllers: Controllers) -> Result<Self, CgroupError> {
+    fn configure(
+        dir: PathBuf,
+        controllers: Controllers,
+        memory_max: Option<u64>,
+    ) -> Result<Self, CgroupError> {
         let set = |file: &str, value: &str| {
             let path = dir.join(file);
             write_file(&path, value).map_err(|source| CgroupError::Write { path, source })
@@ -178,6 +183,11 @@ impl ExecCgroup {
         }
         if controllers.memory {
             set("memory.oom.group", "1")?;
+            if let Some(bytes) = memory_max {
+                set("memory.max", &bytes.to_string())?;
+                // No swap in a microVM, but a limit must not leak into it where there is one.
+                let _ = set("memory.swap.max", "0");
+            }
         }
         let path = dir.join("cgroup.procs");
         let procs = OpenOptions::new()
@@ -338,6 +348,24 @@ mod tests {
     };
 
     #[test]
+    fn configure_sets_a_memory_limit_when_one_is_asked_for() {
+        let files = [
+            ("pids.max", "max"),
+            ("memory.oom.group", "0"),
+            ("memory.max", "max"),
+            ("memory.swap.max", "max"),
+            ("cgroup.procs", ""),
+        ];
+        let fake = FakeCgroup::new("memory-max", &files);
+        ExecCgroup::configure(fake.0.clone(), ALL, Some(32 << 20)).unwrap();
+        assert_eq!(fake.read("memory.max"), (32u64 << 20).to_string());
+        assert_eq!(fake.read("memory.swap.max"), "0");
+        let none = FakeCgroup::new("memory-none", &files);
+        ExecCgroup::configure(none.0.clone(), ALL, None).unwrap();
+        assert_eq!(none.read("memory.max"), "max");
+    }
+
+    #[test]
     fn configure_sets_pids_max_and_oom_group_where_controllers_are_on() {
         let files = [
             ("pids.max", "max"),
@@ -345,7 +373,7 @@ mod tests {
             ("cgroup.procs", ""),
         ];
         let fake = FakeCgroup::new("configure", &files);
-        ExecCgroup::configure(fake.0.clone(), ALL).unwrap();
+        ExecCgroup::configure(fake.0.clone(), ALL, None).unwrap();
         assert_eq!(fake.read("pids.max"), "1024");
         assert_eq!(fake.read("memory.oom.group"), "1");
     }
@@ -353,9 +381,9 @@ mod tests {
     #[test]
     fn configure_without_controllers_touches_only_cgroup_procs() {
         let fake = FakeCgroup::new("bare", &[("cgroup.procs", "")]);
-        assert!(ExecCgroup::configure(fake.0.clone(), Controllers::default()).is_ok());
+        assert!(ExecCgroup::configure(fake.0.clone(), Controllers::default(), None).is_ok());
         let missing = FakeCgroup::new("missing", &[("cgroup.procs", "")]);
-        let err = ExecCgroup::configure(missing.0.clone(), ALL).unwrap_err();
+        let err = ExecCgroup::configure(missing.0.clone(), ALL, None).unwrap_err();
         assert!(matches!(err, CgroupError::Write { .. }), "{err:?}");
     }
 
@@ -363,7 +391,7 @@ mod tests {
     fn kill_writes_one_to_cgroup_kill() {
         let files = [("cgroup.procs", ""), ("cgroup.kill", "")];
         let fake = FakeCgroup::new("kill", &files);
-        let cg = ExecCgroup::configure(fake.0.clone(), Controllers::default()).unwrap();
+        let cg = ExecCgroup::configure(fake.0.clone(), Controllers::default(), None).unwrap();
         cg.kill().unwrap();
         assert_eq!(fake.read("cgroup.kill"), "1");
     }
@@ -382,7 +410,7 @@ mod tests {
             ("memory.events", "low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\n"),
         ];
         let fake = FakeCgroup::new("stats", &files);
-        let cg = ExecCgroup::configure(fake.0.clone(), ALL).unwrap();
+        let cg = ExecCgroup::configure(fake.0.clone(), ALL, None).unwrap();
         let expected = CgroupStats {
             user_us: 500,
             system_us: 200,
@@ -399,7 +427,7 @@ mod tests {
             ("cpu.stat", "user_usec 5\nsystem_usec 6\n"),
         ];
         let fake = FakeCgroup::new("nomem", &files);
-        let cg = ExecCgroup::configure(fake.0.clone(), Controllers::default()).unwrap();
+        let cg = ExecCgroup::configure(fake.0.clone(), Controllers::default(), None).unwrap();
         let stats = cg.stats();
         assert_eq!((stats.user_us, stats.system_us), (5, 6));
         assert_eq!(stats.peak_memory_bytes, None);

@@ -57,6 +57,7 @@ pub fn code_for(e: &io::Error) -> ErrorCode {
         // openat2 with RESOLVE_BENEATH refuses a path that would leave its root with EXDEV.
         libc::EXDEV => ErrorCode::PathEscape,
         libc::EFBIG | libc::E2BIG | libc::ENAMETOOLONG => ErrorCode::TooLarge,
+        libc::ENOSPC | libc::EDQUOT => ErrorCode::NoSpace,
         libc::EISDIR | libc::ENOTEMPTY | libc::EINVAL | libc::ELOOP | libc::ENOEXEC => {
             ErrorCode::InvalidArgument
         }

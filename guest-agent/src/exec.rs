@@ -74,6 +74,8 @@ pub struct ExecSpec {
     pub timeout: Option<Duration>,
     pub max_output_bytes: u64,
     pub keep_on_disconnect: bool,
+    /// The cgroup's memory.max, if one was asked for.
+    pub memory_max: Option<u64>,
 }
 
 impl ExecSpec {
@@ -119,6 +121,7 @@ impl ExecSpec {
                 n => n,
             },
             keep_on_disconnect: req.keep_on_disconnect,
+            memory_max: (req.memory_max_bytes > 0).then_some(req.memory_max_bytes),
         })
     }
 }

@@ -113,9 +113,23 @@ fn launch(
     spec: &ExecSpec,
 ) -> Result<Run, ReqError> {
     let cgroup = match &agent.cgroups {
-        Some(root) => Some(root.create(exec_id).map_err(|e| {
-            ReqError::new(ErrorCode::Internal, format!("creating the cgroup: {e}"))
-        })?),
+        Some(root) => {
+            if spec.memory_max.is_some() && !root.controllers().memory {
+                return Err(ReqError::new(
+                    ErrorCode::Unsupported,
+                    "a memory limit needs the cgroup memory controller, which is off",
+                ));
+            }
+            Some(root.create(exec_id, spec.memory_max).map_err(|e| {
+                ReqError::new(ErrorCode::Internal, format!("creating the cgroup: {e}"))
+            })?)
+        }
+        None if spec.memory_max.is_some() => {
+            return Err(ReqError::new(
+                ErrorCode::Unsupported,
+                "a memory limit needs per-execution cgroups, which this agent does not have",
+            ));
+        }
         None => None,
     };
     let mut cmd = command(spec)?;

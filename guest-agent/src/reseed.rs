@@ -36,6 +36,8 @@ pub struct ReseedSpec {
     pub entropy: Vec<u8>,
     pub hostname: Option<String>,
     pub sandbox_id: Option<String>,
+    /// The size limit of /tmp, if one was asked for.
+    pub tmp_size_bytes: Option<u64>,
 }
 
 impl ReseedSpec {
@@ -58,6 +60,7 @@ impl ReseedSpec {
             entropy: req.entropy,
             hostname,
             sandbox_id,
+            tmp_size_bytes: (req.tmp_size_bytes > 0).then_some(req.tmp_size_bytes),
         })
     }
 }
@@ -117,6 +120,11 @@ pub fn handle(agent: &Agent, req: pb::Reseed) -> Result<Reseeded, ReqError> {
             sys::set_hostname(name).map_err(|e| ReqError::io("sethostname", &e))?;
             done.hostname_set = true;
             identity.hostname = Some(name.clone());
+        }
+        if let Some(bytes) = spec.tmp_size_bytes {
+            sys::remount_tmpfs_size("/tmp", bytes)
+                .map_err(|e| ReqError::io("remounting /tmp with its size limit", &e))?;
+            done.tmp_size_set = true;
         }
     }
     if let Some(id) = spec.sandbox_id {
@@ -180,6 +188,7 @@ mod tests {
             entropy: vec![0xa5; entropy],
             hostname: hostname.into(),
             sandbox_id: sandbox_id.into(),
+            tmp_size_bytes: 0,
         }
     }
 

@@ -62,6 +62,26 @@ pub fn mount_fs(m: &MountSpec) -> io::Result<()> {
     }
 }
 
+/// Sets the size limit of the tmpfs at `target` (keeping its mode and flags), in bytes.
+pub fn remount_tmpfs_size(target: &str, bytes: u64) -> io::Result<()> {
+    let tgt = cstr(target)?;
+    let fst = cstr("tmpfs")?;
+    let data = std::ffi::CString::new(format!("size={bytes}"))
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let flags = libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NODEV;
+    // SAFETY: all pointers are valid NUL-terminated strings that outlive the call.
+    let rc = unsafe {
+        libc::mount(
+            fst.as_ptr(),
+            tgt.as_ptr(),
+            fst.as_ptr(),
+            flags,
+            data.as_ptr().cast::<libc::c_void>(),
+        )
+    };
+    check(rc).map(drop)
+}
+
 /// Flushes filesystem buffers.
 pub fn sync() {
     // SAFETY: sync(2) takes no arguments and cannot fail.

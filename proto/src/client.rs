@@ -522,11 +522,17 @@ impl<R: Read, W: Write> AgentClient<R, W> {
         hostname: &str,
         sandbox_id: &str,
     ) -> Result<Reseeded, ClientError> {
-        let req = pb::Reseed {
+        self.reseed_with(pb::Reseed {
             entropy: entropy.to_vec(),
             hostname: hostname.to_owned(),
             sandbox_id: sandbox_id.to_owned(),
-        };
+            tmp_size_bytes: 0,
+        })
+    }
+
+    /// [`reseed`](Self::reseed) with every field of the request (for example the size limit
+    /// of /tmp).
+    pub fn reseed_with(&mut self, req: pb::Reseed) -> Result<Reseeded, ClientError> {
         match self.call(request::Kind::Reseed(req))? {
             response::Kind::Reseeded(done) => Ok(done),
             other => Err(protocol(format!("expected Reseeded, got {other:?}"))),
