@@ -11,10 +11,12 @@ use tokio_stream_shim::next;
 const USAGE: &str = "\
 usage: airlock [--json] COMMAND
   template create NAME [--vcpus N] [--memory-mib M] [--kernel PATH] [--rootfs PATH]
+                       [--warmup 'SHELL COMMAND' | --no-warmup]
   template ls | template rm NAME
   create [--template NAME] [--env K=V]... [--label K=V]... [--idle-ttl S] [--lifetime S]
   ls
-  exec ID [--timeout S] [--cwd DIR] [--env K=V]... -- CMD [ARGS...]   (exit code = CMD's)
+  exec ID [--timeout S] [--cwd DIR] [--env K=V]... [--memory-mib M] -- CMD [ARGS...]
+                                            (exit code = CMD's)
   logs EXEC_ID
   cp LOCAL ID:PATH | cp ID:PATH LOCAL
   pause ID | resume ID | snapshot ID TEMPLATE | rm ID
@@ -268,10 +270,18 @@ impl Cli {
         };
         match sub.as_str() {
             "create" => {
+                let no_warmup = args.iter().any(|a| a == "--no-warmup");
+                args.retain(|a| a != "--no-warmup");
                 let o = options(
                     &mut args,
                     &[],
-                    &["--vcpus", "--memory-mib", "--kernel", "--rootfs"],
+                    &[
+                        "--vcpus",
+                        "--memory-mib",
+                        "--kernel",
+                        "--rootfs",
+                        "--warmup",
+                    ],
                 )?;
                 let name = args.first().ok_or("template create NAME")?.clone();
                 let req = CreateTemplateRequest {
@@ -280,6 +290,8 @@ impl Cli {
                     rootfs_path: one(&o, "--rootfs").unwrap_or_default().to_owned(),
                     vcpus: num(&o, "--vcpus")?,
                     memory_mib: num(&o, "--memory-mib")?,
+                    warmup: one(&o, "--warmup").unwrap_or_default().to_owned(),
+                    no_warmup,
                 };
                 let mut stream = self
                     .client
@@ -348,7 +360,11 @@ impl Cli {
     }
 
     async fn exec(&mut self, mut args: Vec<String>) -> Result<u8, String> {
-        let o = options(&mut args, &["--env"], &["--timeout", "--cwd"])?;
+        let o = options(
+            &mut args,
+            &["--env"],
+            &["--timeout", "--cwd", "--memory-mib"],
+        )?;
         if args.len() < 2 {
             return Err("exec ID [options] -- CMD [ARGS...]".into());
         }
@@ -360,6 +376,7 @@ impl Cli {
             env: kv(o.get("--env").map(Vec::as_slice).unwrap_or_default())?,
             timeout_ms: u64::from(num(&o, "--timeout")?) * 1000,
             stdin: Vec::new(),
+            memory_limit_mib: num(&o, "--memory-mib")?,
         };
         let ex = self.client.exec(req).await.map_err(fail)?.into_inner();
         if self.json {

@@ -50,6 +50,9 @@ pub struct Config {
     /// Default writable disk space of a sandbox (MiB) and its cap.
     pub default_disk_mib: u32,
     pub max_disk_mib: u32,
+    /// The warm-up command of a template build when the request names none (see
+    /// `CreateTemplateRequest.warmup`); empty: none.
+    pub template_warmup: String,
     /// Default file policy (path prefixes in the guest).
     pub writable_paths: Vec<String>,
     pub exportable_paths: Vec<String>,
@@ -111,6 +114,9 @@ impl Default for Config {
             max_output_bytes: 64 << 20,
             max_file_bytes: 100 << 20,
             default_disk_mib: 1024,
+            // Loads the interpreter sandboxes run most (and the shell) into the page cache of
+            // every template, so a sandbox's first Python starts warm.
+            template_warmup: "python3 -c pass".into(),
             max_disk_mib: 64 << 10,
             // The base image's root filesystem is read-only; /tmp is the guest's tmpfs.
             writable_paths: vec!["/tmp".into()],

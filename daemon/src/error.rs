@@ -39,6 +39,8 @@ pub enum ApiError {
     },
     #[error("file too large: {size} bytes, the limit is {limit}")]
     FileTooLarge { size: u64, limit: u64 },
+    #[error("the sandbox's disk quota of {limit} bytes is used up: {message}")]
+    DiskQuota { limit: u64, message: String },
     #[error("path {path} is not allowed: {why}")]
     PathNotAllowed { path: String, why: String },
     /// The sandbox's VMM ended (reason code: GUEST_CRASHED, OOM_KILLED or SANDBOX_DEAD).
@@ -68,6 +70,7 @@ impl ApiError {
             Self::Capacity { .. } => "CAPACITY_EXHAUSTED",
             Self::Quota { .. } => "QUOTA_EXCEEDED",
             Self::FileTooLarge { .. } => "FILE_TOO_LARGE",
+            Self::DiskQuota { .. } => "DISK_QUOTA_EXCEEDED",
             Self::PathNotAllowed { .. } => "PATH_NOT_ALLOWED",
             Self::Dead { reason, .. } => reason,
             Self::AgentUnavailable { .. } => "AGENT_UNAVAILABLE",
@@ -84,9 +87,10 @@ impl ApiError {
             }
             Self::TemplateExists(_) => Code::AlreadyExists,
             Self::SandboxNotRunning { .. } => Code::FailedPrecondition,
-            Self::Capacity { .. } | Self::Quota { .. } | Self::FileTooLarge { .. } => {
-                Code::ResourceExhausted
-            }
+            Self::Capacity { .. }
+            | Self::Quota { .. }
+            | Self::FileTooLarge { .. }
+            | Self::DiskQuota { .. } => Code::ResourceExhausted,
             Self::PathNotAllowed { .. } => Code::PermissionDenied,
             Self::Dead { .. } | Self::AgentUnavailable { .. } => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
@@ -134,6 +138,9 @@ impl ApiError {
             }
             Self::PathNotAllowed { path, .. } => {
                 m.insert("path".into(), path.clone());
+            }
+            Self::DiskQuota { limit, .. } => {
+                m.insert("limit".into(), limit.to_string());
             }
             Self::InvalidArgument(_) | Self::Unauthenticated(_) | Self::Internal(_) => {}
         }

@@ -36,6 +36,8 @@ pub struct ExecRt {
     pub changed: tokio::sync::watch::Sender<u64>,
     writer: Mutex<Option<UnixStream>>,
     agent_exec_id: Mutex<Option<u64>>,
+    /// A signal asked for before the agent had started the process (sent once it has).
+    pending_signal: Mutex<Option<i32>>,
     next_request: AtomicU64,
     finished: AtomicBool,
     /// Why the daemon ended it (timeout, kill, sandbox gone), overriding what the guest says.
@@ -43,6 +45,10 @@ pub struct ExecRt {
     paths: [PathBuf; 2],
     max_output: u64,
 }
+
+/// How long an execution whose agent connection broke waits for its sandbox to be reported
+/// dead (whose reason it then takes) before it ends as AGENT_UNAVAILABLE.
+const LOST_CONNECTION_GRACE: Duration = Duration::from_secs(3);
 
 /// The output files of execution `id`.
 pub fn output_paths(daemon: &Daemon, id: &str) -> [PathBuf; 2] {
@@ -133,6 +139,7 @@ pub fn start(daemon: &Arc<Daemon>, sb: &Arc<SandboxRt>, req: ExecRequest) -> Api
         changed,
         writer: Mutex::new(None),
         agent_exec_id: Mutex::new(None),
+        pending_signal: Mutex::new(None),
         next_request: AtomicU64::new(2),
         finished: AtomicBool::new(false),
         ended_by: Mutex::new(None),
@@ -157,6 +164,7 @@ pub fn start(daemon: &Arc<Daemon>, sb: &Arc<SandboxRt>, req: ExecRequest) -> Api
         timeout_ms,
         max_output_bytes: daemon.cfg.max_output_bytes,
         keep_on_disconnect: false,
+        memory_max_bytes: u64::from(req.memory_limit_mib) << 20,
     };
     let d = daemon.clone();
     let r = rt.clone();
@@ -212,7 +220,16 @@ impl ExecRt {
         let result = self.run_inner(vsock, exec);
         match result {
             Ok(exit) => self.finish(daemon, Some(exit), None),
-            Err(message) => self.finish(daemon, None, Some(("AGENT_UNAVAILABLE", message))),
+            Err(message) => {
+                // A lost connection is often the sandbox dying (a guest kernel panic, a killed
+                // VMM): the VMM's watcher then ends this execution with that reason. Give it a
+                // moment before calling it a lost agent.
+                let deadline = std::time::Instant::now() + LOST_CONNECTION_GRACE;
+                while !self.is_finished() && std::time::Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                self.finish(daemon, None, Some(("AGENT_UNAVAILABLE", message)));
+            }
         }
     }
 
@@ -270,7 +287,17 @@ impl ExecRt {
             }
             match resp.kind {
                 Some(response::Kind::ExecStarted(s)) => {
-                    *self.agent_exec_id.lock().unwrap_or_else(|e| e.into_inner()) = Some(s.exec_id);
+                    let pending = {
+                        let mut id = self.agent_exec_id.lock().unwrap_or_else(|e| e.into_inner());
+                        *id = Some(s.exec_id);
+                        self.pending_signal
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .take()
+                    };
+                    if let Some(sig) = pending {
+                        let _ = self.signal(sig);
+                    }
                     // A kill that came before the agent's id was known.
                     if let Some((_, _, _)) = self
                         .ended_by
@@ -314,10 +341,21 @@ impl ExecRt {
         }
     }
 
-    /// Sends `signal` to the execution's process tree (through its own connection).
+    /// Sends `signal` to the execution's process tree (through its own connection); before the
+    /// agent has started the process, the signal is sent as soon as it has.
     pub fn signal(&self, signal: i32) -> Result<(), String> {
-        let Some(exec_id) = *self.agent_exec_id.lock().unwrap_or_else(|e| e.into_inner()) else {
-            return Err("not started yet".into());
+        let exec_id = {
+            let id = self.agent_exec_id.lock().unwrap_or_else(|e| e.into_inner());
+            match *id {
+                Some(x) => x,
+                None => {
+                    *self
+                        .pending_signal
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = Some(signal);
+                    return Ok(());
+                }
+            }
         };
         let w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
         let Some(mut w) = w.as_ref() else {

@@ -506,6 +506,7 @@ impl Airlock for Service {
                 header.mode & 0o7777
             };
             let limit = d.cfg.max_file_bytes;
+            let disk_bytes = u64::from(sb.snapshot().disk_mib) << 20;
             let id = sb.id.clone();
             // The agent connection is synchronous: chunks go to a blocking task through a channel.
             let (ctx, mut crx) = tokio::sync::mpsc::channel::<Vec<u8>>(4);
@@ -539,6 +540,11 @@ impl Airlock for Service {
                                         ApiError::PathNotAllowed {
                                             path: rel.clone(),
                                             why: m,
+                                        }
+                                    } else if m.contains("NoSpace") || m.contains("NO_SPACE") {
+                                        ApiError::DiskQuota {
+                                            limit: disk_bytes,
+                                            message: m,
                                         }
                                     } else {
                                         ApiError::InvalidArgument(format!("writing {rel}: {m}"))

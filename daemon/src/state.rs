@@ -444,8 +444,17 @@ impl Daemon {
         .await;
         let log_path = self.templates_dir.join(format!("{id}.log"));
         let log = std::fs::File::create(&log_path)?;
+        let warmup = if req.no_warmup {
+            String::new()
+        } else if req.warmup.is_empty() {
+            self.cfg.template_warmup.clone()
+        } else {
+            req.warmup.clone()
+        };
         let mut child = tokio::process::Command::new(&self.vmm_binary)
             .arg("snapshot")
+            .arg("--warmup")
+            .arg(&warmup)
             .arg("--kernel")
             .arg(&kernel)
             .arg("--rootfs")
@@ -1001,6 +1010,8 @@ impl Daemon {
         let deadline = Instant::now() + Duration::from_millis(self.cfg.ready_timeout_ms);
         let id = rt.id.clone();
         let files = req.files.clone();
+        // The sandbox's writable space is the guest's /tmp tmpfs: its size is the disk quota.
+        let tmp_size_bytes = u64::from(rt.snapshot().disk_mib) << 20;
         let me = rt.clone();
         let (guest_ms, ident_ms) = tokio::task::spawn_blocking(move || -> ApiResult<(f64, f64)> {
             let unavailable = |m: String| ApiError::AgentUnavailable {
@@ -1019,7 +1030,12 @@ impl Daemon {
             let mut entropy = [0u8; 64];
             random_bytes(&mut entropy);
             client
-                .reseed(&entropy, &id, &id)
+                .reseed_with(airlock_proto::pb::Reseed {
+                    entropy: entropy.to_vec(),
+                    hostname: id.clone(),
+                    sandbox_id: id.clone(),
+                    tmp_size_bytes,
+                })
                 .map_err(|e| unavailable(format!("reseed: {e}")))?;
             for f in &files {
                 let mode = if f.mode == 0 { 0o644 } else { f.mode };

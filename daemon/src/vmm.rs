@@ -62,6 +62,14 @@ impl VmmProcess {
             // Its own process group: a Ctrl-C meant for the daemon does not reach it.
             .process_group(0)
             .kill_on_drop(false);
+        // The guest profiler (`vmm/src/profile.rs`) for debugging: `AIRLOCK_PROFILE=PREFIX` on
+        // the daemon profiles every VMM into `PREFIX-<run dir name>.vcpuN`.
+        if let Some(prefix) = std::env::var_os("AIRLOCK_PROFILE").filter(|p| !p.is_empty()) {
+            let mut path = prefix;
+            path.push("-");
+            path.push(run_dir.file_name().unwrap_or_default());
+            cmd.env("AIRLOCK_PROFILE", path);
+        }
         let child = cmd.spawn().map_err(|e| {
             std::io::Error::new(e.kind(), format!("spawning {}: {e}", binary.display()))
         })?;

@@ -27,8 +27,9 @@ VM ends before CMD does, the exit code is the VM's (above). With --snapshot DIR 
 snapshot instead of booting, gives the clone fresh entropy and a sandbox id (hostname), then runs
 CMD.
 
-snapshot: boots, waits until the guest agent answers, pauses the VM, writes a snapshot into DIR
-(files `state` and `memory`), prints a JSON summary and ends the VM.
+snapshot: boots, waits until the guest agent answers, runs --warmup 'SHELL COMMAND' if given (so
+that what it reads is in the snapshot's page cache; its failure fails the snapshot), pauses the
+VM, writes a snapshot into DIR (files `state` and `memory`), prints a JSON summary and ends the VM.
 
 restore: restores the snapshot in DIR into this process and runs the VM until it powers off or
 is stopped (SIGTERM, or `stop` on the control socket). Its vsock device needs --vsock PATH.
@@ -208,15 +209,20 @@ pub fn parse_run(args: &[String]) -> Result<RunOptions, String> {
 pub struct SnapshotOptions {
     pub run: RunOptions,
     pub out: PathBuf,
+    /// A shell command run in the guest before the snapshot.
+    pub warmup: Option<String>,
 }
 
 pub fn parse_snapshot(args: &[String]) -> Result<SnapshotOptions, String> {
     let mut rest = Vec::new();
     let mut out = None;
+    let mut warmup = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         if a == "--out" {
             out = Some(PathBuf::from(it.next().ok_or("--out needs a value")?));
+        } else if a == "--warmup" {
+            warmup = Some(it.next().ok_or("--warmup needs a shell command")?.clone());
         } else {
             rest.push(a.clone());
         }
@@ -226,6 +232,7 @@ pub fn parse_snapshot(args: &[String]) -> Result<SnapshotOptions, String> {
     Ok(SnapshotOptions {
         run,
         out: out.ok_or("--out DIR is required")?,
+        warmup: warmup.filter(|w| !w.is_empty()),
     })
 }
 
@@ -408,6 +415,9 @@ mod tests {
         assert_eq!(s.out, PathBuf::from("/o"));
         assert_eq!(s.run.vm.mem_mib, 512);
         assert!(parse_snapshot(&args("--kernel k --rootfs r")).is_err());
+        let w = parse_snapshot(&args("--kernel k --rootfs r --out /o --warmup true")).unwrap();
+        assert_eq!(w.warmup.as_deref(), Some("true"));
+        assert_eq!(s.warmup, None);
     }
 
     #[test]

@@ -269,9 +269,10 @@ pub fn snapshot(opts: cli::SnapshotOptions, started: Instant) -> ExitCode {
     let vm_gone = Arc::new(AtomicBool::new(false));
     let gone = vm_gone.clone();
     let out = opts.out.clone();
+    let warmup = opts.warmup.clone();
     let taker = std::thread::Builder::new()
         .name("snapshot".into())
-        .spawn(move || take_snapshot(&uds, &out, deadline, &gone, &handle));
+        .spawn(move || take_snapshot(&uds, &out, warmup, deadline, &gone, &handle));
     let taker = match taker {
         Ok(t) => t,
         Err(e) => {
@@ -309,17 +310,21 @@ pub fn snapshot(opts: cli::SnapshotOptions, started: Instant) -> ExitCode {
 fn take_snapshot(
     uds: &Path,
     out: &Path,
+    warmup: Option<String>,
     deadline: Option<Instant>,
     vm_gone: &AtomicBool,
     handle: &vmm::control::ControlHandle,
 ) -> Result<serde_json::Value, String> {
     use vmm::control::VmCommand;
     let result = (|| {
-        let client = connect(uds, deadline, vm_gone)?;
+        let mut client = connect(uds, deadline, vm_gone)?;
         log::info!(
             "agent ready (boot {} ms); taking the snapshot",
             client.ready().boot_time_ms
         );
+        if let Some(cmd) = warmup {
+            warm_up(&mut client, &cmd)?;
+        }
         drop(client);
         handle.call(VmCommand::Pause)?;
         handle.call(VmCommand::Snapshot(out.to_path_buf()))
@@ -328,6 +333,26 @@ fn take_snapshot(
         log::debug!("stop after the snapshot: {e}");
     }
     result
+}
+
+/// Runs the warm-up command (its output is dropped; a failure fails the snapshot).
+fn warm_up(client: &mut Client, cmd: &str) -> Result<(), String> {
+    let t = Instant::now();
+    let exec = airlock_proto::pb::Exec {
+        command: Some(airlock_proto::pb::exec::Command::Shell(cmd.to_owned())),
+        cwd: "/".into(),
+        ..Default::default()
+    };
+    let exit = client
+        .exec_collect(exec, |_, _| {})
+        .map_err(|e| format!("warm-up: {}", cli::error_chain(&e)))?;
+    match exit.status {
+        Some(airlock_proto::pb::exec_exit::Status::ExitCode(0)) => {
+            log::info!("warm-up done in {} ms: {cmd}", t.elapsed().as_millis());
+            Ok(())
+        }
+        other => Err(format!("warm-up {cmd:?} failed: {other:?}")),
+    }
 }
 
 /// Connects to the agent, retrying while the guest boots.
