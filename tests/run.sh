@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: builds every artifact the tests need (guest kernel, base image, binaries),
-# then runs formatting and lint checks, unit tests, KVM micro tests and system tests.
+# then runs formatting and lint checks, unit tests, KVM micro tests, system tests, and the
+# Python SDK and CLI tests (pytest against a live airlockd).
 # Artifacts are cached under ${AIRLOCK_CACHE_DIR:-/var/cache/airlock}, keyed by their inputs.
 set -euo pipefail
 
@@ -44,7 +45,17 @@ run_tests() {
   cargo test --workspace -- --nocapture
 }
 
+# The Python SDK and the `airlock` CLI against a live airlockd (sdk/python/tests; the daemon
+# fixture uses the debug binaries that run_tests built).
+sdk_tests() {
+  echo "== Python SDK and CLI tests" >&2
+  local python
+  python=$(sdk/python/venv.sh | tail -n1)
+  "$(dirname "$python")/pytest" -q -rA sdk/python/tests
+}
+
 build_artifacts
 ensure_cgroup2
 static_checks
 run_tests
+sdk_tests

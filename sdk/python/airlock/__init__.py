@@ -1,0 +1,38 @@
+"""Airlock: run untrusted code in microVM sandboxes.
+
+Quickstart (the daemon ``airlockd`` must be running; see the repository's README)::
+
+    from airlock import Client
+
+    with Client() as client:
+        with client.sandboxes.create() as sandbox:
+            print(sandbox.run_code("print(6*7)").stdout)   # 42
+
+The asyncio flavour is :class:`airlock.aio.AsyncClient`.
+"""
+
+from ._common import (
+    DEFAULT_SOCKET,
+    ExecResult,
+    FileEntry,
+    OutputChunk,
+    Template,
+    TemplateProgress,
+)
+from .client import Client, Execution, Sandbox
+from . import errors
+from .errors import *  # noqa: F401,F403  (the exception classes; see errors.__all__)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client",
+    "Sandbox",
+    "Execution",
+    "ExecResult",
+    "OutputChunk",
+    "FileEntry",
+    "Template",
+    "TemplateProgress",
+    "DEFAULT_SOCKET",
+] + errors.__all__

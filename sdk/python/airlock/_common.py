@@ -1,0 +1,448 @@
+"""What the sync and the asyncio client share: addresses, requests, results."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from . import errors
+from ._proto import airlock_pb2 as pb
+
+#: Where ``airlockd`` listens by default.
+DEFAULT_SOCKET = "/run/airlock/airlockd.sock"
+#: Environment variable with the daemon's address (overrides the default socket).
+ADDR_ENV = "AIRLOCK_ADDR"
+#: Environment variable with the tenant token.
+TOKEN_ENV = "AIRLOCK_TOKEN"
+
+SERVICE = "airlock.v1.Airlock"
+
+# Calls that are safe to repeat are retried by gRPC itself when the daemon is briefly
+# unreachable (UNAVAILABLE before an answer). Creates, execs and writes are never retried.
+_IDEMPOTENT = [
+    "GetSandbox",
+    "ListSandboxes",
+    "ListTemplates",
+    "GetExecution",
+    "DestroySandbox",
+    "ListFiles",
+    "ReadFile",
+    "StreamExecution",
+]
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": SERVICE, "method": m} for m in _IDEMPOTENT],
+                "retryPolicy": {
+                    "maxAttempts": 4,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+CHANNEL_OPTIONS = [
+    ("grpc.service_config", _SERVICE_CONFIG),
+    ("grpc.enable_retries", 1),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+#: Chunk size of file uploads.
+CHUNK = 256 << 10
+
+
+def channel_options(target: str) -> list:
+    """Options of a channel to ``target``. On a Unix socket gRPC would send the percent-encoded
+    socket path as the HTTP/2 ``:authority``, which the daemon's HTTP/2 stack refuses as
+    malformed; a plain name is sent instead."""
+    opts = list(CHANNEL_OPTIONS)
+    if target.startswith("unix:"):
+        opts.append(("grpc.default_authority", "localhost"))
+    return opts
+
+
+def resolve_address(address: Optional[str]) -> str:
+    """The gRPC target of ``address``, ``$AIRLOCK_ADDR`` or the default socket.
+
+    Accepted forms: ``unix:///PATH``, ``unix:PATH``, an absolute path, ``tcp://HOST:PORT``,
+    ``http://HOST:PORT`` and ``HOST:PORT``.
+    """
+    a = address or os.environ.get(ADDR_ENV) or f"unix://{DEFAULT_SOCKET}"
+    if a.startswith("unix://"):
+        return "unix://" + a[len("unix://") :]
+    if a.startswith("unix:"):
+        return "unix://" + os.path.abspath(a[len("unix:") :])
+    if a.startswith("/"):
+        return "unix://" + a
+    for scheme in ("tcp://", "http://"):
+        if a.startswith(scheme):
+            return a[len(scheme) :].rstrip("/")
+    return a
+
+
+def call_metadata(token: Optional[str]) -> Tuple[Tuple[str, str], ...]:
+    t = token if token is not None else os.environ.get(TOKEN_ENV)
+    return (("authorization", f"Bearer {t}"),) if t else ()
+
+
+# ---- results ----
+
+
+@dataclass(frozen=True)
+class Template:
+    """A template: a snapshot that sandboxes are restored from."""
+
+    name: str
+    id: str
+    tenant: str
+    vcpus: int
+    memory_mib: int
+    kernel_version: str
+    rootfs_version: str
+    source_sandbox_id: str
+    created_unix_ms: int
+    memory_file_bytes: int
+
+    @classmethod
+    def from_pb(cls, t: "pb.Template") -> "Template":
+        return cls(
+            name=t.name,
+            id=t.id,
+            tenant=t.tenant,
+            vcpus=t.vcpus,
+            memory_mib=t.memory_mib,
+            kernel_version=t.kernel_version,
+            rootfs_version=t.rootfs_version,
+            source_sandbox_id=t.source_sandbox_id,
+            created_unix_ms=t.created_unix_ms,
+            memory_file_bytes=t.memory_file_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class TemplateProgress:
+    """One progress event of a template build."""
+
+    phase: str
+    elapsed_ms: int
+    message: str
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    is_dir: bool
+    size: int
+    mode: int
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """Output of a running execution, as it arrives."""
+
+    stream: str  # "stdout" or "stderr"
+    offset: int
+    data: bytes
+
+    @property
+    def text(self) -> str:
+        return self.data.decode("utf-8", errors="replace")
+
+
+@dataclass
+class ExecResult:
+    """What an execution left: its record and its output."""
+
+    execution_id: str
+    state: str  # "exited", "timed_out", "killed", "oom_killed", "failed", "running"
+    exit_code: int
+    signal: int
+    stdout_bytes: bytes = b""
+    stderr_bytes: bytes = b""
+    error_reason: str = ""
+    error_message: str = ""
+    started_unix_ms: int = 0
+    ended_unix_ms: int = 0
+    cpu_user_us: int = 0
+    cpu_system_us: int = 0
+    peak_memory_bytes: int = 0
+    output_truncated: bool = False
+    command: List[str] = field(default_factory=list)
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def ok(self) -> bool:
+        """It exited with status 0."""
+        return self.state == "exited" and self.exit_code == 0
+
+    @property
+    def duration_ms(self) -> int:
+        """Wall-clock time from start to end, as the daemon measured it."""
+        return max(0, self.ended_unix_ms - self.started_unix_ms) if self.ended_unix_ms else 0
+
+    @classmethod
+    def from_pb(cls, e: "pb.Execution", stdout: bytes = b"", stderr: bytes = b"") -> "ExecResult":
+        return cls(
+            execution_id=e.id,
+            state=execution_state(e.state),
+            exit_code=e.exit_code,
+            signal=e.signal,
+            stdout_bytes=stdout,
+            stderr_bytes=stderr,
+            error_reason=e.error_reason,
+            error_message=e.error_message,
+            started_unix_ms=e.started_unix_ms,
+            ended_unix_ms=e.ended_unix_ms,
+            cpu_user_us=e.cpu_user_us,
+            cpu_system_us=e.cpu_system_us,
+            peak_memory_bytes=e.peak_memory_bytes,
+            output_truncated=e.output_truncated,
+            command=list(e.command),
+        )
+
+    def raise_for_platform(self) -> "ExecResult":
+        """Raises the matching error when the execution did not end on its own or by a kill
+        (timeout, out of memory, a lost sandbox); returns itself otherwise. A non-zero exit code
+        is the program's business and raises nothing."""
+        if self.state in ("exited", "killed", "running"):
+            return self
+        reason = self.error_reason or {
+            "timed_out": "EXEC_TIMEOUT",
+            "oom_killed": "OOM_KILLED",
+        }.get(self.state, "SANDBOX_DEAD")
+        cls = errors.error_class(reason)
+        raise cls(self.error_message or self.state, reason=reason, result=self)
+
+
+def execution_state(state: int) -> str:
+    name = pb.ExecutionState.Name(state) if state in pb.ExecutionState.values() else "UNKNOWN"
+    return name.replace("EXECUTION_STATE_", "").lower()
+
+
+def sandbox_state(state: int) -> str:
+    name = pb.SandboxState.Name(state) if state in pb.SandboxState.values() else "UNKNOWN"
+    return name.replace("SANDBOX_STATE_", "").lower()
+
+
+def sandbox_states(states: Optional[Iterable[str]]) -> List[int]:
+    out = []
+    for s in states or ():
+        key = "SANDBOX_STATE_" + s.upper()
+        if key not in pb.SandboxState.keys():
+            raise errors.InvalidArgument(f"unknown sandbox state {s!r}", "INVALID_ARGUMENT")
+        out.append(pb.SandboxState.Value(key))
+    return out
+
+
+class SandboxInfo:
+    """Fields of a sandbox record shared by :class:`~airlock.Sandbox` and the async one."""
+
+    _info: "pb.Sandbox"
+
+    @property
+    def info(self) -> "pb.Sandbox":
+        """The record as the daemon last answered it (``airlock.v1.Sandbox``)."""
+        return self._info
+
+    @property
+    def id(self) -> str:
+        return self._info.id
+
+    @property
+    def state(self) -> str:
+        """``running``, ``paused``, ``dead``, ``destroyed`` or ``starting``."""
+        return sandbox_state(self._info.state)
+
+    @property
+    def template(self) -> str:
+        return self._info.template
+
+    @property
+    def vcpus(self) -> int:
+        return self._info.vcpus
+
+    @property
+    def memory_mib(self) -> int:
+        return self._info.memory_mib
+
+    @property
+    def labels(self) -> Dict[str, str]:
+        return dict(self._info.labels)
+
+    @property
+    def end_reason(self) -> str:
+        return self._info.end_reason
+
+    @property
+    def create_ms(self) -> float:
+        """The whole CreateSandbox call, as the daemon measured it."""
+        return self._info.create_ms
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id} {self.state} template={self.template}>"
+
+
+# ---- requests ----
+
+Command = Union[str, Sequence[str]]
+
+
+def create_request(
+    template: str,
+    vcpus: int,
+    memory_mib: int,
+    disk_mib: int,
+    env: Optional[Mapping[str, str]],
+    files: Optional[Mapping[str, Union[bytes, str]]],
+    labels: Optional[Mapping[str, str]],
+    timeout: Optional[float],
+    idle_timeout: Optional[float],
+    writable: Optional[Sequence[str]],
+    exportable: Optional[Sequence[str]],
+) -> "pb.CreateSandboxRequest":
+    req = pb.CreateSandboxRequest(
+        template=template,
+        vcpus=vcpus,
+        memory_mib=memory_mib,
+        disk_mib=disk_mib,
+        env=dict(env or {}),
+        labels=dict(labels or {}),
+        max_lifetime_s=_seconds(timeout),
+        idle_ttl_s=_seconds(idle_timeout),
+    )
+    for path, content in (files or {}).items():
+        data = content.encode() if isinstance(content, str) else bytes(content)
+        req.files.append(pb.FileToPlace(path=path, content=data))
+    if writable is not None or exportable is not None:
+        req.file_policy.writable.extend(writable or [])
+        req.file_policy.exportable.extend(exportable or [])
+    return req
+
+
+def exec_request(
+    sandbox_id: str,
+    cmd: Command,
+    cwd: Optional[str],
+    env: Optional[Mapping[str, str]],
+    timeout: Optional[float],
+    stdin: Union[bytes, str, None],
+    language: Optional[str] = None,
+    memory_limit_mib: Optional[int] = None,
+) -> "pb.ExecRequest":
+    """``cmd`` as a list is an argv; a string is a shell script (``/bin/sh -c``), or source code
+    when ``language`` is given."""
+    req = pb.ExecRequest(
+        sandbox_id=sandbox_id,
+        cwd=cwd or "",
+        env=dict(env or {}),
+        timeout_ms=int(timeout * 1000) if timeout else 0,
+        stdin=stdin.encode() if isinstance(stdin, str) else (stdin or b""),
+        memory_limit_mib=memory_limit_mib or 0,
+    )
+    if language is not None:
+        if not isinstance(cmd, str):
+            raise errors.InvalidArgument("code must be a string", "INVALID_ARGUMENT")
+        req.code.language = language
+        req.code.source = cmd
+    elif isinstance(cmd, str):
+        req.shell = cmd
+    else:
+        args = list(cmd)
+        if not args or not all(isinstance(a, str) for a in args):
+            raise errors.InvalidArgument("argv must be a non-empty list of strings", "INVALID_ARGUMENT")
+        req.argv.args.extend(args)
+    return req
+
+
+def write_requests(sandbox_id: str, path: str, data: Union[bytes, str], mode: int):
+    payload = data.encode() if isinstance(data, str) else bytes(data)
+    yield pb.WriteFileRequest(header=pb.WriteFileHeader(sandbox_id=sandbox_id, path=path, mode=mode))
+    for i in range(0, len(payload), CHUNK):
+        yield pb.WriteFileRequest(data=payload[i : i + CHUNK])
+
+
+def output_chunk(ev: "pb.ExecutionEvent") -> OutputChunk:
+    kind = "stderr" if ev.output.stream == pb.STREAM_KIND_STDERR else "stdout"
+    return OutputChunk(kind, ev.output.offset, ev.output.data)
+
+
+class StreamCursor:
+    """Where an output stream of an execution stands, so that a broken stream resumes there."""
+
+    MAX_RETRIES = 3
+
+    def __init__(self, execution_id: str, stdout_offset: int, stderr_offset: int) -> None:
+        self.execution_id = execution_id
+        self.offsets = {"stdout": stdout_offset, "stderr": stderr_offset}
+        self.attempts = 0
+
+    def request(self) -> "pb.StreamExecutionRequest":
+        return pb.StreamExecutionRequest(
+            execution_id=self.execution_id,
+            stdout_offset=self.offsets["stdout"],
+            stderr_offset=self.offsets["stderr"],
+        )
+
+    def advance(self, ev: "pb.ExecutionEvent") -> Tuple[Optional[OutputChunk], Optional[ExecResult]]:
+        """The chunk or the final record an event carries."""
+        if ev.HasField("output"):
+            chunk = output_chunk(ev)
+            self.offsets[chunk.stream] = chunk.offset + len(chunk.data)
+            self.attempts = 0
+            return chunk, None
+        if ev.HasField("exit"):
+            return None, ExecResult.from_pb(ev.exit)
+        return None, None
+
+    def retry_delay(self, error: "errors.AirlockError") -> float:
+        """Seconds to wait before resuming after ``error`` (re-raised after a few tries)."""
+        self.attempts += 1
+        if self.attempts > self.MAX_RETRIES:
+            raise error
+        return 0.2 * self.attempts
+
+    @staticmethod
+    def ended_early() -> "errors.AirlockError":
+        return errors.AirlockError("the output stream ended without the exit record", "INTERNAL")
+
+
+class OutputCollector:
+    """Collects an execution's output for :class:`ExecResult` and feeds the callbacks."""
+
+    def __init__(self, on_stdout, on_stderr) -> None:
+        self.parts: Dict[str, List[bytes]] = {"stdout": [], "stderr": []}
+        self.callbacks = {"stdout": on_stdout, "stderr": on_stderr}
+
+    def add(self, chunk: OutputChunk):
+        """Stores the chunk; returns what its callback returned (an awaitable, for async ones)."""
+        self.parts[chunk.stream].append(chunk.data)
+        cb = self.callbacks[chunk.stream]
+        return cb(chunk) if cb is not None else None
+
+    def result(self, final: ExecResult, check: bool) -> ExecResult:
+        final.stdout_bytes = b"".join(self.parts["stdout"])
+        final.stderr_bytes = b"".join(self.parts["stderr"])
+        return final.raise_for_platform() if check else final
+
+
+def _seconds(t: Optional[float]) -> int:
+    if t is None:
+        return 0
+    if t < 0:
+        raise errors.InvalidArgument("a timeout cannot be negative", "INVALID_ARGUMENT")
+    return max(1, int(round(t))) if t else 0

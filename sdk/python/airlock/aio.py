@@ -1,0 +1,328 @@
+"""The asyncio client: the same calls as :mod:`airlock.client`, as coroutines.
+
+Example::
+
+    from airlock.aio import AsyncClient
+
+    async with AsyncClient() as client:
+        async with await client.sandboxes.create() as sandbox:
+            result = await sandbox.exec(["python3", "-c", "print(6*7)"])
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Awaitable, Callable, List, Mapping, Optional, Sequence, Union
+
+import grpc
+import grpc.aio
+
+from . import _common as c
+from ._common import ExecResult, FileEntry, OutputChunk, Template, TemplateProgress
+from ._proto import airlock_pb2 as pb
+from ._proto import airlock_pb2_grpc as pb_grpc
+from .errors import AirlockError, Unavailable, from_rpc_error
+
+OutputCallback = Callable[[OutputChunk], Union[None, Awaitable[None]]]
+
+
+class AsyncClient:
+    """A connection to ``airlockd`` for asyncio code; arguments as for
+    :class:`airlock.Client`."""
+
+    def __init__(
+        self,
+        address: Optional[str] = None,
+        token: Optional[str] = None,
+        *,
+        timeout: Optional[float] = None,
+    ) -> None:
+        self.address = c.resolve_address(address)
+        self._channel = grpc.aio.insecure_channel(self.address, options=c.channel_options(self.address))
+        self._stub = pb_grpc.AirlockStub(self._channel)
+        self._metadata = c.call_metadata(token)
+        self._timeout = timeout
+        self.sandboxes = AsyncSandboxes(self)
+        self.templates = AsyncTemplates(self)
+        self.executions = AsyncExecutions(self)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def _unary(self, method: str, request, timeout: Optional[float] = None):
+        try:
+            return await getattr(self._stub, method)(
+                request, metadata=self._metadata, timeout=timeout or self._timeout
+            )
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    async def _server_stream(self, method: str, request) -> AsyncIterator:
+        call = getattr(self._stub, method)(request, metadata=self._metadata)
+        try:
+            async for msg in call:
+                yield msg
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
+
+class AsyncTemplates:
+    def __init__(self, client: AsyncClient) -> None:
+        self._c = client
+
+    async def create(
+        self,
+        name: str,
+        *,
+        kernel_path: str = "",
+        rootfs_path: str = "",
+        vcpus: int = 0,
+        memory_mib: int = 0,
+        warmup: str = "",
+        no_warmup: bool = False,
+        on_progress: Optional[Callable[[TemplateProgress], None]] = None,
+    ) -> Template:
+        req = pb.CreateTemplateRequest(
+            name=name,
+            kernel_path=kernel_path,
+            rootfs_path=rootfs_path,
+            vcpus=vcpus,
+            memory_mib=memory_mib,
+            warmup=warmup,
+            no_warmup=no_warmup,
+        )
+        async for ev in self._c._server_stream("CreateTemplate", req):
+            if on_progress is not None:
+                on_progress(TemplateProgress(ev.phase, ev.elapsed_ms, ev.message))
+            if ev.HasField("template"):
+                return Template.from_pb(ev.template)
+        raise AirlockError("the template build ended without a template", "INTERNAL")
+
+    async def list(self) -> List[Template]:
+        resp = await self._c._unary("ListTemplates", pb.ListTemplatesRequest())
+        return [Template.from_pb(t) for t in resp.templates]
+
+    async def delete(self, name: str) -> None:
+        await self._c._unary("DeleteTemplate", pb.DeleteTemplateRequest(name=name))
+
+
+class AsyncSandboxes:
+    def __init__(self, client: AsyncClient) -> None:
+        self._c = client
+
+    async def create(
+        self,
+        template: str = "base",
+        *,
+        vcpus: int = 0,
+        memory_mib: int = 0,
+        disk_mib: int = 0,
+        env: Optional[Mapping[str, str]] = None,
+        files: Optional[Mapping[str, Union[bytes, str]]] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        timeout: Optional[float] = None,
+        idle_timeout: Optional[float] = None,
+        writable: Optional[Sequence[str]] = None,
+        exportable: Optional[Sequence[str]] = None,
+    ) -> "AsyncSandbox":
+        """As :meth:`airlock.client.Sandboxes.create`."""
+        req = c.create_request(
+            template, vcpus, memory_mib, disk_mib, env, files, labels, timeout, idle_timeout,
+            writable, exportable,
+        )
+        return AsyncSandbox(self._c, await self._c._unary("CreateSandbox", req))
+
+    async def get(self, sandbox_id: str) -> "AsyncSandbox":
+        info = await self._c._unary("GetSandbox", pb.GetSandboxRequest(sandbox_id=sandbox_id))
+        return AsyncSandbox(self._c, info)
+
+    async def list(
+        self,
+        labels: Optional[Mapping[str, str]] = None,
+        states: Optional[Sequence[str]] = None,
+    ) -> List["AsyncSandbox"]:
+        req = pb.ListSandboxesRequest(labels=dict(labels or {}), states=c.sandbox_states(states))
+        resp = await self._c._unary("ListSandboxes", req)
+        return [AsyncSandbox(self._c, s) for s in resp.sandboxes]
+
+
+class AsyncExecutions:
+    def __init__(self, client: AsyncClient) -> None:
+        self._c = client
+
+    async def get(self, execution_id: str, *, include_output: bool = True) -> ExecResult:
+        resp = await self._c._unary(
+            "GetExecution",
+            pb.GetExecutionRequest(execution_id=execution_id, include_output=include_output),
+        )
+        return ExecResult.from_pb(resp.execution, resp.stdout, resp.stderr)
+
+    def attach(self, execution_id: str) -> "AsyncExecution":
+        return AsyncExecution(self._c, execution_id)
+
+
+class AsyncExecution:
+    """A started execution (asyncio)."""
+
+    def __init__(self, client: AsyncClient, execution_id: str) -> None:
+        self._c = client
+        self.id = execution_id
+        self.final: Optional[ExecResult] = None
+
+    async def stream(self, stdout_offset: int = 0, stderr_offset: int = 0) -> AsyncIterator[OutputChunk]:
+        """Yields output as it arrives; afterwards :attr:`final` holds the record (without
+        output). A broken stream is resumed from where it stopped."""
+        cursor = c.StreamCursor(self.id, stdout_offset, stderr_offset)
+        while True:
+            try:
+                async for ev in self._c._server_stream("StreamExecution", cursor.request()):
+                    chunk, final = cursor.advance(ev)
+                    if final is not None:
+                        self.final = final
+                        return
+                    if chunk is not None:
+                        yield chunk
+            except Unavailable as e:
+                await asyncio.sleep(cursor.retry_delay(e))
+                continue
+            raise cursor.ended_early()
+
+    async def wait(
+        self,
+        on_stdout: Optional[OutputCallback] = None,
+        on_stderr: Optional[OutputCallback] = None,
+        *,
+        check: bool = True,
+    ) -> ExecResult:
+        """As :meth:`airlock.client.Execution.wait`; callbacks may be coroutines."""
+        collector = c.OutputCollector(on_stdout, on_stderr)
+        async for chunk in self.stream():
+            r = collector.add(chunk)
+            if asyncio.iscoroutine(r):
+                await r
+        assert self.final is not None
+        return collector.result(self.final, check)
+
+    async def kill(self, signal: int = 0) -> bool:
+        resp = await self._c._unary("KillExecution", pb.KillExecutionRequest(execution_id=self.id, signal=signal))
+        return resp.signalled
+
+    async def result(self) -> ExecResult:
+        return await self._c.executions.get(self.id)
+
+
+class AsyncFiles:
+    def __init__(self, sandbox: "AsyncSandbox") -> None:
+        self._s = sandbox
+
+    async def write(self, path: str, data: Union[bytes, str], mode: int = 0) -> int:
+        try:
+            resp = await self._s._c._stub.WriteFile(
+                c.write_requests(self._s.id, path, data, mode), metadata=self._s._c._metadata
+            )
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return resp.bytes_written
+
+    async def read(self, path: str) -> bytes:
+        req = pb.ReadFileRequest(sandbox_id=self._s.id, path=path)
+        return b"".join([chunk.data async for chunk in self._s._c._server_stream("ReadFile", req)])
+
+    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return (await self.read(path)).decode(encoding)
+
+    async def list(self, path: str) -> List[FileEntry]:
+        resp = await self._s._c._unary("ListFiles", pb.ListFilesRequest(sandbox_id=self._s.id, path=path))
+        return [FileEntry(e.name, e.is_dir, e.size, e.mode) for e in resp.entries]
+
+
+class AsyncSandbox(c.SandboxInfo):
+    """A sandbox (asyncio). ``async with`` destroys it on exit."""
+
+    def __init__(self, client: AsyncClient, info: "pb.Sandbox") -> None:
+        self._c = client
+        self._info = info
+        self.files = AsyncFiles(self)
+
+    async def __aenter__(self) -> "AsyncSandbox":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.destroy()
+
+    async def refresh(self) -> "AsyncSandbox":
+        self._info = await self._c._unary("GetSandbox", pb.GetSandboxRequest(sandbox_id=self.id))
+        return self
+
+    async def start(
+        self,
+        cmd: c.Command,
+        *,
+        cwd: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        timeout: Optional[float] = None,
+        stdin: Union[bytes, str, None] = None,
+        language: Optional[str] = None,
+        memory_limit_mib: Optional[int] = None,
+    ) -> AsyncExecution:
+        req = c.exec_request(self.id, cmd, cwd, env, timeout, stdin, language, memory_limit_mib)
+        return AsyncExecution(self._c, (await self._c._unary("Exec", req)).execution_id)
+
+    async def exec(
+        self,
+        cmd: c.Command,
+        *,
+        cwd: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        timeout: Optional[float] = None,
+        stdin: Union[bytes, str, None] = None,
+        memory_limit_mib: Optional[int] = None,
+        on_stdout: Optional[OutputCallback] = None,
+        on_stderr: Optional[OutputCallback] = None,
+        check: bool = True,
+    ) -> ExecResult:
+        ex = await self.start(
+            cmd, cwd=cwd, env=env, timeout=timeout, stdin=stdin, memory_limit_mib=memory_limit_mib
+        )
+        return await ex.wait(on_stdout, on_stderr, check=check)
+
+    async def run_code(
+        self,
+        source: str,
+        *,
+        language: str = "python",
+        timeout: Optional[float] = None,
+        env: Optional[Mapping[str, str]] = None,
+        memory_limit_mib: Optional[int] = None,
+        on_stdout: Optional[OutputCallback] = None,
+        on_stderr: Optional[OutputCallback] = None,
+        check: bool = True,
+    ) -> ExecResult:
+        ex = await self.start(
+            source, env=env, timeout=timeout, language=language, memory_limit_mib=memory_limit_mib
+        )
+        return await ex.wait(on_stdout, on_stderr, check=check)
+
+    async def pause(self) -> "AsyncSandbox":
+        self._info = await self._c._unary("PauseSandbox", pb.PauseSandboxRequest(sandbox_id=self.id))
+        return self
+
+    async def resume(self) -> "AsyncSandbox":
+        self._info = await self._c._unary("ResumeSandbox", pb.ResumeSandboxRequest(sandbox_id=self.id))
+        return self
+
+    async def snapshot(self, template_name: str) -> Template:
+        req = pb.SnapshotSandboxRequest(sandbox_id=self.id, template_name=template_name)
+        return Template.from_pb(await self._c._unary("SnapshotSandbox", req))
+
+    async def destroy(self) -> bool:
+        resp = await self._c._unary("DestroySandbox", pb.DestroySandboxRequest(sandbox_id=self.id))
+        return resp.destroyed

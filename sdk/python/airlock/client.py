@@ -1,0 +1,371 @@
+"""The synchronous client."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Union
+
+import grpc
+
+from . import _common as c
+from ._common import ExecResult, FileEntry, OutputChunk, Template, TemplateProgress
+from ._proto import airlock_pb2 as pb
+from ._proto import airlock_pb2_grpc as pb_grpc
+from .errors import AirlockError, Unavailable, from_rpc_error
+
+OutputCallback = Callable[[OutputChunk], None]
+
+
+class Client:
+    """A connection to ``airlockd``.
+
+    Args:
+        address: ``unix:///PATH``, an absolute socket path, or ``HOST:PORT`` /
+            ``tcp://HOST:PORT``. Default: ``$AIRLOCK_ADDR``, else the daemon's default socket
+            ``/run/airlock/airlockd.sock``.
+        token: the tenant token (sent as ``authorization: Bearer TOKEN``). Default:
+            ``$AIRLOCK_TOKEN``; without one, the Unix socket acts as the default tenant.
+        timeout: deadline in seconds for each unary call (``None``: none; creates and template
+            builds wait as long as they take).
+
+    Example::
+
+        with Client() as client, client.sandboxes.create() as sandbox:
+            print(sandbox.exec(["python3", "-c", "print(6*7)"]).stdout)
+    """
+
+    def __init__(
+        self,
+        address: Optional[str] = None,
+        token: Optional[str] = None,
+        *,
+        timeout: Optional[float] = None,
+    ) -> None:
+        self.address = c.resolve_address(address)
+        self._channel = grpc.insecure_channel(self.address, options=c.channel_options(self.address))
+        self._stub = pb_grpc.AirlockStub(self._channel)
+        self._metadata = c.call_metadata(token)
+        self._timeout = timeout
+        self.sandboxes = Sandboxes(self)
+        self.templates = Templates(self)
+        self.executions = Executions(self)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- plumbing --
+
+    def _unary(self, method: str, request, timeout: Optional[float] = None):
+        try:
+            return getattr(self._stub, method)(
+                request, metadata=self._metadata, timeout=timeout or self._timeout
+            )
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def _server_stream(self, method: str, request) -> Iterator:
+        try:
+            yield from getattr(self._stub, method)(request, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+
+class Templates:
+    """``client.templates``: build, list and delete templates."""
+
+    def __init__(self, client: Client) -> None:
+        self._c = client
+
+    def create(
+        self,
+        name: str,
+        *,
+        kernel_path: str = "",
+        rootfs_path: str = "",
+        vcpus: int = 0,
+        memory_mib: int = 0,
+        warmup: str = "",
+        no_warmup: bool = False,
+        on_progress: Optional[Callable[[TemplateProgress], None]] = None,
+    ) -> Template:
+        """Boots the kernel and image once, runs ``warmup`` (a shell command whose files end
+        up in the snapshot's page cache; default: the daemon's, which loads Python;
+        ``no_warmup`` skips it) and snapshots the VM (tens of seconds on nested KVM).
+        ``on_progress`` sees each progress event. Empty paths: the daemon's defaults."""
+        req = pb.CreateTemplateRequest(
+            name=name,
+            kernel_path=kernel_path,
+            rootfs_path=rootfs_path,
+            vcpus=vcpus,
+            memory_mib=memory_mib,
+            warmup=warmup,
+            no_warmup=no_warmup,
+        )
+        for ev in self._c._server_stream("CreateTemplate", req):
+            if on_progress is not None:
+                on_progress(TemplateProgress(ev.phase, ev.elapsed_ms, ev.message))
+            if ev.HasField("template"):
+                return Template.from_pb(ev.template)
+        raise AirlockError("the template build ended without a template", "INTERNAL")
+
+    def list(self) -> List[Template]:
+        resp = self._c._unary("ListTemplates", pb.ListTemplatesRequest())
+        return [Template.from_pb(t) for t in resp.templates]
+
+    def delete(self, name: str) -> None:
+        self._c._unary("DeleteTemplate", pb.DeleteTemplateRequest(name=name))
+
+
+class Sandboxes:
+    """``client.sandboxes``: create, find and list sandboxes."""
+
+    def __init__(self, client: Client) -> None:
+        self._c = client
+
+    def create(
+        self,
+        template: str = "base",
+        *,
+        vcpus: int = 0,
+        memory_mib: int = 0,
+        disk_mib: int = 0,
+        env: Optional[Mapping[str, str]] = None,
+        files: Optional[Mapping[str, Union[bytes, str]]] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        timeout: Optional[float] = None,
+        idle_timeout: Optional[float] = None,
+        writable: Optional[Sequence[str]] = None,
+        exportable: Optional[Sequence[str]] = None,
+    ) -> "Sandbox":
+        """Starts a sandbox from ``template`` and returns once its agent is ready.
+
+        Args:
+            vcpus, memory_mib: 0 or the template's shape (a snapshot's shape is fixed).
+            env: environment of every execution in it.
+            files: ``{path: content}`` placed before it is answered.
+            labels: to find it again with :meth:`list`.
+            timeout: lifetime in seconds, after which the daemon destroys it.
+            idle_timeout: seconds without calls after which the daemon destroys it.
+            writable, exportable: path prefixes that file calls may write / read.
+        """
+        req = c.create_request(
+            template, vcpus, memory_mib, disk_mib, env, files, labels, timeout, idle_timeout,
+            writable, exportable,
+        )
+        return Sandbox(self._c, self._c._unary("CreateSandbox", req))
+
+    def get(self, sandbox_id: str) -> "Sandbox":
+        return Sandbox(self._c, self._c._unary("GetSandbox", pb.GetSandboxRequest(sandbox_id=sandbox_id)))
+
+    def list(
+        self,
+        labels: Optional[Mapping[str, str]] = None,
+        states: Optional[Sequence[str]] = None,
+    ) -> List["Sandbox"]:
+        """The caller's sandboxes with all of ``labels``, in ``states`` (default: running,
+        paused and starting)."""
+        req = pb.ListSandboxesRequest(labels=dict(labels or {}), states=c.sandbox_states(states))
+        return [Sandbox(self._c, s) for s in self._c._unary("ListSandboxes", req).sandboxes]
+
+
+class Executions:
+    """``client.executions``: records of executions by id."""
+
+    def __init__(self, client: Client) -> None:
+        self._c = client
+
+    def get(self, execution_id: str, *, include_output: bool = True) -> ExecResult:
+        resp = self._c._unary(
+            "GetExecution",
+            pb.GetExecutionRequest(execution_id=execution_id, include_output=include_output),
+        )
+        return ExecResult.from_pb(resp.execution, resp.stdout, resp.stderr)
+
+    def attach(self, execution_id: str) -> "Execution":
+        """A handle on a (possibly still running) execution, for :meth:`Execution.stream`."""
+        return Execution(self._c, execution_id)
+
+
+class Execution:
+    """A started execution: stream its output, wait for it, kill it."""
+
+    def __init__(self, client: Client, execution_id: str) -> None:
+        self._c = client
+        self.id = execution_id
+
+    def stream(self, stdout_offset: int = 0, stderr_offset: int = 0) -> Iterator[OutputChunk]:
+        """Yields output as it arrives (from the given offsets); the generator's return value
+        (``StopIteration.value``) is the final :class:`ExecResult` without output. A stream
+        that breaks is resumed from where it stopped."""
+        cursor = c.StreamCursor(self.id, stdout_offset, stderr_offset)
+        while True:
+            try:
+                for ev in self._c._server_stream("StreamExecution", cursor.request()):
+                    chunk, final = cursor.advance(ev)
+                    if final is not None:
+                        return final
+                    if chunk is not None:
+                        yield chunk
+            except Unavailable as e:
+                time.sleep(cursor.retry_delay(e))
+                continue
+            raise cursor.ended_early()
+
+    def wait(
+        self,
+        on_stdout: Optional[OutputCallback] = None,
+        on_stderr: Optional[OutputCallback] = None,
+        *,
+        check: bool = True,
+    ) -> ExecResult:
+        """Waits for the end, collecting the output (and passing each chunk to the callbacks).
+        With ``check`` (the default), a timeout, an out-of-memory kill or a lost sandbox raise
+        :class:`~airlock.ExecTimeout`, :class:`~airlock.OomKilled`, ... carrying the result."""
+        collector = c.OutputCollector(on_stdout, on_stderr)
+        gen = self.stream()
+        while True:
+            try:
+                collector.add(next(gen))
+            except StopIteration as stop:
+                return collector.result(stop.value, check)
+
+    def kill(self, signal: int = 0) -> bool:
+        """Sends ``signal`` (0: SIGKILL); False when it had already ended."""
+        resp = self._c._unary("KillExecution", pb.KillExecutionRequest(execution_id=self.id, signal=signal))
+        return resp.signalled
+
+    def result(self) -> ExecResult:
+        """The record and stored output now (it may still be running)."""
+        return self._c.executions.get(self.id)
+
+
+class Files:
+    """``sandbox.files``: move files in and out under the sandbox's policy."""
+
+    def __init__(self, sandbox: "Sandbox") -> None:
+        self._s = sandbox
+
+    def write(self, path: str, data: Union[bytes, str], mode: int = 0) -> int:
+        """Writes ``data`` to ``path`` (parents are created); returns the bytes written."""
+        try:
+            resp = self._s._c._stub.WriteFile(
+                c.write_requests(self._s.id, path, data, mode), metadata=self._s._c._metadata
+            )
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return resp.bytes_written
+
+    def read(self, path: str) -> bytes:
+        req = pb.ReadFileRequest(sandbox_id=self._s.id, path=path)
+        return b"".join(chunk.data for chunk in self._s._c._server_stream("ReadFile", req))
+
+    def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return self.read(path).decode(encoding)
+
+    def list(self, path: str) -> List[FileEntry]:
+        resp = self._s._c._unary("ListFiles", pb.ListFilesRequest(sandbox_id=self._s.id, path=path))
+        return [FileEntry(e.name, e.is_dir, e.size, e.mode) for e in resp.entries]
+
+
+class Sandbox(c.SandboxInfo):
+    """A sandbox: one microVM. As a context manager it is destroyed on exit."""
+
+    def __init__(self, client: Client, info: "pb.Sandbox") -> None:
+        self._c = client
+        self._info = info
+        self.files = Files(self)
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    def refresh(self) -> "Sandbox":
+        """Fetches the record again (state, usage)."""
+        self._info = self._c._unary("GetSandbox", pb.GetSandboxRequest(sandbox_id=self.id))
+        return self
+
+    def start(
+        self,
+        cmd: c.Command,
+        *,
+        cwd: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        timeout: Optional[float] = None,
+        stdin: Union[bytes, str, None] = None,
+        language: Optional[str] = None,
+        memory_limit_mib: Optional[int] = None,
+    ) -> Execution:
+        """Starts ``cmd`` and returns at once. ``cmd`` is an argv list, or a string run by
+        ``/bin/sh -c`` (source code in ``language`` when that is given). ``timeout`` in
+        seconds is enforced by the daemon even if this client goes away; ``memory_limit_mib``
+        bounds the program's memory (going over it raises :class:`~airlock.OomKilled` from
+        :meth:`Execution.wait`, and the sandbox lives on)."""
+        req = c.exec_request(self.id, cmd, cwd, env, timeout, stdin, language, memory_limit_mib)
+        return Execution(self._c, self._c._unary("Exec", req).execution_id)
+
+    def exec(
+        self,
+        cmd: c.Command,
+        *,
+        cwd: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        timeout: Optional[float] = None,
+        stdin: Union[bytes, str, None] = None,
+        memory_limit_mib: Optional[int] = None,
+        on_stdout: Optional[OutputCallback] = None,
+        on_stderr: Optional[OutputCallback] = None,
+        check: bool = True,
+    ) -> ExecResult:
+        """Runs ``cmd`` to its end and returns its :class:`ExecResult` (``stdout``, ``stderr``,
+        ``exit_code``, timings). Output goes to the callbacks as it arrives. A non-zero exit
+        code is returned, not raised; a timeout raises :class:`~airlock.ExecTimeout` (unless
+        ``check=False``)."""
+        return self.start(
+            cmd, cwd=cwd, env=env, timeout=timeout, stdin=stdin, memory_limit_mib=memory_limit_mib
+        ).wait(
+            on_stdout, on_stderr, check=check
+        )
+
+    def run_code(
+        self,
+        source: str,
+        *,
+        language: str = "python",
+        timeout: Optional[float] = None,
+        env: Optional[Mapping[str, str]] = None,
+        memory_limit_mib: Optional[int] = None,
+        on_stdout: Optional[OutputCallback] = None,
+        on_stderr: Optional[OutputCallback] = None,
+        check: bool = True,
+    ) -> ExecResult:
+        """Runs source code with the guest's interpreter (``python`` or ``sh``)."""
+        ex = self.start(
+            source, env=env, timeout=timeout, language=language, memory_limit_mib=memory_limit_mib
+        )
+        return ex.wait(on_stdout, on_stderr, check=check)
+
+    def pause(self) -> "Sandbox":
+        self._info = self._c._unary("PauseSandbox", pb.PauseSandboxRequest(sandbox_id=self.id))
+        return self
+
+    def resume(self) -> "Sandbox":
+        self._info = self._c._unary("ResumeSandbox", pb.ResumeSandboxRequest(sandbox_id=self.id))
+        return self
+
+    def snapshot(self, template_name: str) -> Template:
+        """Snapshots the sandbox into a new template of the caller's; it goes on running."""
+        req = pb.SnapshotSandboxRequest(sandbox_id=self.id, template_name=template_name)
+        return Template.from_pb(self._c._unary("SnapshotSandbox", req))
+
+    def destroy(self) -> bool:
+        """Destroys it (idempotent); False when it had already ended."""
+        resp = self._c._unary("DestroySandbox", pb.DestroySandboxRequest(sandbox_id=self.id))
+        return resp.destroyed

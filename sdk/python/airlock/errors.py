@@ -1,0 +1,283 @@
+"""Exceptions of the Airlock SDK.
+
+Every failed call raises an :class:`AirlockError` subclass chosen by the reason code that
+``airlockd`` sends in a ``google.rpc.ErrorInfo`` detail (the codes are listed at the top of
+``proto/airlock.proto``). The classes tell three kinds of trouble apart:
+
+* your own request: :class:`InvalidArgument`, :class:`Unauthenticated`, :class:`NotFound` and its
+  subclasses, :class:`TemplateExists`, :class:`SandboxNotRunning`, :class:`PathNotAllowed`;
+* limits: :class:`ResourceExhausted` (:class:`CapacityExhausted`, :class:`QuotaExceeded`,
+  :class:`FileTooLarge`, :class:`DiskQuotaExceeded`);
+* the code you ran or the sandbox it ran in: :class:`ExecTimeout`, :class:`SandboxDead`
+  (:class:`GuestCrashed`, :class:`OomKilled`);
+* the platform: :class:`Unavailable`, :class:`InternalError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import grpc
+
+__all__ = [
+    "AirlockError",
+    "InvalidArgument",
+    "Unauthenticated",
+    "NotFound",
+    "SandboxNotFound",
+    "ExecutionNotFound",
+    "TemplateNotFound",
+    "TemplateExists",
+    "SandboxNotRunning",
+    "ResourceExhausted",
+    "CapacityExhausted",
+    "QuotaExceeded",
+    "FileTooLarge",
+    "DiskQuotaExceeded",
+    "PathNotAllowed",
+    "ExecTimeout",
+    "SandboxDead",
+    "GuestCrashed",
+    "OomKilled",
+    "Unavailable",
+    "InternalError",
+]
+
+
+class AirlockError(Exception):
+    """A failed Airlock call.
+
+    Attributes:
+        reason: the reason code (``"SANDBOX_NOT_FOUND"``, ``"CAPACITY_EXHAUSTED"``, ...).
+        message: the daemon's sentence.
+        metadata: the details of the ``ErrorInfo`` (for example ``limit`` and ``current``).
+        code: the gRPC status code, if the error came from a call.
+        result: for errors of an execution (:class:`ExecTimeout`, :class:`OomKilled`, ...), the
+            :class:`~airlock.ExecResult` with the output it produced before it ended.
+    """
+
+    reason_codes: tuple = ()
+
+    def __init__(
+        self,
+        message: str,
+        reason: str = "",
+        metadata: Optional[Dict[str, str]] = None,
+        code: Optional[grpc.StatusCode] = None,
+        result: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason
+        self.metadata: Dict[str, str] = dict(metadata or {})
+        self.code = code
+        self.result = result
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.message}" if self.reason else self.message
+
+
+class InvalidArgument(AirlockError):
+    """The request is malformed (a bad name, id, path, shape or limit)."""
+
+    reason_codes = ("INVALID_ARGUMENT",)
+
+
+class Unauthenticated(AirlockError):
+    """No token, or a token the daemon does not know."""
+
+    reason_codes = ("UNAUTHENTICATED",)
+
+
+class NotFound(AirlockError):
+    """Something the call names does not exist (for this tenant)."""
+
+
+class SandboxNotFound(NotFound):
+    reason_codes = ("SANDBOX_NOT_FOUND",)
+
+
+class ExecutionNotFound(NotFound):
+    reason_codes = ("EXECUTION_NOT_FOUND",)
+
+
+class TemplateNotFound(NotFound):
+    reason_codes = ("TEMPLATE_NOT_FOUND",)
+
+
+class TemplateExists(AirlockError):
+    """A template of that name exists; templates are immutable."""
+
+    reason_codes = ("TEMPLATE_EXISTS",)
+
+
+class SandboxNotRunning(AirlockError):
+    """The sandbox is paused, dead or destroyed."""
+
+    reason_codes = ("SANDBOX_NOT_RUNNING",)
+
+
+class ResourceExhausted(AirlockError):
+    """A limit was reached; ``metadata`` has ``limit`` and ``current`` where they apply."""
+
+    @property
+    def limit(self) -> Optional[int]:
+        return _int(self.metadata.get("limit"))
+
+    @property
+    def current(self) -> Optional[int]:
+        return _int(self.metadata.get("current"))
+
+
+class CapacityExhausted(ResourceExhausted):
+    """The host is full (sandboxes or committed memory)."""
+
+    reason_codes = ("CAPACITY_EXHAUSTED",)
+
+
+class QuotaExceeded(ResourceExhausted):
+    """The tenant's quota is used up."""
+
+    reason_codes = ("QUOTA_EXCEEDED",)
+
+
+class FileTooLarge(ResourceExhausted):
+    """A file is over the daemon's size limit."""
+
+    reason_codes = ("FILE_TOO_LARGE",)
+
+
+class DiskQuotaExceeded(ResourceExhausted):
+    """The sandbox's writable space (``disk_mib``) is full."""
+
+    reason_codes = ("DISK_QUOTA_EXCEEDED",)
+
+
+class PathNotAllowed(AirlockError):
+    """The sandbox's file policy forbids the path."""
+
+    reason_codes = ("PATH_NOT_ALLOWED",)
+
+
+class ExecTimeout(AirlockError):
+    """An execution ran past its timeout and was ended by the daemon (``result`` has its output)."""
+
+    reason_codes = ("EXEC_TIMEOUT",)
+
+
+class SandboxDead(AirlockError):
+    """The sandbox's VM ended on its own; the sandbox is gone."""
+
+    reason_codes = ("SANDBOX_DEAD",)
+
+
+class GuestCrashed(SandboxDead):
+    """The guest kernel panicked or the VM failed."""
+
+    reason_codes = ("GUEST_CRASHED",)
+
+
+class OomKilled(SandboxDead):
+    """Out of memory: the execution (or the whole sandbox) was killed."""
+
+    reason_codes = ("OOM_KILLED",)
+
+
+class Unavailable(AirlockError):
+    """The daemon or the guest agent cannot be reached."""
+
+    reason_codes = ("AGENT_UNAVAILABLE",)
+
+
+class InternalError(AirlockError):
+    """A fault of the platform."""
+
+    reason_codes = ("INTERNAL",)
+
+
+_BY_REASON = {
+    code: cls
+    for cls in (
+        InvalidArgument,
+        Unauthenticated,
+        SandboxNotFound,
+        ExecutionNotFound,
+        TemplateNotFound,
+        TemplateExists,
+        SandboxNotRunning,
+        CapacityExhausted,
+        QuotaExceeded,
+        FileTooLarge,
+        DiskQuotaExceeded,
+        PathNotAllowed,
+        ExecTimeout,
+        SandboxDead,
+        GuestCrashed,
+        OomKilled,
+        Unavailable,
+        InternalError,
+    )
+    for code in cls.reason_codes
+}
+
+# Without a known reason code, the gRPC status decides.
+_BY_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidArgument,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PathNotAllowed,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: TemplateExists,
+    grpc.StatusCode.FAILED_PRECONDITION: SandboxNotRunning,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+}
+
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+def error_class(reason: str, code: Optional[grpc.StatusCode] = None) -> type:
+    """The exception class of a reason code (or, failing that, of a gRPC status code)."""
+    if reason in _BY_REASON:
+        return _BY_REASON[reason]
+    if code is not None and code in _BY_STATUS:
+        return _BY_STATUS[code]
+    return InternalError if code is not None else AirlockError
+
+
+def from_rpc_error(err: grpc.RpcError) -> AirlockError:
+    """Turns a failed call (sync or asyncio) into the matching :class:`AirlockError`."""
+    code = err.code() if hasattr(err, "code") else None
+    message = err.details() if hasattr(err, "details") else str(err)
+    reason, metadata = "", {}
+    trailers = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == STATUS_DETAILS_KEY:
+            reason, metadata = _error_info(value)
+    if not reason and code == grpc.StatusCode.UNAVAILABLE and not trailers:
+        message = f"cannot reach airlockd: {message}"
+    cls = error_class(reason, code)
+    return cls(message or "", reason=reason, metadata=metadata, code=code)
+
+
+def _error_info(blob: bytes):
+    from google.rpc import error_details_pb2, status_pb2
+
+    status = status_pb2.Status()
+    try:
+        status.ParseFromString(blob)
+    except Exception:  # a malformed detail: fall back to the status code
+        return "", {}
+    for any_detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if any_detail.Unpack(info):
+            return info.reason, dict(info.metadata)
+    return "", {}
+
+
+def _int(v: Optional[str]) -> Optional[int]:
+    try:
+        return int(v) if v is not None else None
+    except ValueError:
+        return None

@@ -1,0 +1,289 @@
+"""Every call of the synchronous SDK against the live daemon of the session (conftest.py).
+
+Executions cost seconds each on the nested-KVM build machines (the guest kernel is emulated),
+so each test checks several things per execution.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+import airlock
+from airlock import Client
+from conftest import ACME_TOKEN, MAX_FILE_BYTES, MAX_SANDBOXES
+
+
+def test_template_build_progress_and_listing(daemon, client):
+    phases = [p.phase for p in daemon.progress]
+    assert phases[0] == "booting" and phases[-1] == "ready", phases
+    assert all(p.message for p in daemon.progress)
+    base = daemon.base
+    assert base.name == "base" and base.id.startswith("tpl-")
+    assert (base.vcpus, base.memory_mib) == (1, 256)
+    listed = {t.name: t for t in client.templates.list()}
+    assert listed["base"].id == base.id
+    assert listed["base"].kernel_version and listed["base"].rootfs_version
+    # Templates are immutable.
+    with pytest.raises(airlock.TemplateExists) as e:
+        client.templates.create("base")
+    assert e.value.reason == "TEMPLATE_EXISTS"
+
+
+def test_exec_result_fields(sandbox):
+    script = 'echo "out $GREETING $(pwd)"; read line; echo "in $line"; echo oops >&2; exit 3'
+    r = sandbox.exec(script, cwd="/tmp", env={"GREETING": "hello"}, stdin="piped\n")
+    assert r.state == "exited" and r.exit_code == 3 and not r.ok
+    assert r.stdout == "out hello /tmp\nin piped\n"
+    assert r.stderr == "oops\n"
+    assert r.execution_id.startswith("ex-")
+    assert r.started_unix_ms > 0 and r.ended_unix_ms >= r.started_unix_ms
+    assert r.duration_ms == r.ended_unix_ms - r.started_unix_ms
+    assert r.cpu_user_us + r.cpu_system_us > 0
+
+    py = sandbox.run_code("import sys; print(6*7); print('e', file=sys.stderr)")
+    assert py.ok and py.stdout == "42\n" and py.stderr == "e\n"
+
+    # The stored record and output, by id.
+    again = sandbox._c.executions.get(r.execution_id)
+    assert (again.exit_code, again.stdout, again.stderr) == (3, r.stdout, r.stderr)
+    with pytest.raises(airlock.InvalidArgument):
+        sandbox.exec([])
+
+
+def test_output_streams_as_it_arrives(sandbox):
+    # Three lines, one every 0.5 s: they arrive one by one, before the exit record.
+    ex = sandbox.start(["sh", "-c", "for i in 1 2 3; do echo line$i; sleep 0.5; done; echo done >&2"])
+    seen = []
+    arrival = []
+    gen = ex.stream()
+    try:
+        while True:
+            chunk = next(gen)
+            seen.append((chunk.stream, chunk.text))
+            arrival.append(time.monotonic())
+    except StopIteration as stop:
+        final = stop.value
+    assert final.state == "exited" and final.exit_code == 0
+    stdout = "".join(t for s, t in seen if s == "stdout")
+    assert stdout == "line1\nline2\nline3\n"
+    assert ("stderr", "done\n") in seen
+    assert len([s for s, _ in seen if s == "stdout"]) >= 2, "stdout came in one piece: not streamed"
+
+    # Callbacks, and a resumed stream from an offset (the output is stored by the daemon).
+    chunks = []
+    res = ex.wait(on_stdout=chunks.append)
+    assert res.stdout == stdout and "".join(c.text for c in chunks) == stdout
+    tail = list(_drain(sandbox._c.executions.attach(ex.id).stream(stdout_offset=len("line1\n"))))
+    assert "".join(c.text for c in tail if c.stream == "stdout") == "line2\nline3\n"
+
+
+def _drain(gen):
+    try:
+        while True:
+            yield next(gen)
+    except StopIteration:
+        return
+
+
+def test_timeout_and_kill(sandbox):
+    t0 = time.monotonic()
+    with pytest.raises(airlock.ExecTimeout) as e:
+        sandbox.exec(["sleep", "60"], timeout=2)
+    assert e.value.reason == "EXEC_TIMEOUT"
+    assert e.value.result.state == "timed_out"
+    assert e.value.result.error_reason == "EXEC_TIMEOUT"
+    assert time.monotonic() - t0 < 30
+    # check=False returns the record instead.
+    r = sandbox.exec(["sleep", "60"], timeout=1, check=False)
+    assert r.state == "timed_out"
+
+    # A signal of the caller's choice ends the program by that signal...
+    ex = sandbox.start(["sleep", "60"])
+    assert ex.kill(signal.SIGTERM) is True
+    r = ex.wait()
+    assert (r.state, r.signal, r.exit_code) == ("exited", signal.SIGTERM, -1)
+    assert ex.kill() is False
+    # ...and the default (SIGKILL) is the platform's kill, recorded as such.
+    ex = sandbox.start(["sleep", "60"])
+    assert ex.kill() is True
+    r = ex.wait()
+    assert r.state == "killed" and r.error_reason == "KILLED"
+
+
+def test_files(client):
+    placed = {"/tmp/placed.txt": "from create\n", "/tmp/sub/bin.dat": bytes(range(256))}
+    with client.sandboxes.create(files=placed) as sb:
+        assert sb.files.read_text("/tmp/placed.txt") == "from create\n"
+        assert sb.files.read("/tmp/sub/bin.dat") == bytes(range(256))
+        big = os.urandom(3 << 20)
+        assert sb.files.write("/tmp/big.bin", big) == len(big)
+        assert sb.files.read("/tmp/big.bin") == big
+        assert sb.files.write("/tmp/exec.sh", "echo hi\n", mode=0o755) == 8
+        entries = {e.name: e for e in sb.files.list("/tmp")}
+        assert entries["big.bin"].size == len(big) and not entries["big.bin"].is_dir
+        assert entries["sub"].is_dir
+        assert entries["exec.sh"].mode & 0o777 == 0o755
+        with pytest.raises(airlock.PathNotAllowed) as e:
+            sb.files.write("/etc/passwd", "x")
+        assert e.value.reason == "PATH_NOT_ALLOWED"
+        with pytest.raises(airlock.PathNotAllowed):
+            sb.files.read("/etc/shadow")
+        with pytest.raises(airlock.FileTooLarge) as e:
+            sb.files.write("/tmp/huge.bin", b"\0" * (MAX_FILE_BYTES + 1))
+        assert e.value.limit == MAX_FILE_BYTES
+    # The disk quota: /tmp holds disk_mib, for WriteFile and for programs alike.
+    with client.sandboxes.create(disk_mib=2) as sb:
+        sb.files.write("/tmp/fits.bin", b"\1" * (1 << 20))
+        with pytest.raises(airlock.DiskQuotaExceeded) as e:
+            sb.files.write("/tmp/over.bin", b"\2" * (3 << 20))
+        assert isinstance(e.value, airlock.ResourceExhausted)
+        assert e.value.limit == 2 << 20
+    # A policy of the caller's own.
+    with client.sandboxes.create(writable=["/tmp/in"], exportable=["/tmp"]) as sb:
+        sb.files.write("/tmp/in/a.txt", "a")
+        assert sb.files.read("/tmp/in/a.txt") == b"a"
+        with pytest.raises(airlock.PathNotAllowed):
+            sb.files.write("/tmp/elsewhere.txt", "b")
+
+
+def test_pause_resume_snapshot_and_templates(client):
+    with client.sandboxes.create(files={"/tmp/state.txt": "saved"}) as sb:
+        assert sb.state == "running"
+        assert sb.pause().state == "paused"
+        assert sb.refresh().state == "paused"
+        with pytest.raises(airlock.SandboxNotRunning) as e:
+            sb.files.read("/tmp/state.txt")
+        assert e.value.reason == "SANDBOX_NOT_RUNNING"
+        assert sb.resume().state == "running"
+        tpl = sb.snapshot("snap-test")
+        assert tpl.name == "snap-test" and tpl.source_sandbox_id == sb.id
+        assert sb.refresh().state == "running"
+    assert "snap-test" in {t.name for t in client.templates.list()}
+    with client.sandboxes.create(template="snap-test") as clone:
+        assert clone.template == "snap-test"
+        assert clone.files.read_text("/tmp/state.txt") == "saved"
+    client.templates.delete("snap-test")
+    assert "snap-test" not in {t.name for t in client.templates.list()}
+    with pytest.raises(airlock.TemplateNotFound):
+        client.sandboxes.create(template="snap-test")
+
+
+def test_get_list_labels_and_idempotent_destroy(client):
+    a = client.sandboxes.create(labels={"team": "a", "suite": "list"})
+    b = client.sandboxes.create(labels={"team": "b", "suite": "list"})
+    try:
+        assert {s.id for s in client.sandboxes.list(labels={"suite": "list"})} == {a.id, b.id}
+        assert [s.id for s in client.sandboxes.list(labels={"team": "b"})] == [b.id]
+        got = client.sandboxes.get(a.id)
+        assert got.id == a.id and got.labels == {"team": "a", "suite": "list"}
+        assert got.create_ms > 0 and got.vcpus == 1 and got.memory_mib == 256
+    finally:
+        assert a.destroy() is True
+        assert a.destroy() is False  # destroying twice succeeds
+        b.destroy()
+    assert client.sandboxes.list(labels={"suite": "list"}) == []
+    destroyed = client.sandboxes.list(labels={"suite": "list"}, states=["destroyed"])
+    assert {s.id for s in destroyed} == {a.id, b.id}
+    assert all(s.state == "destroyed" for s in destroyed)
+    with pytest.raises(airlock.InvalidArgument):
+        client.sandboxes.list(states=["sleepy"])
+
+
+def test_errors_a_client_can_tell_apart(daemon, client, tmp_path):
+    with pytest.raises(airlock.SandboxNotFound) as e:
+        client.sandboxes.get("sb-0000000000000000")
+    assert isinstance(e.value, airlock.NotFound) and e.value.reason == "SANDBOX_NOT_FOUND"
+    with pytest.raises(airlock.ExecutionNotFound):
+        client.executions.get("ex-0000000000000000")
+    with pytest.raises(airlock.TemplateNotFound):
+        client.sandboxes.create(template="no-such-template")
+    with pytest.raises(airlock.InvalidArgument) as e:
+        client.sandboxes.create(vcpus=3)
+    assert e.value.reason == "INVALID_ARGUMENT"
+    with pytest.raises(airlock.Unauthenticated):
+        Client(daemon.address, token="wrong").sandboxes.list()
+    with pytest.raises(airlock.Unavailable):
+        Client(f"unix://{tmp_path}/nothing.sock", timeout=5).sandboxes.list()
+    # A kernel that is no kernel: the template build fails on the platform's side.
+    bogus = tmp_path / "not-a-kernel"
+    bogus.write_bytes(b"\0" * 4096)
+    with pytest.raises(airlock.InternalError) as e:
+        client.templates.create("broken", kernel_path=str(bogus))
+    assert e.value.reason == "INTERNAL"
+    assert "broken" not in {t.name for t in client.templates.list()}
+
+
+def test_tenants_quota_and_capacity(daemon, client):
+    with Client(daemon.address, token=ACME_TOKEN) as acme:
+        mine = acme.sandboxes.create(labels={"owner": "acme"})
+        try:
+            with pytest.raises(airlock.QuotaExceeded) as e:
+                acme.sandboxes.create()
+            assert isinstance(e.value, airlock.ResourceExhausted)
+            assert (e.value.limit, e.value.current) == (1, 1)
+            # Another tenant sees nothing of it.
+            assert mine.id not in {s.id for s in client.sandboxes.list()}
+            with pytest.raises(airlock.SandboxNotFound):
+                client.sandboxes.get(mine.id)
+            with pytest.raises(airlock.SandboxNotFound):
+                client.sandboxes.get(mine.id).destroy()
+        finally:
+            mine.destroy()
+
+    made = []
+    try:
+        with pytest.raises(airlock.CapacityExhausted) as e:
+            for _ in range(MAX_SANDBOXES + 1):
+                made.append(client.sandboxes.create(labels={"suite": "capacity"}))
+        assert e.value.reason == "CAPACITY_EXHAUSTED"
+        assert e.value.limit == MAX_SANDBOXES and e.value.current == MAX_SANDBOXES
+        assert len(made) <= MAX_SANDBOXES
+    finally:
+        for s in made:
+            s.destroy()
+
+
+def test_a_killed_vmm_makes_a_dead_sandbox(client):
+    sb = client.sandboxes.create()
+    pid = sb.info.vmm_pid
+    assert pid > 0
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while sb.refresh().state != "dead":
+        assert time.monotonic() < deadline, "the sandbox was not reported dead"
+        time.sleep(0.2)
+    assert sb.end_reason == "SANDBOX_DEAD"
+    with pytest.raises(airlock.SandboxDead) as e:
+        sb.exec(["true"])
+    assert e.value.reason == "SANDBOX_DEAD"
+    assert sb.destroy() is False
+
+
+def test_out_of_memory_ends_the_execution(sandbox):
+    # The program allocates 4 MiB at a time without end; its limit is 24 MiB.
+    hog = "chunks = []\nwhile True:\n    chunks.append(b'x' * (4 << 20))\n    print(len(chunks), flush=True)"
+    with pytest.raises(airlock.OomKilled) as e:
+        sandbox.run_code(hog, memory_limit_mib=24)
+    assert isinstance(e.value, airlock.SandboxDead)
+    assert e.value.reason == "OOM_KILLED"
+    r = e.value.result
+    assert r.state == "oom_killed" and r.signal == 9
+    allocated = [int(x) for x in r.stdout.split()]
+    assert allocated and max(allocated) <= 6, r.stdout
+    # The sandbox itself lives on.
+    assert sandbox.refresh().state == "running"
+
+
+def test_a_guest_kernel_panic_is_reported(client):
+    sb = client.sandboxes.create()
+    with pytest.raises(airlock.GuestCrashed) as e:
+        sb.exec(["sh", "-c", "echo c > /proc/sysrq-trigger"])
+    assert e.value.reason == "GUEST_CRASHED"
+    assert e.value.result.state == "failed"
+    assert sb.refresh().state == "dead" and sb.end_reason == "GUEST_CRASHED"
+    with pytest.raises(airlock.GuestCrashed):
+        sb.files.read("/tmp/x")
