@@ -68,7 +68,7 @@ stop_daemon() {
 
 ensure_template() {
   if ! "$airlock" template ls | awk '{print $1}' | grep -qx base; then
-    echo "== template base: one cold boot and a snapshot (about 45 s on nested KVM)" >&2
+    echo "== template base: a cold boot, a warm-up and a snapshot (about 90 s on nested KVM)" >&2
     "$airlock" template create base >/dev/null
   fi
 }
