@@ -115,8 +115,9 @@ impl Default for Config {
             max_file_bytes: 100 << 20,
             default_disk_mib: 1024,
             // Loads the interpreter sandboxes run most (and the shell) into the page cache of
-            // every template, so a sandbox's first Python starts warm.
-            template_warmup: "python3 -c pass".into(),
+            // every template, so a sandbox's first Python starts warm; an image without Python
+            // still builds.
+            template_warmup: "python3 -c pass 2>/dev/null || true".into(),
             max_disk_mib: 64 << 10,
             // The base image's root filesystem is read-only; /tmp is the guest's tmpfs.
             writable_paths: vec!["/tmp".into()],
