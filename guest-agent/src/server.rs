@@ -12,7 +12,7 @@
 use std::fmt;
 use std::fs::File;
 use std::io::{self, BufReader, Write};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -26,6 +26,9 @@ use airlock_proto::{FrameError, append_frame, read_frame};
 use crate::agent::Agent;
 use crate::error::ReqError;
 use crate::{exec, files, reseed, sys};
+
+/// How long PowerOff waits for the host to take its answer before the VM resets.
+const POWER_OFF_LINGER: Duration = Duration::from_secs(1);
 
 /// Where the agent listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -196,6 +199,18 @@ impl ConnWriter {
             && !sys::peer_gone(self.control.as_fd())
     }
 
+    /// Waits up to `grace` for the host to close the connection or send more, so that the
+    /// last answer is on its way before the VM resets (the guest's vsock transmits from a
+    /// queue that a reset would drop).
+    pub fn linger(&self, grace: Duration) {
+        let mut fds = [libc::pollfd {
+            fd: self.control.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        let _ = sys::poll(&mut fds, Some(grace));
+    }
+
     /// Ends the connection for every thread using it: blocked reads and writes return.
     pub fn shutdown(&self) {
         self.broken.store(true, Ordering::SeqCst);
@@ -294,6 +309,7 @@ fn dispatch(agent: &Arc<Agent>, conn: &Arc<ConnWriter>, req: Request) -> Flow {
         }))),
         request::Kind::PowerOff(_) => {
             conn.send(&ok(id));
+            conn.linger(POWER_OFF_LINGER);
             agent.power_off();
         }
         other => files::handle(&other)

@@ -170,6 +170,8 @@ fn client_thread(
         let _ = stop.write(1);
         return;
     }
+    // Closing our end lets the agent reset the VM at once (it waits for that, briefly).
+    drop(client);
     std::thread::sleep(POWER_OFF_GRACE);
     if !vm_gone.load(Ordering::Acquire) {
         log::warn!("the guest did not power off within {POWER_OFF_GRACE:?}; stopping the VM");
