@@ -14,7 +14,7 @@ usage: airlock-vmm boot --kernel PATH --rootfs PATH [options]
        airlock-vmm snapshot --kernel PATH --rootfs PATH --out DIR [options]
        airlock-vmm restore --snapshot DIR [--vsock PATH] [--control PATH] [--console PATH]
        airlock-vmm pool --control PATH [--vcpus N] [--mem-mib M | --snapshot DIR] [--vsock PATH]
-                        [--console PATH]
+                        [--console PATH] [--cpu-template T]
        airlock-vmm control PATH pause|resume|status|stop|snapshot DIR|restore DIR
 
 boot: boots the kernel with the root filesystem image as /dev/vda (read-only) and exits when the
@@ -66,6 +66,12 @@ run options:
   --timeout SECS            kill CMD (its whole process tree) after SECS (default: none)
   --cwd DIR                 working directory of CMD in the guest (default /)
   --env KEY=VALUE           environment for CMD (repeatable)
+process options (every VM subcommand):
+  --no-seccomp              no per-thread seccomp filters (debugging only; by default every
+                            thread installs its filter before the guest runs, and a system call
+                            outside it ends the VMM with exit code 70)
+  --test-hooks              accept `probe open PATH`, `probe kill PID SIG` and `probe seccomp`
+                            on the control socket (tests of the jail; never in production)
 environment: AIRLOCK_LOG=error|warn|info|debug (default info)";
 
 /// What `run` needs beyond the VM.
@@ -291,6 +297,8 @@ pub struct PoolOptions {
     pub control: PathBuf,
     pub vsock: Option<PathBuf>,
     pub console: ConsoleOutput,
+    /// The CPU template the snapshot must have been taken with (default: detected).
+    pub cpu_template: Option<CpuTemplate>,
 }
 
 pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
@@ -300,6 +308,7 @@ pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
     let mut control = None;
     let mut vsock = None;
     let mut console = ConsoleOutput::Stdout;
+    let mut cpu_template = None;
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut value = || {
@@ -308,6 +317,7 @@ pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
                 .ok_or_else(|| format!("{flag} needs a value"))
         };
         match flag.as_str() {
+            "--cpu-template" => cpu_template = parse_template(&value()?)?,
             "--vcpus" => {
                 vcpus = value()?
                     .parse()
@@ -346,7 +356,45 @@ pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
         control: control.ok_or("--control PATH is required")?,
         vsock,
         console,
+        cpu_template,
     })
+}
+
+/// Flags of the whole process, accepted by every VM subcommand (before a `run` command's `--`).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ProcessFlags {
+    /// `--no-seccomp`: run without the per-thread seccomp filters (debugging only).
+    pub no_seccomp: bool,
+    /// `--test-hooks`: accept `probe ...` on the control socket (tests of the jail only).
+    pub test_hooks: bool,
+}
+
+/// Removes the process flags from `args` and returns them.
+pub fn take_process_flags(args: &mut Vec<String>) -> ProcessFlags {
+    let end = args.iter().position(|a| a == "--").unwrap_or(args.len());
+    let mut flags = ProcessFlags::default();
+    let mut i = 0;
+    let mut end = end;
+    while i < end {
+        let hit = match args[i].as_str() {
+            "--no-seccomp" => {
+                flags.no_seccomp = true;
+                true
+            }
+            "--test-hooks" => {
+                flags.test_hooks = true;
+                true
+            }
+            _ => false,
+        };
+        if hit {
+            args.remove(i);
+            end -= 1;
+        } else {
+            i += 1;
+        }
+    }
+    flags
 }
 
 pub fn log_vm_exit(exit: &VmExit) -> u8 {
@@ -447,6 +495,17 @@ mod tests {
         assert!(parse_pool(&args("--vcpus 2")).is_err());
         assert!(parse_pool(&args("--control /c --vcpus 0")).is_err());
         assert!(parse_pool(&args("--control /c --vcpus 99")).is_err());
+    }
+
+    #[test]
+    fn process_flags_are_taken_out_before_the_command_only() {
+        let mut a = args("pool --no-seccomp --control /c --test-hooks");
+        let f = take_process_flags(&mut a);
+        assert!(f.no_seccomp && f.test_hooks);
+        assert_eq!(a, args("pool --control /c"));
+        let mut r = args("run --snapshot /s -- prog --no-seccomp");
+        assert_eq!(take_process_flags(&mut r), ProcessFlags::default());
+        assert_eq!(r, args("run --snapshot /s -- prog --no-seccomp"));
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! → snapshot /some/dir\n ← {"ok":true,"memory_bytes_written":…,"snapshot_ms":…}\n  (paused VMs only)
 //! → status\n             ← {"ok":true,"state":"running","vcpus":1,"mem_mib":256,…}\n
 //! → stop\n               ← {"ok":true}\n  (the VM ends with exit code 0, "stopped")
+//! → probe open /etc/x\n  ← {"ok":true,"opened":false,"errno":2,…}\n  (only with --test-hooks)
 //! ```
 //!
 //! One command per connection; a failure answers `{"ok":false,"error":"…"}`. Lines are at most
@@ -40,6 +41,8 @@ pub enum VmCommand {
     Status,
     /// End the VM ([`crate::VmExit::Stopped`]).
     Stop,
+    /// A test hook (only with `--test-hooks`; see [`crate::probe`]).
+    Probe(crate::probe::Probe),
 }
 
 /// A command's answer: a JSON object of results, or an error message.
@@ -114,6 +117,7 @@ pub fn parse_command(line: &str) -> Result<VmCommand, String> {
         ("stop", true) => Ok(VmCommand::Stop),
         ("snapshot", false) => Ok(VmCommand::Snapshot(PathBuf::from(arg))),
         ("snapshot", true) => Err("snapshot needs a directory".into()),
+        ("probe", _) if crate::probe::enabled() => crate::probe::parse(arg).map(VmCommand::Probe),
         ("", _) => Err("empty command".into()),
         (w, _) => Err(format!(
             "unknown command {w:?} (pause, resume, snapshot DIR, status, stop)"
@@ -166,14 +170,72 @@ pub fn serve_control_listener(
     std::thread::Builder::new()
         .name("control-api".into())
         .spawn(move || {
-            for stream in listener.incoming() {
-                match stream {
-                    Ok(s) => serve_one(s, &handle),
-                    Err(e) => log::warn!("control socket: accept: {e}"),
-                }
+            if let Err(e) = crate::seccomp::apply(crate::seccomp::ThreadClass::Api) {
+                log::error!("control socket: {e}; not serving it");
+                return;
             }
+            serve_loop(&listener, &handle);
         })?;
     Ok(())
+}
+
+fn serve_loop(listener: &UnixListener, handle: &ControlHandle) {
+    for stream in listener.incoming() {
+        match stream {
+            Ok(s) => serve_one(s, handle),
+            Err(e) => log::warn!("control socket: accept: {e}"),
+        }
+    }
+}
+
+/// How a pool process's restore went, for the answer to `restore DIR`.
+#[derive(Debug)]
+pub enum RestoreOutcome {
+    /// The clone runs: its control handle and the answer's fields.
+    Running(ControlHandle, Value),
+    Failed(String),
+}
+
+/// A pool process's control socket, served on the control-api thread from the start (under
+/// its seccomp filter): it answers `status` until `restore DIR` arrives, hands the directory
+/// and the instant it was asked to the caller, answers the restore with the outcome the caller
+/// sends back, then serves the usual commands.
+#[derive(Debug)]
+pub struct PoolControl {
+    pub requests: Receiver<(PathBuf, std::time::Instant)>,
+    pub outcome: Sender<RestoreOutcome>,
+    pub thread: std::thread::JoinHandle<()>,
+}
+
+/// Starts serving a pool process's control socket (see [`PoolControl`]).
+pub fn serve_pool_control(listener: UnixListener, vcpus: usize) -> std::io::Result<PoolControl> {
+    let (req_tx, requests) = channel();
+    let (outcome, out_rx) = channel::<RestoreOutcome>();
+    let thread = std::thread::Builder::new()
+        .name("control-api".into())
+        .spawn(move || {
+            if let Err(e) = crate::seccomp::apply(crate::seccomp::ThreadClass::Api) {
+                log::error!("control socket: {e}; not serving it");
+                return;
+            }
+            let (requester, dir) = next_restore_request(&listener, vcpus);
+            if req_tx.send((dir, std::time::Instant::now())).is_err() {
+                return;
+            }
+            match out_rx.recv() {
+                Ok(RestoreOutcome::Running(handle, answer_fields)) => {
+                    answer(requester, &Ok(answer_fields));
+                    serve_loop(&listener, &handle);
+                }
+                Ok(RestoreOutcome::Failed(msg)) => answer(requester, &Err(msg)),
+                Err(_) => answer(requester, &Err("the VMM ended during the restore".into())),
+            }
+        })?;
+    Ok(PoolControl {
+        requests,
+        outcome,
+        thread,
+    })
 }
 
 /// Binds a control socket at `path` (mode 0600, replacing a stale socket file).

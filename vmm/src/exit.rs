@@ -11,6 +11,7 @@
 //! | 67 | KVM could not enter the guest (`KVM_EXIT_FAIL_ENTRY`) |
 //! | 68 | boot deadline passed before the guest printed `airlock: userspace up` |
 //! | 69 | unexpected vCPU exit or `KVM_RUN` failure |
+//! | 70 | seccomp violation: a VMM thread made a system call outside its filter (see `seccomp`) |
 
 use std::fmt;
 use std::time::Duration;
@@ -26,6 +27,7 @@ pub mod code {
     pub const FAIL_ENTRY: u8 = 67;
     pub const BOOT_TIMEOUT: u8 = 68;
     pub const VCPU_ERROR: u8 = 69;
+    pub const SECCOMP_VIOLATION: u8 = 70;
 }
 
 /// Why a VM stopped. Guest faults are results, not VMM errors.

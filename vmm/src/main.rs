@@ -102,6 +102,13 @@ fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
             return ExitCode::from(code::VMM_ERROR);
         }
     };
+    let ctl = match control::serve_pool_control(listener, usize::from(opts.vcpus)) {
+        Ok(c) => c,
+        Err(e) => {
+            log::error!("control thread: {e}");
+            return ExitCode::from(code::VMM_ERROR);
+        }
+    };
     log::info!(
         "pool: {} vCPU(s){} prepared after {} us; waiting for `restore DIR` on {}",
         opts.vcpus,
@@ -113,47 +120,44 @@ fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
         started.elapsed().as_micros(),
         opts.control.display()
     );
-    let (requester, dir) = control::next_restore_request(&listener, usize::from(opts.vcpus));
-    let asked = Instant::now();
+    let Ok((dir, asked)) = ctl.requests.recv() else {
+        log::error!("the control thread ended before a restore was asked for");
+        return ExitCode::from(code::VMM_ERROR);
+    };
     let config = vmm::RestoreConfig {
         snapshot_dir: dir,
         vsock_uds: opts.vsock.clone(),
         console: opts.console.clone(),
         console_limit: 64 << 20,
-        cpu_template: None,
+        cpu_template: opts.cpu_template,
     };
-    let vmm = match vmm::restore_microvm(&config, started, Some(prepared), asked) {
+    let built = vmm::restore_microvm(&config, started, Some(prepared), asked).and_then(|v| {
+        let handle = v.control_handle().map_err(vmm::BuildError::EventFd)?;
+        Ok((v, handle))
+    });
+    let (vmm, handle) = match built {
         Ok(v) => v,
         Err(e) => {
             let msg = cli::error_chain(&e);
             log::error!("{msg}");
-            control::answer(requester, &Err(msg));
+            let _ = ctl.outcome.send(control::RestoreOutcome::Failed(msg));
+            let _ = ctl.thread.join();
             return ExitCode::from(code::VMM_ERROR);
         }
     };
     if let Err(e) = vmm.stop_on_termination_signals() {
         log::warn!("SIGTERM/SIGINT will kill the VM abruptly: {e}");
     }
-    let handle = match vmm.control_handle() {
-        Ok(h) => h,
-        Err(e) => {
-            log::error!("control handle: {e}");
-            return ExitCode::from(code::VMM_ERROR);
-        }
-    };
-    let path = opts.control.clone();
-    // Everything that does not need to happen before the vCPUs run happens after. The answer
-    // goes first; the same listener then serves the usual commands (connections made meanwhile
-    // wait in its backlog), so there is no moment without a control socket.
+    // Everything that does not need to happen before the vCPUs run happens after: the answer
+    // goes out on the control thread once they do, and that thread then serves the usual
+    // commands on the same listener, so there is no moment without a control socket.
+    let outcome = ctl.outcome;
     finish(vmm.run_then(move || {
         let answer = serde_json::json!({
             "state": "running",
             "running_after_us": asked.elapsed().as_micros() as u64,
         });
-        control::answer(requester, &Ok(answer));
-        if let Err(e) = control::serve_control_listener(listener, handle) {
-            log::error!("control socket {}: {e}", path.display());
-        }
+        let _ = outcome.send(control::RestoreOutcome::Running(handle, answer));
     }))
 }
 
@@ -165,10 +169,34 @@ fn usage_error(msg: &str) -> ExitCode {
     ExitCode::from(code::USAGE)
 }
 
+/// Seccomp and test hooks for a VM subcommand, before any thread starts.
+fn set_up_process(flags: &cli::ProcessFlags) -> Result<(), ExitCode> {
+    if flags.no_seccomp {
+        log::warn!("--no-seccomp: the VMM's threads run without seccomp filters");
+    } else if let Err(e) = vmm::seccomp::enable() {
+        log::error!("{}", cli::error_chain(&e));
+        return Err(ExitCode::from(code::VMM_ERROR));
+    }
+    if flags.test_hooks {
+        log::warn!("--test-hooks: `probe` commands are accepted on the control socket");
+        if let Err(e) = vmm::probe::enable() {
+            log::error!("test hooks: {e}");
+            return Err(ExitCode::from(code::VMM_ERROR));
+        }
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let started = Instant::now();
     vmm::logger::init();
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let flags = cli::take_process_flags(&mut args);
+    if args.first().is_some_and(|c| c != "control")
+        && let Err(code) = set_up_process(&flags)
+    {
+        return code;
+    }
     match args.split_first() {
         Some((cmd, rest)) if cmd == "boot" => match cli::parse_vm_options(rest, false) {
             Ok((cfg, run)) => boot(&cfg, run.control.as_deref(), started),

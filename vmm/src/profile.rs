@@ -51,6 +51,8 @@ impl Samples {
 #[derive(Debug)]
 pub struct Sampler {
     stop: Arc<AtomicBool>,
+    /// The samples and the file to write them to, handed over at the end.
+    results: std::sync::mpsc::Sender<(Samples, String)>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -60,9 +62,14 @@ impl Sampler {
         let stop = Arc::new(AtomicBool::new(false));
         let target = crate::vcpu::current_thread();
         let flag = stop.clone();
+        let (results, rx) = std::sync::mpsc::channel::<(Samples, String)>();
         let thread = std::thread::Builder::new()
             .name("profiler".into())
             .spawn(move || {
+                if let Err(e) = crate::seccomp::apply(crate::seccomp::ThreadClass::Profiler) {
+                    log::error!("profiler: {e}; not sampling");
+                    return;
+                }
                 let delay = std::env::var("AIRLOCK_PROFILE_DELAY_S")
                     .ok()
                     .and_then(|v| v.parse().ok())
@@ -77,13 +84,24 @@ impl Sampler {
                         crate::vcpu::kick_thread(target, signal);
                     }
                 }
+                // Written here: the sampled vCPU thread's seccomp filter opens no files.
+                if let Ok((samples, path)) = rx.recv()
+                    && let Err(e) = samples.write(&path)
+                {
+                    log::warn!("write profile {path}: {e}");
+                }
             })
             .ok();
-        Self { stop, thread }
+        Self {
+            stop,
+            results,
+            thread,
+        }
     }
 
-    /// Stops sampling and waits for the sampler thread.
-    pub fn stop(mut self) {
+    /// Stops sampling, has the sampler thread write `samples` to `path`, and waits for it.
+    pub fn stop(mut self, samples: Samples, path: String) {
+        let _ = self.results.send((samples, path));
         self.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             let _ = t.join();

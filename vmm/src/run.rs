@@ -142,6 +142,11 @@ fn client_thread(
     tx: &Sender<Outcome>,
     stop: &EventFd,
 ) {
+    if let Err(e) = vmm::seccomp::apply(vmm::seccomp::ThreadClass::Client) {
+        let _ = tx.send(Outcome::Failed(cli::error_chain(&e)));
+        let _ = stop.write(1);
+        return;
+    }
     let mut client = match connect(uds, deadline, vm_gone) {
         Ok(c) => c,
         Err(e) => {
@@ -319,6 +324,7 @@ fn take_snapshot(
 ) -> Result<serde_json::Value, String> {
     use vmm::control::VmCommand;
     let result = (|| {
+        vmm::seccomp::apply(vmm::seccomp::ThreadClass::Client).map_err(|e| cli::error_chain(&e))?;
         let mut client = connect(uds, deadline, vm_gone)?;
         log::info!(
             "agent ready (boot {} ms); taking the snapshot",

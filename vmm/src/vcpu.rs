@@ -15,6 +15,7 @@
 //! vCPU about to enter it does not block. Each event is answered with a [`VcpuResponse`].
 
 use std::cell::Cell;
+use std::error::Error as _;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::thread::JoinHandle;
@@ -234,7 +235,22 @@ impl Vcpu {
             .as_ref()
             .map(|_| crate::profile::Sampler::start(kick_signal()));
         let mut samples = crate::profile::Samples::default();
-        let mut state = VcpuState::Paused;
+        // The guest's first instruction runs under this thread's filter, or not at all.
+        let mut state = match crate::seccomp::apply(crate::seccomp::ThreadClass::Vcpu) {
+            Ok(()) => VcpuState::Paused,
+            Err(e) => {
+                let detail = format!(
+                    "{e}: {}",
+                    e.source().map(|s| s.to_string()).unwrap_or_default()
+                );
+                let _ = responses.send(VcpuResponse::Exited(VmExit::VcpuError {
+                    cpu: self.index,
+                    detail,
+                }));
+                let _ = self.exit_evt.write(1);
+                VcpuState::Exited
+            }
+        };
         loop {
             state = match state {
                 VcpuState::Paused => match events.recv() {
@@ -302,11 +318,8 @@ impl Vcpu {
         }
         IMMEDIATE_EXIT.with(|c| c.set(std::ptr::null_mut()));
         if let (Some(prefix), Some(sampler)) = (profile, sampler) {
-            sampler.stop();
-            let path = format!("{prefix}.vcpu{}", self.index);
-            if let Err(e) = samples.write(&path) {
-                log::warn!("write profile {path}: {e}");
-            }
+            // The sampler thread writes the file (this thread's filter opens no files).
+            sampler.stop(samples, format!("{prefix}.vcpu{}", self.index));
         }
     }
 

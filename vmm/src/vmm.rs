@@ -82,6 +82,8 @@ pub enum BuildError {
     Snapshot(#[from] SnapshotError),
     #[error("restore: {0}")]
     Restore(String),
+    #[error("seccomp")]
+    Seccomp(#[from] crate::seccomp::SeccompError),
 }
 
 type Subscriber = Arc<Mutex<dyn MutEventSubscriber + Send>>;
@@ -700,6 +702,9 @@ impl Vmm {
     /// [`Self::run`], calling `on_running` once the vCPUs run (for work that should not delay
     /// them, such as answering whoever asked for a restore).
     pub fn run_then(mut self, on_running: impl FnOnce()) -> Result<VmExit, BuildError> {
+        // From here on this thread runs the devices, i.e. parses what the guest writes: it does
+        // so under its filter, installed before any vCPU runs guest code.
+        crate::seccomp::apply(crate::seccomp::ThreadClass::Vmm).map_err(BuildError::Seccomp)?;
         if let Err(e) = self.resume() {
             log::error!("start the vCPUs: {e}");
         }
@@ -786,6 +791,7 @@ impl Vmm {
                 "uptime_ms": self.started.elapsed().as_millis() as u64,
                 "userspace_up": self.console.ready_after_us().is_some(),
             })),
+            VmCommand::Probe(p) => crate::probe::run(p),
             VmCommand::Stop => {
                 let mut st = self.control.lock().unwrap_or_else(|e| e.into_inner());
                 st.exit.get_or_insert(VmExit::Stopped);

@@ -179,3 +179,80 @@ fn garbage_kernel_image_is_a_vmm_error() {
     );
     assert!(stderr(&out).contains("load kernel"), "{}", stderr(&out));
 }
+
+/// Boots a spinning guest with a control socket and the test hooks, sends `probe seccomp`
+/// (a system call outside the event loop's filter) and returns the process's output and the
+/// probe's answer (none if the VMM died first).
+fn probe_seccomp(tag: &str, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    common::require_kvm();
+    let dir = TempDir::new(tag);
+    let kernel = common::write_temp(&dir.0, "kernel.elf", &common::elf64(common::SPIN));
+    let rootfs = common::write_temp(&dir.0, "root.img", &[0u8; 4096]);
+    let control = dir.0.join("control.sock");
+    let child = Command::new(env!("CARGO_BIN_EXE_airlock-vmm"))
+        .arg("boot")
+        .arg("--kernel")
+        .arg(&kernel)
+        .arg("--rootfs")
+        .arg(&rootfs)
+        .args([
+            "--boot-timeout",
+            "0",
+            "--console",
+            "/dev/null",
+            "--test-hooks",
+        ])
+        .arg("--control")
+        .arg(&control)
+        .args(extra)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !control.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let answer = vmm::control::send_command(&control, "probe seccomp").ok();
+    if answer.is_some() {
+        let _ = vmm::control::send_command(&control, "stop");
+    }
+    (child.wait_with_output().unwrap(), answer)
+}
+
+#[test]
+fn a_system_call_outside_the_event_loops_filter_ends_the_vmm_with_the_seccomp_code() {
+    let (out, answer) = probe_seccomp("seccomp", &[]);
+    assert_eq!(answer, None, "the VMM answered the forbidden call");
+    assert_eq!(
+        out.status.code(),
+        Some(i32::from(code::SECCOMP_VIOLATION)),
+        "{}",
+        stderr(&out)
+    );
+    let socket = libc::SYS_socket.to_string();
+    assert!(
+        stderr(&out).contains(&format!("system call {socket} on a vmm thread")),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn without_seccomp_the_same_call_is_made_and_the_vmm_lives_on() {
+    let (out, answer) = probe_seccomp("noseccomp", &["--no-seccomp"]);
+    let answer = answer.expect("an answer");
+    assert_eq!(answer["survived"], true, "{answer}");
+    assert_eq!(answer["seccomp"], false, "{answer}");
+    assert_eq!(
+        out.status.code(),
+        Some(i32::from(code::OK)),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn probes_are_refused_without_the_test_hooks_flag() {
+    assert!(vmm::control::parse_command("probe seccomp").is_err());
+}
