@@ -71,6 +71,8 @@ pub struct Config {
     /// CAPACITY_EXHAUSTED (resource `start_queue`).
     pub max_concurrent_starts: usize,
     pub max_start_queue: usize,
+    /// How every VMM is confined (see `jail.rs`).
+    pub jail: crate::jail::JailConfig,
 }
 
 /// Limits of one tenant.
@@ -129,6 +131,7 @@ impl Default for Config {
             ready_timeout_ms: 30_000,
             max_concurrent_starts: 0,
             max_start_queue: 1024,
+            jail: crate::jail::JailConfig::default(),
         }
     }
 }

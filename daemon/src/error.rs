@@ -43,7 +43,8 @@ pub enum ApiError {
     DiskQuota { limit: u64, message: String },
     #[error("path {path} is not allowed: {why}")]
     PathNotAllowed { path: String, why: String },
-    /// The sandbox's VMM ended (reason code: GUEST_CRASHED, OOM_KILLED or SANDBOX_DEAD).
+    /// The sandbox's VMM ended (reason code: GUEST_CRASHED, OOM_KILLED, SECCOMP_VIOLATION or
+    /// SANDBOX_DEAD).
     #[error("sandbox {id} is dead: {message}")]
     Dead {
         id: String,

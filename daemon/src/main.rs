@@ -14,6 +14,7 @@ mod config;
 mod error;
 mod exec;
 mod files;
+mod jail;
 mod metrics;
 mod service;
 mod state;
@@ -192,7 +193,8 @@ async fn serve(cfg: config::Config) -> Result<(), String> {
     info!(
         templates = daemon.templates_for(&daemon.cfg.default_tenant).len(),
         pool_size = daemon.cfg.pool_size,
-        vmm = %daemon.vmm_binary.display(),
+        vmm = %daemon.jailer.binary().display(),
+        jail = daemon.jailer.enabled(),
         data_dir = %daemon.data_dir.display(),
         "airlockd ready"
     );

@@ -3,6 +3,7 @@
 //! layer (`service.rs`) only checks tenants and converts messages.
 
 use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -17,6 +18,7 @@ use crate::cgroup::{Cgroup, Cgroups, Limits};
 use crate::config::Config;
 use crate::error::{ApiError, ApiResult};
 use crate::exec::ExecRt;
+use crate::jail::Jailer;
 use crate::metrics::{Metrics, SandboxUsage};
 use crate::store::{ProcessRecord, Store};
 use crate::vmm::{self, VmmProcess};
@@ -159,7 +161,8 @@ pub struct Daemon {
     pub store: Store,
     pub metrics: Metrics,
     pub cgroups: Option<Cgroups>,
-    pub vmm_binary: PathBuf,
+    /// Starts every VMM process in its jail.
+    pub jailer: Arc<Jailer>,
     pub data_dir: PathBuf,
     run_dir: PathBuf,
     templates_dir: PathBuf,
@@ -197,7 +200,9 @@ impl Daemon {
     /// Opens the data directory and the record store, finds the cgroup hierarchy, and reaps
     /// whatever a previous daemon left running.
     pub fn open(cfg: Config) -> Result<Arc<Self>, String> {
-        let data_dir = cfg.data_dir.clone();
+        // Absolute: the same paths name files in the daemon and in the VMMs' jails.
+        let data_dir = std::path::absolute(&cfg.data_dir)
+            .map_err(|e| format!("data directory {}: {e}", cfg.data_dir.display()))?;
         let run_dir = data_dir.join("run");
         let templates_dir = data_dir.join("templates");
         let output_dir = data_dir.join("output");
@@ -224,14 +229,15 @@ impl Daemon {
                 dir: PathBuf::from(dir),
             })
             .collect();
-        let vmm_binary = cfg.vmm_binary();
+        let jailer = Jailer::new(cfg.jail.clone(), &cfg.vmm_binary(), &data_dir.join("jail"))
+            .map_err(|e| format!("jail: {e}"))?;
         let starts = cfg.concurrent_starts();
         let d = Arc::new(Self {
             cfg,
             store,
             metrics: Metrics::default(),
             cgroups,
-            vmm_binary,
+            jailer: Arc::new(jailer),
             data_dir,
             run_dir,
             templates_dir,
@@ -247,6 +253,8 @@ impl Daemon {
             start_queue: Default::default(),
         });
         d.reap_previous().map_err(|e| e.to_string())?;
+        // What still runs under a jail uid now is not ours: never hand that uid out.
+        d.jailer.skip_uids_in_use();
         Ok(d)
     }
 
@@ -268,7 +276,7 @@ impl Daemon {
             // Wait for it to go (it is not our child: poll).
             let deadline = Instant::now() + Duration::from_secs(5);
             while vmm::start_ticks(p.pid) == Some(p.start_ticks)
-                && !is_zombie(p.pid)
+                && !vmm::is_zombie(p.pid)
                 && Instant::now() < deadline
             {
                 std::thread::sleep(Duration::from_millis(10));
@@ -406,6 +414,9 @@ impl Daemon {
                 )));
             }
         }
+        // Canonical: the jails of the template's VMMs hold these files at these paths.
+        let kernel = std::fs::canonicalize(&kernel)?;
+        let rootfs = std::fs::canonicalize(&rootfs)?;
         let vcpus = if req.vcpus == 0 { 1 } else { req.vcpus };
         let memory_mib = if req.memory_mib == 0 {
             256
@@ -442,8 +453,6 @@ impl Daemon {
             None,
         )
         .await;
-        let log_path = self.templates_dir.join(format!("{id}.log"));
-        let log = std::fs::File::create(&log_path)?;
         let warmup = if req.no_warmup {
             String::new()
         } else if req.warmup.is_empty() {
@@ -451,54 +460,18 @@ impl Daemon {
         } else {
             req.warmup.clone()
         };
-        let mut child = tokio::process::Command::new(&self.vmm_binary)
-            .arg("snapshot")
-            .arg("--warmup")
-            .arg(&warmup)
-            .arg("--kernel")
-            .arg(&kernel)
-            .arg("--rootfs")
-            .arg(&rootfs)
-            .arg("--vcpus")
-            .arg(vcpus.to_string())
-            .arg("--mem-mib")
-            .arg(memory_mib.to_string())
-            .arg("--out")
-            .arg(&dir)
-            .env_clear()
-            .env("RUST_LOG", "info")
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::from(log))
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| {
-                ApiError::Internal(format!("spawning {}: {e}", self.vmm_binary.display()))
-            })?;
-        let mut stdout = child.stdout.take();
-        let mut tick = tokio::time::interval(Duration::from_secs(5));
-        tick.tick().await;
-        let status = loop {
-            tokio::select! {
-                st = child.wait() => break st?,
-                _ = tick.tick() => {
-                    send("booting", format!("still booting ({} s)", started.elapsed().as_secs()), None).await;
-                }
-            }
-        };
-        let mut summary = String::new();
-        if let Some(out) = stdout.as_mut() {
-            use tokio::io::AsyncReadExt;
-            let _ = out.take(1 << 16).read_to_string(&mut summary).await;
-        }
-        if !status.success() {
-            let _ = std::fs::remove_dir_all(&dir);
-            return Err(ApiError::Internal(format!(
-                "the template boot failed ({status}): {}",
-                vmm::log_tail(&log_path)
-            )));
-        }
-        let _ = std::fs::remove_file(&log_path);
+        // The build runs on its own task: a client that goes away does not leave a VMM, a
+        // cgroup or a run directory behind (the build finishes, or fails, and cleans up).
+        let me = self.clone();
+        let (k, r) = (kernel.clone(), rootfs.clone());
+        let (build_dir, progress_tx) = (dir.clone(), progress.clone());
+        let build = tokio::spawn(async move {
+            me.build_template_snapshot(&k, &r, vcpus, memory_mib, &warmup, &build_dir, started, progress_tx)
+                .await
+        });
+        build
+            .await
+            .map_err(|e| ApiError::Internal(format!("template build task: {e}")))??;
         let record = Template {
             name: req.name.clone(),
             id: id.clone(),
@@ -522,6 +495,126 @@ impl Daemon {
         )
         .await;
         Ok(record)
+    }
+
+    /// Boots `kernel` with `rootfs` once in a jailed `airlock-vmm snapshot`, runs `warmup`,
+    /// and moves the snapshot it wrote (in its run directory) to `dir`, owned by root. Sends
+    /// "still booting" every 5 s. The VMM, its cgroup and run directory are gone afterwards.
+    #[expect(clippy::too_many_arguments, reason = "one build's parameters, passed once")]
+    async fn build_template_snapshot(
+        self: &Arc<Self>,
+        kernel: &Path,
+        rootfs: &Path,
+        vcpus: u32,
+        memory_mib: u32,
+        warmup: &str,
+        dir: &Path,
+        started: Instant,
+        progress: tokio::sync::mpsc::Sender<TemplateEvent>,
+    ) -> ApiResult<()> {
+        let vm_id = new_id("vm");
+        let run_dir = self.run_dir.join(&vm_id);
+        std::fs::create_dir_all(&run_dir)?;
+        let log_path = run_dir.join("vmm.log");
+        let summary_path = run_dir.join("summary.json");
+        let out_dir = run_dir.join("snapshot");
+        let cgroup = self
+            .make_cgroup(&vm_id, memory_mib, vcpus)
+            .map_err(|e| ApiError::Internal(format!("VMM cgroup: {e}")))?;
+        let cleanup = |cgroup: &Option<Cgroup>| {
+            if let Some(cg) = cgroup {
+                let _ = cg.remove();
+            }
+            let _ = std::fs::remove_dir_all(&run_dir);
+        };
+        let mut args = self.jailer.vmm_flags();
+        args.extend(
+            [
+                "snapshot",
+                "--cpu-template",
+                vmm::cpu_template(),
+                "--vcpus",
+                &vcpus.to_string(),
+                "--mem-mib",
+                &memory_mib.to_string(),
+                "--warmup",
+                warmup,
+            ]
+            .map(std::ffi::OsString::from),
+        );
+        for (flag, path) in [("--kernel", kernel), ("--rootfs", rootfs), ("--out", &out_dir)] {
+            args.push(flag.into());
+            args.push(path.into());
+        }
+        let files = (|| Ok::<_, std::io::Error>((File::create(&log_path)?, File::create(&summary_path)?)))();
+        let (log, summary_file) = match files {
+            Ok(f) => f,
+            Err(e) => {
+                cleanup(&cgroup);
+                return Err(e.into());
+            }
+        };
+        let launch = crate::jail::Launch {
+            args,
+            env: vmm::vmm_env(&run_dir),
+            run_dir: run_dir.clone(),
+            read_only: vec![kernel.to_path_buf(), rootfs.to_path_buf()],
+            cgroup: cgroup.clone(),
+            stdout: Some(summary_file),
+            stderr: log,
+        };
+        let child = match vmm::spawn(&self.jailer, launch).await {
+            Ok(c) => c,
+            Err(e) => {
+                cleanup(&cgroup);
+                return Err(ApiError::Internal(format!(
+                    "spawning {}: {e}",
+                    self.jailer.binary().display()
+                )));
+            }
+        };
+        let (pid, ticks) = (child.pid, vmm::start_ticks(child.pid).unwrap_or(0));
+        let recorded = self.store.add_process(&ProcessRecord {
+            pid,
+            start_ticks: ticks,
+            run_dir: run_dir.display().to_string(),
+            cgroup: if cgroup.is_some() { vm_id.clone() } else { String::new() },
+        });
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        tick.tick().await;
+        let wait = child.wait();
+        tokio::pin!(wait);
+        let status = loop {
+            tokio::select! {
+                st = &mut wait => break st,
+                _ = tick.tick() => {
+                    let ev = TemplateEvent {
+                        phase: "booting".into(),
+                        elapsed_ms: started.elapsed().as_millis() as u64,
+                        message: format!("still booting ({} s)", started.elapsed().as_secs()),
+                        template: None,
+                    };
+                    let _ = progress.send(ev).await;
+                }
+            }
+        };
+        let _ = self.store.remove_process(pid, ticks);
+        let result = match status {
+            Ok(st) if st.success() => std::fs::rename(&out_dir, dir)
+                .and_then(|()| crate::jail::take_ownership(dir))
+                .map_err(|e| ApiError::Internal(format!("moving the snapshot: {e}"))),
+            Ok(st) => Err(ApiError::Internal(format!(
+                "the template boot failed ({st}): {}",
+                vmm::log_tail(&log_path)
+            ))),
+            Err(e) => Err(ApiError::Internal(format!("waiting for the template VMM: {e}"))),
+        };
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        cleanup(&cgroup);
+        recorded?;
+        result
     }
 
     fn add_template(self: &Arc<Self>, record: Template, dir: PathBuf) -> ApiResult<()> {
@@ -607,125 +700,144 @@ impl Daemon {
         }
     }
 
-    /// Spawns a pool VMM for `template`, records it for reaping and watches its exit.
+    /// Spawns a pool VMM for `template` in its jail and cgroup, records it for reaping and
+    /// watches its exit.
     async fn spawn_vmm(self: &Arc<Self>, t: &TemplateRt, owner: Owner) -> ApiResult<VmmProcess> {
         let vm_id = new_id("vm");
         let run_dir = self.run_dir.join(&vm_id);
         if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(ApiError::Internal("the daemon is stopping".into()));
         }
-        let mut p = VmmProcess::spawn_pool(&self.vmm_binary, run_dir, t.record.vcpus, &t.dir)
-            .await
-            .map_err(|e| ApiError::Internal(format!("starting a VMM: {e}")))?;
+        // The cgroup is made first (the template fixes the limits), so that the VMM runs in it
+        // from its first instruction and a create only restores.
+        let cgroup = self
+            .make_cgroup(&vm_id, t.record.memory_mib, t.record.vcpus)
+            .map_err(|e| ApiError::Internal(format!("VMM cgroup: {e}")))?;
+        let spec = vmm::PoolSpec {
+            vcpus: t.record.vcpus,
+            snapshot_dir: t.dir.clone(),
+            rootfs: PathBuf::from(&t.record.rootfs_path),
+        };
+        let spawned = VmmProcess::spawn_pool(&self.jailer, run_dir.clone(), &spec, cgroup.clone())
+            .await;
+        let mut p = match spawned {
+            Ok(p) => p,
+            Err(e) => {
+                if let Some(cg) = &cgroup {
+                    let _ = cg.remove();
+                }
+                let _ = std::fs::remove_dir_all(&run_dir);
+                return Err(ApiError::Internal(format!("starting a VMM: {e}")));
+            }
+        };
         // Recorded before anything else can fail, so that nothing can leak it.
         self.store.add_process(&ProcessRecord {
             pid: p.pid,
             start_ticks: p.start_ticks,
             run_dir: p.run_dir.display().to_string(),
-            cgroup: if self.cgroups.is_some() {
+            cgroup: if cgroup.is_some() {
                 vm_id.clone()
             } else {
                 String::new()
             },
         })?;
-        // The cgroup is made now too (the template fixes the limits), so that a create only
-        // restores.
-        let cgroup = match &self.cgroups {
-            Some(cgs) => {
-                let limits = Limits {
-                    memory_bytes: (u64::from(t.record.memory_mib) + self.cfg.vmm_overhead_mib)
-                        << 20,
-                    cpus: t.record.vcpus,
-                    pids: self.cfg.vmm_pids_max,
-                };
-                let made = cgs
-                    .create(&vm_id, limits)
-                    .and_then(|cg| cg.add(p.pid).map(|()| cg));
-                match made {
-                    Ok(cg) => Some(cg),
-                    Err(e) => {
-                        p.kill();
-                        let _ = cgs.cgroup(&vm_id).remove();
-                        return Err(ApiError::Internal(format!("VMM cgroup: {e}")));
-                    }
-                }
-            }
-            None => None,
-        };
-        p.cgroup = cgroup;
+        self.watch_exit(&mut p, owner);
         if let Err(e) = p.wait_ready().await {
             p.kill();
-            if let Some(cg) = &p.cgroup {
-                let _ = cg.remove();
-            }
-            let _ = self.store.remove_process(p.pid, p.start_ticks);
-            let _ = std::fs::remove_dir_all(&p.run_dir);
             return Err(ApiError::Internal(format!("starting a VMM: {e}")));
-        }
-        lock(&self.owners).insert(p.pid, owner);
-        if let Some(mut child) = p.child.take() {
-            let me = self.clone();
-            let (pid, ticks, run_dir) = (p.pid, p.start_ticks, p.run_dir.clone());
-            tokio::spawn(async move {
-                let status = child.wait().await;
-                me.vmm_exited(pid, ticks, &run_dir, status.ok()).await;
-            });
         }
         Ok(p)
     }
 
-    /// A VMM process ended: forget it, and if it was a sandbox's, that sandbox is dead.
+    /// The cgroup of a VMM with a guest of `memory_mib` and `vcpus` (none without cgroups).
+    fn make_cgroup(&self, name: &str, memory_mib: u32, vcpus: u32) -> std::io::Result<Option<Cgroup>> {
+        let Some(cgs) = &self.cgroups else {
+            return Ok(None);
+        };
+        let limits = Limits {
+            memory_bytes: (u64::from(memory_mib) + self.cfg.vmm_overhead_mib) << 20,
+            cpus: vcpus,
+            pids: self.cfg.vmm_pids_max,
+        };
+        match cgs.create(name, limits) {
+            Ok(cg) => Ok(Some(cg)),
+            Err(e) => {
+                let _ = cgs.cgroup(name).remove();
+                Err(e)
+            }
+        }
+    }
+
+    /// Registers `p` with `owner` and starts the task that waits for its exit. The exit
+    /// cleans up what the VMM had (record, run directory, cgroup, uid), whoever ended it.
+    fn watch_exit(self: &Arc<Self>, p: &mut VmmProcess, owner: Owner) {
+        lock(&self.owners).insert(p.pid, owner);
+        if let Some(child) = p.child.take() {
+            let me = self.clone();
+            let (pid, ticks, run_dir) = (p.pid, p.start_ticks, p.run_dir.clone());
+            let cgroup = p.cgroup.clone();
+            tokio::spawn(async move {
+                let status = child.wait().await;
+                me.vmm_exited(pid, ticks, &run_dir, cgroup, status.ok()).await;
+            });
+        }
+    }
+
+    /// A VMM process ended (and was reaped: its uid is free again): forget it, and if it was a
+    /// live sandbox's, that sandbox is dead. What the VMM had on the host goes, whoever ended
+    /// it: a sandbox's through `end_sandbox`, anyone else's here (record, cgroup, run
+    /// directory; its jail's mounts were in its own mount namespace and went with it).
     async fn vmm_exited(
         self: &Arc<Self>,
         pid: u32,
         ticks: u64,
         run_dir: &Path,
+        cgroup: Option<Cgroup>,
         status: Option<std::process::ExitStatus>,
     ) {
         let owner = lock(&self.owners).remove(&pid);
         let _ = self.store.remove_process(pid, ticks);
-        match owner {
-            Some(Owner::Pool(tid)) => {
-                let gone: Vec<VmmProcess> = match lock(&self.pools).get_mut(&tid) {
-                    Some(v) => {
-                        let (gone, keep) =
-                            std::mem::take(v).into_iter().partition(|p| p.pid == pid);
-                        *v = keep;
-                        gone
-                    }
-                    None => Vec::new(),
-                };
-                for p in gone {
-                    if let Some(cg) = &p.cgroup {
-                        let _ = cg.remove();
-                    }
-                }
-                let _ = std::fs::remove_dir_all(run_dir);
+        let sandbox = match &owner {
+            Some(Owner::Sandbox(id)) => lock(&self.sandboxes).get(id).cloned(),
+            _ => None,
+        };
+        if let Some(sb) = sandbox {
+            let id = &sb.id;
+            if sb.ending.load(std::sync::atomic::Ordering::SeqCst) {
+                return; // end_sandbox is cleaning up
             }
-            Some(Owner::Sandbox(id)) => {
-                let Some(sb) = lock(&self.sandboxes).get(&id).cloned() else {
-                    return;
-                };
-                if sb.ending.load(std::sync::atomic::Ordering::SeqCst) {
-                    return;
-                }
-                let oom = sb
-                    .cgroup
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .as_ref()
-                    .is_some_and(Cgroup::oom_killed);
-                let (reason, message) = match status {
-                    Some(st) => vmm::describe_exit(st, oom),
-                    None => ("SANDBOX_DEAD", "the VMM ended".to_owned()),
-                };
-                warn!(sandbox = %id, reason, "{message}");
-                let _ = self
-                    .end_sandbox(&sb, SandboxState::Dead, reason, &message)
-                    .await;
+            let oom = sb
+                .cgroup
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .is_some_and(Cgroup::oom_killed);
+            let (reason, mut message) = match status {
+                Some(st) => vmm::describe_exit(st, oom),
+                None => ("SANDBOX_DEAD", "the VMM ended".to_owned()),
+            };
+            if reason == "SECCOMP_VIOLATION"
+                && let Some(line) = vmm::log_line(&run_dir.join("vmm.log"), "seccomp violation")
+            {
+                message = format!("{message} ({line})");
             }
-            None => {}
+            warn!(sandbox = %id, reason, "{message}");
+            let _ = self
+                .end_sandbox(&sb, SandboxState::Dead, reason, &message)
+                .await;
+            return;
         }
+        if let Some(Owner::Pool(tid)) = &owner
+            && let Some(v) = lock(&self.pools).get_mut(tid)
+        {
+            v.retain(|p| p.pid != pid);
+        }
+        if let Some(cg) = cgroup
+            && let Err(e) = cg.remove()
+        {
+            warn!(pid, "cgroup removal: {e}");
+        }
+        let _ = std::fs::remove_dir_all(run_dir);
     }
 
     // ---- sandboxes ----
@@ -1096,7 +1208,7 @@ impl Daemon {
             let deadline = Instant::now() + Duration::from_secs(5);
             while vmm::start_ticks(v.pid) == Some(v.start_ticks) && Instant::now() < deadline {
                 // A zombie until the watcher reaps it: check its state.
-                if is_zombie(v.pid) {
+                if vmm::is_zombie(v.pid) {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;
@@ -1244,11 +1356,25 @@ impl Daemon {
                 .await
                 .map_err(|e| ApiError::Internal(format!("pause: {e}")))?;
         }
-        let snap = vmm::command(&v.control, &format!("snapshot {}", dir.display())).await;
+        // The VMM writes into its run directory (the one place its jail can write); the
+        // snapshot then moves to the templates, owned by root.
+        let staging = v.run_dir.join(format!("snapshot-{tid}"));
+        let snap = vmm::command(&v.control, &format!("snapshot {}", staging.display())).await;
         if state == SandboxState::Running {
             let _ = vmm::command(&v.control, "resume").await;
         }
-        snap.map_err(|e| ApiError::Internal(format!("snapshot: {e}")))?;
+        let moved = snap
+            .map_err(|e| ApiError::Internal(format!("snapshot: {e}")))
+            .and_then(|_| {
+                std::fs::rename(&staging, &dir)
+                    .and_then(|()| crate::jail::take_ownership(&dir))
+                    .map_err(|e| ApiError::Internal(format!("moving the snapshot: {e}")))
+            });
+        if let Err(e) = moved {
+            let _ = std::fs::remove_dir_all(&staging);
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
         let src = self
             .templates_for(tenant)
             .into_iter()
@@ -1346,7 +1472,13 @@ impl Daemon {
         }
         let warm: usize = lock(&self.pools).values().map(Vec::len).sum();
         by_state.insert("warm_pool".into(), warm as u64);
-        self.metrics.render(&by_state, &usage)
+        let mut text = self.metrics.render(&by_state, &usage);
+        text.push_str(&format!(
+            "# HELP airlock_jail_uids_in_use Jail uids held by live VMM processes.\n\
+             # TYPE airlock_jail_uids_in_use gauge\nairlock_jail_uids_in_use {}\n",
+            self.jailer.uids_in_use()
+        ));
+        text
     }
 
     /// Kills every VMM (daemon shutdown): warm ones and sandboxes', whose records end as
@@ -1393,7 +1525,10 @@ pub fn ended_error(s: &Sandbox) -> ApiError {
             id: s.id.clone(),
             reason: if s.end_reason.is_empty() {
                 "SANDBOX_DEAD".into()
-            } else if matches!(s.end_reason.as_str(), "GUEST_CRASHED" | "OOM_KILLED") {
+            } else if matches!(
+                s.end_reason.as_str(),
+                "GUEST_CRASHED" | "OOM_KILLED" | "SECCOMP_VIOLATION"
+            ) {
                 s.end_reason.clone()
             } else {
                 "SANDBOX_DEAD".into()
@@ -1406,16 +1541,6 @@ pub fn ended_error(s: &Sandbox) -> ApiError {
             state: "destroyed".into(),
         }
     }
-}
-
-fn is_zombie(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            let rest = &s[s.rfind(')')? + 1..];
-            rest.split_whitespace().next().map(|st| st == "Z")
-        })
-        .unwrap_or(true)
 }
 
 fn non_empty(s: &str) -> Option<PathBuf> {

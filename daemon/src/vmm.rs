@@ -3,13 +3,16 @@
 //! paused, snapshotted and stopped the same way, and killed by pid (checked against the
 //! process's start time, so a reused pid is never hit).
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
+
+use crate::jail::{Jailer, Launch, Spawned};
 
 /// One VMM process and its files.
 #[derive(Debug)]
@@ -19,63 +22,110 @@ pub struct VmmProcess {
     pub run_dir: PathBuf,
     pub control: PathBuf,
     pub vsock: PathBuf,
-    pub child: Option<tokio::process::Child>,
-    /// Its cgroup (made when it is spawned: the template fixes the limits).
+    /// The process, to wait for (taken by the exit watcher).
+    pub child: Option<Spawned>,
+    /// Its cgroup (made before it is spawned: the template fixes the limits).
     pub cgroup: Option<crate::cgroup::Cgroup>,
 }
 
 /// How long a control command may take (a snapshot writes the memory file).
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// What a warm pool process restores: the template's snapshot and the disk image it uses.
+#[derive(Clone, Debug)]
+pub struct PoolSpec {
+    pub vcpus: u32,
+    pub snapshot_dir: PathBuf,
+    pub rootfs: PathBuf,
+}
+
+/// The CPU template of this host, as `airlock-vmm --cpu-template` names it (the jailed VMM
+/// cannot look at `/sys` itself).
+pub fn cpu_template() -> &'static str {
+    if Path::new("/sys/module/kvm_pvm").exists() {
+        "nested"
+    } else {
+        "host"
+    }
+}
+
+/// The environment of every VMM: log level, temporary files in its run directory, and the
+/// guest profiler for debugging (`AIRLOCK_PROFILE=PREFIX` on the daemon profiles every VMM into
+/// `PREFIX-<run dir name>.vcpuN`).
+pub fn vmm_env(run_dir: &Path) -> Vec<(String, String)> {
+    let mut env = vec![
+        ("AIRLOCK_LOG".to_owned(), "info".to_owned()),
+        ("TMPDIR".to_owned(), run_dir.display().to_string()),
+    ];
+    if let Some(prefix) = std::env::var_os("AIRLOCK_PROFILE").filter(|p| !p.is_empty()) {
+        let name = run_dir.file_name().unwrap_or_default().to_string_lossy();
+        env.push((
+            "AIRLOCK_PROFILE".to_owned(),
+            format!("{}-{name}", prefix.to_string_lossy()),
+        ));
+    }
+    env
+}
+
+/// Starts a launch on a blocking thread (the jail's setup blocks for about a millisecond).
+pub async fn spawn(jailer: &Arc<Jailer>, launch: Launch) -> std::io::Result<Spawned> {
+    let j = jailer.clone();
+    tokio::task::spawn_blocking(move || j.spawn(launch))
+        .await
+        .map_err(std::io::Error::other)?
+}
+
 impl VmmProcess {
-    /// Spawns `airlock-vmm pool` for a `vcpus`-vCPU snapshot in `snapshot_dir` (its memory is
-    /// mapped and registered in advance), with its sockets in `run_dir`; see
+    /// Spawns `airlock-vmm pool` in its jail for the snapshot in `spec` (its memory is mapped
+    /// and registered in advance), with its sockets in `run_dir` and in `cgroup`; see
     /// [`wait_ready`](Self::wait_ready).
     pub async fn spawn_pool(
-        binary: &Path,
+        jailer: &Arc<Jailer>,
         run_dir: PathBuf,
-        vcpus: u32,
-        snapshot_dir: &Path,
+        spec: &PoolSpec,
+        cgroup: Option<crate::cgroup::Cgroup>,
     ) -> std::io::Result<Self> {
         std::fs::create_dir_all(&run_dir)?;
         let control = run_dir.join("control.sock");
         let vsock = run_dir.join("vsock.sock");
         let console = run_dir.join("console.log");
         let log = std::fs::File::create(run_dir.join("vmm.log"))?;
-        let mut cmd = tokio::process::Command::new(binary);
-        cmd.arg("pool")
-            .arg("--control")
-            .arg(&control)
-            .arg("--vsock")
-            .arg(&vsock)
-            .arg("--console")
-            .arg(&console)
-            .arg("--vcpus")
-            .arg(vcpus.to_string())
-            .arg("--snapshot")
-            .arg(snapshot_dir)
-            .env_clear()
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            // Its own process group: a Ctrl-C meant for the daemon does not reach it.
-            .process_group(0)
-            .kill_on_drop(false);
-        // The guest profiler (`vmm/src/profile.rs`) for debugging: `AIRLOCK_PROFILE=PREFIX` on
-        // the daemon profiles every VMM into `PREFIX-<run dir name>.vcpuN`.
-        if let Some(prefix) = std::env::var_os("AIRLOCK_PROFILE").filter(|p| !p.is_empty()) {
-            let mut path = prefix;
-            path.push("-");
-            path.push(run_dir.file_name().unwrap_or_default());
-            cmd.env("AIRLOCK_PROFILE", path);
+        let mut args: Vec<OsString> = jailer.vmm_flags();
+        args.extend(
+            [
+                "pool",
+                "--cpu-template",
+                cpu_template(),
+                "--vcpus",
+                &spec.vcpus.to_string(),
+            ]
+            .map(OsString::from),
+        );
+        for (flag, path) in [
+            ("--control", &control),
+            ("--vsock", &vsock),
+            ("--console", &console),
+            ("--snapshot", &spec.snapshot_dir),
+        ] {
+            args.push(flag.into());
+            args.push(path.into());
         }
-        let child = cmd.spawn().map_err(|e| {
-            std::io::Error::new(e.kind(), format!("spawning {}: {e}", binary.display()))
+        let launch = Launch {
+            args,
+            env: vmm_env(&run_dir),
+            run_dir: run_dir.clone(),
+            read_only: vec![spec.snapshot_dir.clone(), spec.rootfs.clone()],
+            cgroup: cgroup.clone(),
+            stdout: None,
+            stderr: log,
+        };
+        let child = spawn(jailer, launch).await.map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("spawning {}: {e}", jailer.binary().display()),
+            )
         })?;
-        let pid = child
-            .id()
-            .ok_or_else(|| std::io::Error::other("the VMM exited at once"))?;
+        let pid = child.pid;
         let start_ticks = start_ticks(pid).unwrap_or(0);
         Ok(Self {
             pid,
@@ -84,7 +134,7 @@ impl VmmProcess {
             control,
             vsock,
             child: Some(child),
-            cgroup: None,
+            cgroup,
         })
     }
 
@@ -96,11 +146,9 @@ impl VmmProcess {
             if command(&p.control, "status").await.is_ok() {
                 return Ok(());
             }
-            if let Some(c) = p.child.as_mut()
-                && let Ok(Some(status)) = c.try_wait()
-            {
+            if start_ticks(p.pid) != Some(p.start_ticks) || is_zombie(p.pid) {
                 return Err(std::io::Error::other(format!(
-                    "the pool VMM exited ({status}) before it was ready: {}",
+                    "the pool VMM exited before it was ready: {}",
                     log_tail(&p.run_dir.join("vmm.log"))
                 )));
             }
@@ -168,11 +216,34 @@ pub fn kill_verified(pid: u32, ticks: u64) -> bool {
     unsafe { libc::kill(pid, libc::SIGKILL) == 0 }
 }
 
+/// Whether `pid` is a zombie (exited, not yet reaped) or gone.
+pub fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let rest = &s[s.rfind(')')? + 1..];
+            rest.split_whitespace().next().map(|st| st == "Z")
+        })
+        .unwrap_or(true)
+}
+
 /// The last lines of a log file, for error messages.
 pub fn log_tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().rev().take(5).collect();
     lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
+}
+
+/// `airlock-vmm`'s exit code for a seccomp violation (`vmm::exit::code::SECCOMP_VIOLATION`).
+pub const SECCOMP_EXIT_CODE: i32 = 70;
+
+/// The last line of a log file that contains `needle`.
+pub fn log_line(path: &Path, needle: &str) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines()
+        .rev()
+        .find(|l| l.contains(needle))
+        .map(|l| l.trim().to_owned())
 }
 
 /// What the exit of a sandbox's VMM means: (reason code, sentence).
@@ -182,6 +253,12 @@ pub fn describe_exit(status: std::process::ExitStatus, oom: bool) -> (&'static s
         return (
             "OOM_KILLED",
             "the sandbox exceeded its memory limit and its VMM was killed".into(),
+        );
+    }
+    if status.signal() == Some(libc::SIGSYS) || status.code() == Some(SECCOMP_EXIT_CODE) {
+        return (
+            "SECCOMP_VIOLATION",
+            "the VMM made a system call outside its seccomp filter and was ended".into(),
         );
     }
     if let Some(sig) = status.signal() {
@@ -238,5 +315,7 @@ mod tests {
         assert_eq!(describe_exit(st(9), false).0, "SANDBOX_DEAD");
         assert_eq!(describe_exit(st(9), true).0, "OOM_KILLED");
         assert_eq!(describe_exit(st(64 << 8), false).0, "GUEST_CRASHED");
+        assert_eq!(describe_exit(st(70 << 8), false).0, "SECCOMP_VIOLATION");
+        assert_eq!(describe_exit(st(libc::SIGSYS), false).0, "SECCOMP_VIOLATION");
     }
 }

@@ -9,7 +9,7 @@ Every failed call raises an :class:`AirlockError` subclass chosen by the reason 
 * limits: :class:`ResourceExhausted` (:class:`CapacityExhausted`, :class:`QuotaExceeded`,
   :class:`FileTooLarge`, :class:`DiskQuotaExceeded`);
 * the code you ran or the sandbox it ran in: :class:`ExecTimeout`, :class:`SandboxDead`
-  (:class:`GuestCrashed`, :class:`OomKilled`);
+  (:class:`GuestCrashed`, :class:`OomKilled`, :class:`SeccompViolation`);
 * the platform: :class:`Unavailable`, :class:`InternalError`.
 """
 
@@ -39,6 +39,7 @@ __all__ = [
     "SandboxDead",
     "GuestCrashed",
     "OomKilled",
+    "SeccompViolation",
     "Unavailable",
     "InternalError",
 ]
@@ -183,6 +184,13 @@ class OomKilled(SandboxDead):
     reason_codes = ("OOM_KILLED",)
 
 
+class SeccompViolation(SandboxDead):
+    """The sandbox's VMM made a system call outside its seccomp filter and was ended: the host
+    stopped what may have been an attack on it."""
+
+    reason_codes = ("SECCOMP_VIOLATION",)
+
+
 class Unavailable(AirlockError):
     """The daemon or the guest agent cannot be reached."""
 
@@ -214,6 +222,7 @@ _BY_REASON = {
         SandboxDead,
         GuestCrashed,
         OomKilled,
+        SeccompViolation,
         Unavailable,
         InternalError,
     )
