@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks. Usage: benches/run.sh boot|exec|restore|create
+# Benchmarks. Usage: benches/run.sh boot|exec|restore|create|jail
 #   boot  time from process start to `airlock: userspace up`, airlock-vmm vs QEMU microvm
 #         (same kernel, image, vCPUs and memory, interleaved runs), and the VMM's resident
 #         memory outside guest RAM. RUNS (default 5), VCPUS (1), MEM_MIB (256).
@@ -14,6 +14,9 @@
 #   create  CreateSandbox -> ready through a live airlockd (gRPC, warm pool) at concurrency
 #         LEVELS (default 1,10,50), RUNS creates per level (default 20), the host's and the
 #         guest's share, creates/s, and the host memory (PSS) of IDLE (100) idle sandboxes.
+#   jail  CreateSandbox -> ready with and without the VMM jail (namespaces, pivot_root, uid,
+#         seccomp), two daemons side by side, RUNS (default 30) creates each, alternating; and
+#         a warm VMM's start (spawn -> exec'd in its jail, -> ready) on each side.
 # AIRLOCK_KERNEL / AIRLOCK_ROOTFS default to the outputs of kernel-config/build.sh and
 # rootfs/build.sh. The last line of output is one JSON object.
 set -euo pipefail
@@ -79,14 +82,23 @@ bench_create() {
     --runs "${RUNS:-20}" --levels "${LEVELS:-1,10,50}" --idle "${IDLE:-100}"
 }
 
+bench_jail() {
+  artifacts
+  (cd "$root" && cargo build --release -q -p airlock-vmm -p airlockd -p airlock-bench >&2)
+  "$root/target/release/airlock-create-bench" --compare-jail \
+    --daemon "$root/target/release/airlockd" --vmm "$root/target/release/airlock-vmm" \
+    --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" --runs "${RUNS:-30}"
+}
+
 main() {
   case "${1:-}" in
     boot) bench_boot ;;
     exec) bench_exec ;;
     restore) bench_restore ;;
     create) bench_create ;;
+    jail) bench_jail ;;
     *)
-      sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac

@@ -9,124 +9,29 @@
 #![allow(clippy::unwrap_used)] // a failed step is a failed test
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use airlock_api::v1::*;
-use airlock_system_tests::{ChildGuard, binary, kernel, require_kvm, rootfs, step};
+use airlock_system_tests::harness::{
+    Client, alive, cgroups_left, client, http_get, processes_mentioning, reason,
+    remove_parent_cgroups, run, start_daemon, tail,
+};
+use airlock_system_tests::{require_kvm, step};
 use tonic::Code;
-
-type Client = airlock_client::AirlockClient<airlock_api::AuthChannel>;
 
 const TENANT_TOKEN: &str = "token-of-acme";
 /// Sandboxes alive at once, each running an execution.
 const CONCURRENT: usize = 20;
 const CAPACITY: usize = CONCURRENT + 1;
 
-struct Daemon {
-    cgroup_parent: String,
-    child: ChildGuard,
-    socket: PathBuf,
-    data_dir: PathBuf,
-    log: PathBuf,
-}
-
-fn start_daemon(dir: &Path, cgroup_parent: &str, metrics_port: u16) -> Daemon {
-    let socket = dir.join("airlockd.sock");
-    let data_dir = dir.join("data");
-    let config = dir.join("airlockd.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "pool_size = 2\nmax_sandboxes = {CAPACITY}\ncgroup_parent = \"{cgroup_parent}\"\n\
-             kernel = \"{}\"\nrootfs = \"{}\"\nvmm_binary = \"{}\"\nready_timeout_ms = 120000\n\
-             metrics_listen = \"127.0.0.1:{metrics_port}\"\n\
-             [tenants.acme]\ntokens = [\"{TENANT_TOKEN}\"]\n",
-            kernel().display(),
-            rootfs().display(),
-            binary("airlock-vmm").display()
-        ),
+/// This test's daemon settings (over `start_daemon`'s).
+fn daemon_config(metrics_port: u16) -> String {
+    format!(
+        "pool_size = 2\nmax_sandboxes = {CAPACITY}\nmetrics_listen = \"127.0.0.1:{metrics_port}\"\n\
+         [tenants.acme]\ntokens = [\"{TENANT_TOKEN}\"]\n"
     )
-    .unwrap();
-    let log = dir.join(format!(
-        "airlockd-{}.log",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis()
-    ));
-    let mut cmd = Command::new(binary("airlockd"));
-    cmd.arg("--config")
-        .arg(&config)
-        .arg("--listen")
-        .arg(format!("unix://{}", socket.display()))
-        .arg("--data-dir")
-        .arg(&data_dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap());
-    let _ = std::fs::remove_file(&socket);
-    let child = ChildGuard::spawn(&mut cmd);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !socket.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "airlockd did not listen: {}",
-            tail(&log)
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Daemon {
-        cgroup_parent: cgroup_parent.to_owned(),
-        child,
-        socket,
-        data_dir,
-        log,
-    }
-}
-
-impl Drop for Daemon {
-    /// A failed test still stops the daemon cleanly (SIGTERM ends every VMM it started) before
-    /// `ChildGuard` would kill it outright.
-    fn drop(&mut self) {
-        if let Some(child) = self.child.0.as_mut() {
-            // SAFETY: kill(2) on our own child.
-            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = child.try_wait() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            remove_parent_cgroups(&self.cgroup_parent);
-        }
-    }
-}
-
-async fn http_get(port: u16, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).await.unwrap();
-    body
-}
-
-/// Cgroup hierarchies the daemon may use (v2 at the root, v1 per controller).
-const HIERARCHIES: [&str; 5] = ["", "memory", "cpu", "pids", "cpuacct"];
-
-/// Removes the test's (empty) parent cgroups.
-fn remove_parent_cgroups(parent: &str) {
-    for h in HIERARCHIES {
-        let _ = std::fs::remove_dir(Path::new("/sys/fs/cgroup").join(h).join(parent));
-    }
 }
 
 /// Reads a whole file out of a sandbox.
@@ -146,23 +51,6 @@ async fn read_all(c: &mut Client, sandbox: &str, path: &str) -> Vec<u8> {
     out
 }
 
-fn tail(p: &Path) -> String {
-    let t = std::fs::read_to_string(p).unwrap_or_default();
-    let lines: Vec<&str> = t.lines().collect();
-    lines[lines.len().saturating_sub(30)..].join("\n")
-}
-
-async fn client(d: &Daemon, token: Option<&str>) -> Client {
-    airlock_api::client(Some(&format!("unix://{}", d.socket.display())), token)
-        .await
-        .expect("connect to airlockd")
-}
-
-fn reason(s: &tonic::Status) -> (String, HashMap<String, String>) {
-    airlock_api::error_info(s).unwrap_or_else(|| panic!("no ErrorInfo in {s:?}"))
-}
-
-/// Runs `cmd` in `sandbox` and follows it to its end: (stdout, stderr, record).
 /// Executions run at once in the concurrency phase: `AIRLOCK_TEST_EXEC_PARALLEL`, else all of
 /// them on bare-metal KVM and 5 on nested KVM (`kvm_pvm`), where 20 emulated guest kernels
 /// forking at once on 2 cores take minutes each.
@@ -181,88 +69,6 @@ fn exec_parallelism() -> usize {
     }
 }
 
-async fn run(c: &mut Client, sandbox: &str, argv: &[&str]) -> (String, String, Execution) {
-    let ex = c
-        .exec(ExecRequest {
-            sandbox_id: sandbox.into(),
-            command: Some(exec_request::Command::Argv(Argv {
-                args: argv.iter().map(|s| s.to_string()).collect(),
-            })),
-            timeout_ms: 300_000,
-            ..Default::default()
-        })
-        .await
-        .unwrap_or_else(|e| panic!("exec in {sandbox}: {e:?}"))
-        .into_inner();
-    let mut s = c
-        .stream_execution(StreamExecutionRequest {
-            execution_id: ex.execution_id.clone(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    while let Some(ev) = s.message().await.unwrap() {
-        match ev.event {
-            Some(execution_event::Event::Output(o)) if o.stream == StreamKind::Stdout as i32 => {
-                out.extend(o.data)
-            }
-            Some(execution_event::Event::Output(o)) => err.extend(o.data),
-            Some(execution_event::Event::Exit(e)) => {
-                return (
-                    String::from_utf8_lossy(&out).into(),
-                    String::from_utf8_lossy(&err).into(),
-                    e,
-                );
-            }
-            None => {}
-        }
-    }
-    panic!("execution {} stream ended without an exit", ex.execution_id);
-}
-
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| {
-            !s.rsplit(')')
-                .next()
-                .unwrap_or("")
-                .trim_start()
-                .starts_with('Z')
-        })
-        .unwrap_or(false)
-}
-
-/// Pids of processes whose command line mentions `needle`.
-fn processes_mentioning(needle: &str) -> Vec<u32> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        if let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline"))
-            && String::from_utf8_lossy(&cmd).contains(needle)
-            && alive(pid)
-        {
-            out.push(pid);
-        }
-    }
-    out
-}
-
-/// Sandbox cgroups left under the test's parent, in every hierarchy.
-fn cgroups_left(parent: &str) -> Vec<PathBuf> {
-    let mut left = Vec::new();
-    for h in HIERARCHIES {
-        let dir = Path::new("/sys/fs/cgroup").join(h).join(parent);
-        if let Ok(rd) = std::fs::read_dir(&dir) {
-            left.extend(rd.flatten().filter(|e| e.path().is_dir()).map(|e| e.path()));
-        }
-    }
-    left
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn daemon_serves_the_sandbox_lifecycle() {
     require_kvm();
@@ -275,7 +81,7 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         .and_then(|l| l.local_addr())
         .unwrap()
         .port();
-    let mut daemon = start_daemon(&dir, &cgroup_parent, metrics_port);
+    let mut daemon = start_daemon(&dir, &cgroup_parent, &daemon_config(metrics_port));
     let mut c = client(&daemon, None).await;
     let mut acme = client(&daemon, Some(TENANT_TOKEN)).await;
 
@@ -813,7 +619,7 @@ async fn daemon_serves_the_sandbox_lifecycle() {
     daemon.child.0.take().unwrap().wait().unwrap();
     step("daemon killed", &mut t);
 
-    daemon = start_daemon(&dir, &cgroup_parent, metrics_port);
+    daemon = start_daemon(&dir, &cgroup_parent, &daemon_config(metrics_port));
     c = client(&daemon, None).await;
     for pid in &vmms_before {
         assert!(

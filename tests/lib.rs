@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 use airlock_proto::pb::{self, StreamKind, exec_exit};
 use airlock_proto::{AGENT_VSOCK_PORT, AgentClient, ClientError};
 
+pub mod harness;
+
 /// The one command that builds every artifact and runs every test.
 pub const RUN_ALL: &str = "./tests/run.sh";
 
@@ -213,15 +215,8 @@ impl VmProcess {
     /// panics unless the answer says `"ok":true`.
     pub fn control(&self, command: &str) -> String {
         let path = self.dir.0.join("control.sock");
-        let answer = (|| -> std::io::Result<String> {
-            let mut s = UnixStream::connect(&path)?;
-            s.set_read_timeout(Some(Duration::from_secs(180)))?;
-            s.write_all(format!("{command}\n").as_bytes())?;
-            let mut line = String::new();
-            BufReader::new(s).read_line(&mut line)?;
-            Ok(line)
-        })()
-        .unwrap_or_else(|e| panic!("control {command}: {e}\n{}", self.diagnostics()));
+        let answer = control_command(&path, command)
+            .unwrap_or_else(|e| panic!("control {command}: {e}\n{}", self.diagnostics()));
         assert!(
             answer.contains("\"ok\":true"),
             "control {command}: {answer}\n{}",
@@ -234,6 +229,17 @@ impl VmProcess {
     pub fn wait(self) -> std::process::ExitStatus {
         self.child.wait()
     }
+}
+
+/// Sends one command line to a VMM control socket and returns the answer line (empty if the
+/// VMM closed the connection without answering).
+pub fn control_command(path: &Path, command: &str) -> std::io::Result<String> {
+    let mut s = UnixStream::connect(path)?;
+    s.set_read_timeout(Some(Duration::from_secs(180)))?;
+    s.write_all(format!("{command}\n").as_bytes())?;
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line)?;
+    Ok(line)
 }
 
 /// Runs the shell snippet `shell` to its end and returns (stdout, stderr, exit).

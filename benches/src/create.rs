@@ -3,7 +3,14 @@
 //! Prints progress to stderr and one JSON object as the last line of stdout.
 //!
 //! Usage: airlock-create-bench --daemon PATH --vmm PATH --kernel PATH --rootfs PATH
-//!        [--runs N] [--levels 1,10,50] [--idle N]
+//!        [--runs N] [--levels 1,10,50] [--idle N] [--compare-jail]
+//!
+//! `--compare-jail`: two daemons side by side, one jailing its VMMs (the default) and one with
+//! `[jail] enabled = false, seccomp = false`; `runs` creates each, alternating one by one (the
+//! order flips every round), each with a full warm pool. Reports `jailed` and `unjailed`
+//! (`create_ms` percentiles, the host's share, restore, guest), the differences of their p50s,
+//! and `vmm_spawn_ms`/`vmm_ready_ms` of each: a warm VMM's start, spawn to exec'd in its jail
+//! and to its control socket answering (off the create path: the pool refills afterwards).
 //!
 //! For each level L: batches of L concurrent creates (at least `runs` creates in all, at least
 //! one batch), each started once the warm pool holds L processes again. Per call: the client's
@@ -32,6 +39,8 @@ struct Args {
     runs: usize,
     levels: Vec<usize>,
     idle: usize,
+    /// Instead of the levels: create → ready with and without the jail, side by side.
+    compare_jail: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -43,10 +52,15 @@ fn parse_args() -> Result<Args, String> {
         runs: 20,
         levels: vec![1, 10, 50],
         idle: 100,
+        compare_jail: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
     while let Some(flag) = it.next() {
+        if flag == "--compare-jail" {
+            a.compare_jail = true;
+            continue;
+        }
         let v = it.next().ok_or(format!("{flag} needs a value"))?;
         let n = |s: &str| {
             s.parse::<usize>()
@@ -240,25 +254,28 @@ async fn destroy_all(c: &Client, sandboxes: &[Sandbox]) {
     }
 }
 
-async fn bench(a: Args) -> Result<serde_json::Value, String> {
-    let dir = std::env::temp_dir().join(format!("airlock-create-bench-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let max_level = a.levels.iter().copied().max().unwrap_or(1);
+/// Starts an `airlockd` in `dir` with `config` (plus the benchmark's common settings) and
+/// builds its template `base`; returns it, a client, and the template.
+async fn start_daemon(
+    a: &Args,
+    dir: &std::path::Path,
+    name: &str,
+    config: &str,
+) -> Result<(Daemon, Client, Template), String> {
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map_err(|e| e.to_string())?
         .port();
     let metrics = format!("127.0.0.1:{port}");
-    let config = dir.join("airlockd.toml");
+    let cgroup_parent = format!("airlock-bench-{name}-{}", std::process::id());
+    let config_path = dir.join("airlockd.toml");
     std::fs::write(
-        &config,
+        &config_path,
         format!(
-            "pool_size = {max_level}\nmax_sandboxes = {}\ncgroup_parent = \"airlock-bench-{}\"\n\
+            "cgroup_parent = \"{cgroup_parent}\"\n\
              kernel = \"{}\"\nrootfs = \"{}\"\nvmm_binary = \"{}\"\nready_timeout_ms = 180000\n\
-             metrics_listen = \"{metrics}\"\nmax_committed_mib = 1048576\n",
-            max_level.max(a.idle) + 8,
-            std::process::id(),
+             metrics_listen = \"{metrics}\"\nmax_committed_mib = 1048576\n{config}",
             a.kernel.display(),
             a.rootfs.display(),
             a.vmm.display()
@@ -268,7 +285,7 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
     let socket = dir.join("airlockd.sock");
     let child = Command::new(&a.daemon)
         .arg("--config")
-        .arg(&config)
+        .arg(&config_path)
         .arg("--listen")
         .arg(format!("unix://{}", socket.display()))
         .arg("--data-dir")
@@ -282,7 +299,7 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
     let daemon = Daemon {
         child,
         metrics,
-        cgroup_parent: format!("airlock-bench-{}", std::process::id()),
+        cgroup_parent,
     };
     let deadline = Instant::now() + Duration::from_secs(30);
     while !socket.exists() {
@@ -294,8 +311,9 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
     let c = airlock_api::client(Some(&format!("unix://{}", socket.display())), None)
         .await
         .map_err(|e| e.to_string())?;
-
-    log("template: cold boot + snapshot (tens of seconds on nested KVM)");
+    log(&format!(
+        "{name}: template: cold boot + snapshot (tens of seconds on nested KVM)"
+    ));
     let mut events = c
         .clone()
         .create_template(CreateTemplateRequest {
@@ -310,6 +328,18 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
         template = ev.template.or(template);
     }
     let template = template.ok_or("no template")?;
+    Ok((daemon, c, template))
+}
+
+async fn bench(a: Args) -> Result<serde_json::Value, String> {
+    let dir = std::env::temp_dir().join(format!("airlock-create-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let max_level = a.levels.iter().copied().max().unwrap_or(1);
+    let config = format!(
+        "pool_size = {max_level}\nmax_sandboxes = {}\n",
+        max_level.max(a.idle) + 8
+    );
+    let (daemon, c, template) = start_daemon(&a, &dir, "create", &config).await?;
 
     let mut out = serde_json::Map::new();
     out.insert("bench".into(), "create".into());
@@ -408,6 +438,81 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
     Ok(serde_json::Value::Object(out))
 }
 
+/// The mean of a histogram (`name_sum / name_count`) from the metrics endpoint, in ms.
+async fn histogram_mean_ms(d: &Daemon, name: &str) -> Option<f64> {
+    let sum = metric(&d.metrics, &format!("{name}_sum ")).await?;
+    let count = metric(&d.metrics, &format!("{name}_count ")).await?;
+    (count > 0.0).then(|| (sum / count * 1000.0 * 1000.0).round() / 1000.0)
+}
+
+/// Create → ready with and without the jail, alternating (see the module doc).
+async fn compare_jail(a: Args) -> Result<serde_json::Value, String> {
+    let dir = std::env::temp_dir().join(format!("airlock-jail-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let common = "pool_size = 2\nmax_sandboxes = 8\n";
+    let jailed = start_daemon(&a, &dir.join("jailed"), "jailed", common).await?;
+    let off = format!("{common}[jail]\nenabled = false\nseccomp = false\n");
+    let unjailed = start_daemon(&a, &dir.join("unjailed"), "unjailed", &off).await?;
+    let sides = [("jailed", &jailed), ("unjailed", &unjailed)];
+    let mut samples: [Vec<Sandbox>; 2] = [Vec::new(), Vec::new()];
+    let mut walls: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    let mut failures = [0usize; 2];
+    for round in 0..a.runs {
+        for k in 0..2 {
+            let i = if round % 2 == 0 { k } else { 1 - k };
+            let (_, (daemon, c, _)) = sides[i];
+            wait_pool(daemon, 2).await?;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let (ok, failed, _) = create_batch(c, 1).await;
+            failures[i] += failed;
+            for x in ok {
+                walls[i].push(x.wall_ms);
+                destroy_all(c, std::slice::from_ref(&x.sandbox)).await;
+                samples[i].push(x.sandbox);
+            }
+        }
+        log(&format!("round {}/{}", round + 1, a.runs));
+    }
+    let mut out = serde_json::Map::new();
+    out.insert("bench".into(), "create_jail".into());
+    let mut p50 = [serde_json::Value::Null, serde_json::Value::Null];
+    for (i, (name, (daemon, _, _))) in sides.iter().enumerate() {
+        let pick = |f: fn(&Sandbox) -> f64| samples[i].iter().map(f).collect::<Vec<_>>();
+        let mut s = summary(&walls[i]);
+        let host = summary(&pick(|x| x.create_host_ms));
+        s["host_p50"] = host["p50"].clone();
+        s["host_p99"] = host["p99"].clone();
+        s["restore_p50"] = summary(&pick(|x| x.restore_ms))["p50"].clone();
+        s["guest_p50"] = summary(&pick(|x| x.create_guest_ms))["p50"].clone();
+        s["failures"] = failures[i].into();
+        s["vmm_spawn_ms"] = histogram_mean_ms(daemon, "airlock_vmm_spawn_seconds")
+            .await
+            .into();
+        s["vmm_ready_ms"] = histogram_mean_ms(daemon, "airlock_vmm_ready_seconds")
+            .await
+            .into();
+        p50[i] = serde_json::json!([s["p50"].clone(), s["host_p50"].clone()]);
+        out.insert((*name).into(), s);
+    }
+    let diff = |k: usize| match (p50[0][k].as_f64(), p50[1][k].as_f64()) {
+        (Some(j), Some(u)) => serde_json::json!(((j - u) * 1000.0).round() / 1000.0),
+        _ => serde_json::Value::Null,
+    };
+    out.insert("jail_overhead_ms_p50".into(), diff(0));
+    out.insert("jail_host_overhead_ms_p50".into(), diff(1));
+    out.insert(
+        "host".into(),
+        serde_json::json!({
+            "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            "kvm": if std::path::Path::new("/sys/module/kvm_pvm").exists() { "nested-pvm" } else { "host" },
+        }),
+    );
+    drop(jailed);
+    drop(unjailed);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(serde_json::Value::Object(out))
+}
+
 fn main() -> ExitCode {
     let args = match parse_args() {
         Ok(a) => a,
@@ -426,7 +531,12 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(bench(args)) {
+    let result = if args.compare_jail {
+        rt.block_on(compare_jail(args))
+    } else {
+        rt.block_on(bench(args))
+    };
+    match result {
         Ok(v) => {
             println!("{v}");
             ExitCode::SUCCESS

@@ -48,6 +48,8 @@ struct Inner {
     create_seconds: Histogram,
     create_host_seconds: Histogram,
     restore_seconds: Histogram,
+    vmm_spawn_seconds: Histogram,
+    vmm_ready_seconds: Histogram,
     executions: BTreeMap<String, u64>,
     creates_failed: BTreeMap<String, u64>,
 }
@@ -68,6 +70,14 @@ impl Metrics {
         i.create_seconds.observe(total_s);
         i.create_host_seconds.observe(host_s);
         i.restore_seconds.observe(restore_s);
+    }
+
+    /// A warm VMM started: `spawn_s` until it had exec'd in its jail (clone, mounts, limits,
+    /// credentials), `ready_s` until its control socket answered (its KVM VM prepared).
+    pub fn observe_vmm_start(&self, spawn_s: f64, ready_s: f64) {
+        let mut i = self.inner();
+        i.vmm_spawn_seconds.observe(spawn_s);
+        i.vmm_ready_seconds.observe(ready_s);
     }
 
     pub fn create_failed(&self, reason: &str) {
@@ -115,6 +125,18 @@ impl Metrics {
             "airlock_restore_seconds",
             "VMM restore, request to vCPUs running.",
             &i.restore_seconds,
+        );
+        hist(
+            &mut out,
+            "airlock_vmm_spawn_seconds",
+            "Warm VMM start, spawn to exec'd in its jail (the jail's setup).",
+            &i.vmm_spawn_seconds,
+        );
+        hist(
+            &mut out,
+            "airlock_vmm_ready_seconds",
+            "Warm VMM start, spawn to its control socket answering (KVM VM prepared).",
+            &i.vmm_ready_seconds,
         );
         let _ = writeln!(
             out,

@@ -466,8 +466,17 @@ impl Daemon {
         let (k, r) = (kernel.clone(), rootfs.clone());
         let (build_dir, progress_tx) = (dir.clone(), progress.clone());
         let build = tokio::spawn(async move {
-            me.build_template_snapshot(&k, &r, vcpus, memory_mib, &warmup, &build_dir, started, progress_tx)
-                .await
+            me.build_template_snapshot(
+                &k,
+                &r,
+                vcpus,
+                memory_mib,
+                &warmup,
+                &build_dir,
+                started,
+                progress_tx,
+            )
+            .await
         });
         build
             .await
@@ -500,7 +509,10 @@ impl Daemon {
     /// Boots `kernel` with `rootfs` once in a jailed `airlock-vmm snapshot`, runs `warmup`,
     /// and moves the snapshot it wrote (in its run directory) to `dir`, owned by root. Sends
     /// "still booting" every 5 s. The VMM, its cgroup and run directory are gone afterwards.
-    #[expect(clippy::too_many_arguments, reason = "one build's parameters, passed once")]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one build's parameters, passed once"
+    )]
     async fn build_template_snapshot(
         self: &Arc<Self>,
         kernel: &Path,
@@ -542,11 +554,17 @@ impl Daemon {
             ]
             .map(std::ffi::OsString::from),
         );
-        for (flag, path) in [("--kernel", kernel), ("--rootfs", rootfs), ("--out", &out_dir)] {
+        for (flag, path) in [
+            ("--kernel", kernel),
+            ("--rootfs", rootfs),
+            ("--out", &out_dir),
+        ] {
             args.push(flag.into());
             args.push(path.into());
         }
-        let files = (|| Ok::<_, std::io::Error>((File::create(&log_path)?, File::create(&summary_path)?)))();
+        let files =
+            (|| Ok::<_, std::io::Error>((File::create(&log_path)?, File::create(&summary_path)?)))(
+            );
         let (log, summary_file) = match files {
             Ok(f) => f,
             Err(e) => {
@@ -578,7 +596,11 @@ impl Daemon {
             pid,
             start_ticks: ticks,
             run_dir: run_dir.display().to_string(),
-            cgroup: if cgroup.is_some() { vm_id.clone() } else { String::new() },
+            cgroup: if cgroup.is_some() {
+                vm_id.clone()
+            } else {
+                String::new()
+            },
         });
         let mut tick = tokio::time::interval(Duration::from_secs(5));
         tick.tick().await;
@@ -607,7 +629,9 @@ impl Daemon {
                 "the template boot failed ({st}): {}",
                 vmm::log_tail(&log_path)
             ))),
-            Err(e) => Err(ApiError::Internal(format!("waiting for the template VMM: {e}"))),
+            Err(e) => Err(ApiError::Internal(format!(
+                "waiting for the template VMM: {e}"
+            ))),
         };
         if result.is_err() {
             let _ = std::fs::remove_dir_all(dir);
@@ -713,13 +737,14 @@ impl Daemon {
         let cgroup = self
             .make_cgroup(&vm_id, t.record.memory_mib, t.record.vcpus)
             .map_err(|e| ApiError::Internal(format!("VMM cgroup: {e}")))?;
+        let t0 = Instant::now();
         let spec = vmm::PoolSpec {
             vcpus: t.record.vcpus,
             snapshot_dir: t.dir.clone(),
             rootfs: PathBuf::from(&t.record.rootfs_path),
         };
-        let spawned = VmmProcess::spawn_pool(&self.jailer, run_dir.clone(), &spec, cgroup.clone())
-            .await;
+        let spawned =
+            VmmProcess::spawn_pool(&self.jailer, run_dir.clone(), &spec, cgroup.clone()).await;
         let mut p = match spawned {
             Ok(p) => p,
             Err(e) => {
@@ -730,8 +755,11 @@ impl Daemon {
                 return Err(ApiError::Internal(format!("starting a VMM: {e}")));
             }
         };
-        // Recorded before anything else can fail, so that nothing can leak it.
-        self.store.add_process(&ProcessRecord {
+        let spawn_s = t0.elapsed().as_secs_f64();
+        // Watched at once: whatever fails from here on, its exit cleans up after it.
+        self.watch_exit(&mut p, owner);
+        // Recorded, so that a restarted daemon reaps it.
+        let recorded = self.store.add_process(&ProcessRecord {
             pid: p.pid,
             start_ticks: p.start_ticks,
             run_dir: p.run_dir.display().to_string(),
@@ -740,17 +768,27 @@ impl Daemon {
             } else {
                 String::new()
             },
-        })?;
-        self.watch_exit(&mut p, owner);
+        });
+        if let Err(e) = recorded {
+            p.kill();
+            return Err(e);
+        }
         if let Err(e) = p.wait_ready().await {
             p.kill();
             return Err(ApiError::Internal(format!("starting a VMM: {e}")));
         }
+        self.metrics
+            .observe_vmm_start(spawn_s, t0.elapsed().as_secs_f64());
         Ok(p)
     }
 
     /// The cgroup of a VMM with a guest of `memory_mib` and `vcpus` (none without cgroups).
-    fn make_cgroup(&self, name: &str, memory_mib: u32, vcpus: u32) -> std::io::Result<Option<Cgroup>> {
+    fn make_cgroup(
+        &self,
+        name: &str,
+        memory_mib: u32,
+        vcpus: u32,
+    ) -> std::io::Result<Option<Cgroup>> {
         let Some(cgs) = &self.cgroups else {
             return Ok(None);
         };
@@ -778,7 +816,8 @@ impl Daemon {
             let cgroup = p.cgroup.clone();
             tokio::spawn(async move {
                 let status = child.wait().await;
-                me.vmm_exited(pid, ticks, &run_dir, cgroup, status.ok()).await;
+                me.vmm_exited(pid, ticks, &run_dir, cgroup, status.ok())
+                    .await;
             });
         }
     }

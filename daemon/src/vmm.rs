@@ -316,6 +316,9 @@ mod tests {
         assert_eq!(describe_exit(st(9), true).0, "OOM_KILLED");
         assert_eq!(describe_exit(st(64 << 8), false).0, "GUEST_CRASHED");
         assert_eq!(describe_exit(st(70 << 8), false).0, "SECCOMP_VIOLATION");
-        assert_eq!(describe_exit(st(libc::SIGSYS), false).0, "SECCOMP_VIOLATION");
+        assert_eq!(
+            describe_exit(st(libc::SIGSYS), false).0,
+            "SECCOMP_VIOLATION"
+        );
     }
 }

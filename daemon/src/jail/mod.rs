@@ -239,7 +239,11 @@ impl Jailer {
         };
         if cfg.enabled {
             info!(
-                uids = format!("{}..{}", cfg.uid_base, cfg.uid_base.saturating_add(cfg.uid_count)),
+                uids = format!(
+                    "{}..{}",
+                    cfg.uid_base,
+                    cfg.uid_base.saturating_add(cfg.uid_count)
+                ),
                 libs = libs.len(),
                 seccomp = cfg.seccomp,
                 "VMMs run jailed"
@@ -266,7 +270,10 @@ impl Jailer {
             .filter(|u| pool.contains(*u))
             .collect();
         for uid in found {
-            warn!(uid, "a process the daemon did not start uses a jail uid; skipping it");
+            warn!(
+                uid,
+                "a process the daemon did not start uses a jail uid; skipping it"
+            );
             pool.foreign.insert(uid);
         }
     }
@@ -383,7 +390,10 @@ impl Jailer {
             .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no /dev/kvm on this host"))?;
         const RO: libc::c_ulong = libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV;
         let mut mounts: Vec<(&Path, libc::c_ulong)> = Vec::new();
-        mounts.push((&launch.run_dir, libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC));
+        mounts.push((
+            &launch.run_dir,
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        ));
         for p in &launch.read_only {
             mounts.push((p, RO | libc::MS_NOEXEC));
         }
@@ -411,7 +421,11 @@ impl Jailer {
             root: c(&self.root)?,
             tmpfs_options: c(Path::new("size=1m,nr_inodes=4096,mode=755"))?,
             dirs,
-            files: layout.files.iter().map(|f| c(f)).collect::<Result<_, _>>()?,
+            files: layout
+                .files
+                .iter()
+                .map(|f| c(f))
+                .collect::<Result<_, _>>()?,
             binds,
             kvm_node: c(&dev.join("kvm"))?,
             kvm_rdev,
@@ -445,9 +459,8 @@ impl JailLayout {
             if targets.contains(&target) {
                 continue;
             }
-            let source = std::fs::canonicalize(host).map_err(|e| {
-                io::Error::new(e.kind(), format!("jail: {}: {e}", host.display()))
-            })?;
+            let source = std::fs::canonicalize(host)
+                .map_err(|e| io::Error::new(e.kind(), format!("jail: {}: {e}", host.display())))?;
             let mut parent = target.parent();
             while let Some(p) = parent.filter(|p| *p != root) {
                 layout.dirs.insert(p.to_path_buf());
@@ -544,7 +557,10 @@ fn shared_libraries(binary: &Path) -> Vec<PathBuf> {
         Ok(o) if o.status.success() => o,
         Ok(_) => return Vec::new(), // "not a dynamic executable"
         Err(e) => {
-            warn!("ldd {}: {e}; the jail holds no shared libraries", binary.display());
+            warn!(
+                "ldd {}: {e}; the jail holds no shared libraries",
+                binary.display()
+            );
             return Vec::new();
         }
     };
@@ -564,14 +580,24 @@ fn parse_ldd(text: &str) -> Vec<PathBuf> {
         .collect()
 }
 
-/// The real uids of all processes on the host.
+/// The real uids of all live processes on the host.
 fn process_uids() -> Vec<u32> {
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
     rd.flatten()
-        .filter(|e| e.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()))
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
         .filter_map(|e| std::fs::read_to_string(e.path().join("status")).ok())
+        // A zombie (a killed VMM not reaped yet) holds nothing.
+        .filter(|s| {
+            !s.lines()
+                .any(|l| l.starts_with("State:") && l.contains("zombie"))
+        })
         .filter_map(|s| {
             s.lines()
                 .find_map(|l| l.strip_prefix("Uid:"))

@@ -263,7 +263,9 @@ pub fn wait_pidfd(pidfd: &OwnedFd, block: bool) -> io::Result<Option<ExitStatus>
         }
     }
     // SAFETY: waitid filled `info` for SIGCHLD, whose union member holds pid and status.
-    let (pid, status) = unsafe { (info.si_pid(), info.si_status()) };
+    let pid = unsafe { info.si_pid() };
+    // SAFETY: as for `pid`.
+    let status = unsafe { info.si_status() };
     if pid == 0 {
         return Ok(None);
     }
@@ -485,8 +487,10 @@ struct CapData {
 }
 
 fn errno() -> i32 {
-    // SAFETY: __errno_location returns this thread's errno slot.
-    unsafe { *libc::__errno_location() }
+    // SAFETY: __errno_location has no preconditions.
+    let slot = unsafe { libc::__errno_location() };
+    // SAFETY: it points at this thread's errno, always readable.
+    unsafe { *slot }
 }
 
 /// Reports `(step, errno)` to the parent and exits.

@@ -1,0 +1,227 @@
+//! A live `airlockd` for system tests: started with the built artifacts, a client of it, and
+//! what tests look at on the host afterwards (processes, cgroups).
+#![allow(clippy::unwrap_used)] // a failed step is a failed test
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use airlock_api::v1::*;
+
+use crate::{ChildGuard, binary, kernel, rootfs};
+
+/// The gRPC client type of the tests.
+pub type Client = airlock_api::v1::airlock_client::AirlockClient<airlock_api::AuthChannel>;
+
+/// A running `airlockd` of a test; dropping it stops the daemon (SIGTERM, then SIGKILL).
+#[derive(Debug)]
+pub struct Daemon {
+    pub cgroup_parent: String,
+    pub child: ChildGuard,
+    pub socket: PathBuf,
+    pub data_dir: PathBuf,
+    pub log: PathBuf,
+}
+
+/// Starts `airlockd` on a Unix socket in `dir`, with its data in `dir/data`, sandbox cgroups
+/// under `cgroup_parent`, the built kernel, image and VMM, and `extra` appended to its config
+/// (top-level keys first, then tables).
+pub fn start_daemon(dir: &Path, cgroup_parent: &str, extra: &str) -> Daemon {
+    let socket = dir.join("airlockd.sock");
+    let data_dir = dir.join("data");
+    let config = dir.join("airlockd.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "cgroup_parent = \"{cgroup_parent}\"\n\
+             kernel = \"{}\"\nrootfs = \"{}\"\nvmm_binary = \"{}\"\nready_timeout_ms = 120000\n\
+             {extra}",
+            kernel().display(),
+            rootfs().display(),
+            binary("airlock-vmm").display()
+        ),
+    )
+    .unwrap();
+    let log = dir.join(format!(
+        "airlockd-{}.log",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis()
+    ));
+    let mut cmd = Command::new(binary("airlockd"));
+    cmd.arg("--config")
+        .arg(&config)
+        .arg("--listen")
+        .arg(format!("unix://{}", socket.display()))
+        .arg("--data-dir")
+        .arg(&data_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+    let _ = std::fs::remove_file(&socket);
+    let child = ChildGuard::spawn(&mut cmd);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !socket.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "airlockd did not listen: {}",
+            tail(&log)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Daemon {
+        cgroup_parent: cgroup_parent.to_owned(),
+        child,
+        socket,
+        data_dir,
+        log,
+    }
+}
+
+impl Drop for Daemon {
+    /// A failed test still stops the daemon cleanly (SIGTERM ends every VMM it started) before
+    /// `ChildGuard` would kill it outright.
+    fn drop(&mut self) {
+        if let Some(child) = self.child.0.as_mut() {
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            remove_parent_cgroups(&self.cgroup_parent);
+        }
+    }
+}
+
+/// The body (and head) of `GET path` on `127.0.0.1:port`.
+pub async fn http_get(port: u16, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.unwrap();
+    body
+}
+
+/// Cgroup hierarchies the daemon may use (v2 at the root, v1 per controller).
+pub const HIERARCHIES: [&str; 5] = ["", "memory", "cpu", "pids", "cpuacct"];
+
+/// Removes the test's (empty) parent cgroups.
+pub fn remove_parent_cgroups(parent: &str) {
+    for h in HIERARCHIES {
+        let _ = std::fs::remove_dir(Path::new("/sys/fs/cgroup").join(h).join(parent));
+    }
+}
+
+/// The last 30 lines of a log file.
+pub fn tail(p: &Path) -> String {
+    let t = std::fs::read_to_string(p).unwrap_or_default();
+    let lines: Vec<&str> = t.lines().collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}
+
+/// A gRPC client of `d`, with `token` if given.
+pub async fn client(d: &Daemon, token: Option<&str>) -> Client {
+    airlock_api::client(Some(&format!("unix://{}", d.socket.display())), token)
+        .await
+        .expect("connect to airlockd")
+}
+
+/// The ErrorInfo reason and metadata of a failed call.
+pub fn reason(s: &tonic::Status) -> (String, HashMap<String, String>) {
+    airlock_api::error_info(s).unwrap_or_else(|| panic!("no ErrorInfo in {s:?}"))
+}
+
+/// Whether `pid` runs (exists and is not a zombie).
+pub fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            !s.rsplit(')')
+                .next()
+                .unwrap_or("")
+                .trim_start()
+                .starts_with('Z')
+        })
+        .unwrap_or(false)
+}
+
+/// Pids of processes whose command line mentions `needle`.
+pub fn processes_mentioning(needle: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline"))
+            && String::from_utf8_lossy(&cmd).contains(needle)
+            && alive(pid)
+        {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// Sandbox cgroups left under the test's parent, in every hierarchy.
+pub fn cgroups_left(parent: &str) -> Vec<PathBuf> {
+    let mut left = Vec::new();
+    for h in HIERARCHIES {
+        let dir = Path::new("/sys/fs/cgroup").join(h).join(parent);
+        if let Ok(rd) = std::fs::read_dir(&dir) {
+            left.extend(rd.flatten().filter(|e| e.path().is_dir()).map(|e| e.path()));
+        }
+    }
+    left
+}
+
+/// Runs `argv` in `sandbox` and follows it to its end: (stdout, stderr, record).
+pub async fn run(c: &mut Client, sandbox: &str, argv: &[&str]) -> (String, String, Execution) {
+    let ex = c
+        .exec(ExecRequest {
+            sandbox_id: sandbox.into(),
+            command: Some(exec_request::Command::Argv(Argv {
+                args: argv.iter().map(|s| s.to_string()).collect(),
+            })),
+            timeout_ms: 300_000,
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("exec in {sandbox}: {e:?}"))
+        .into_inner();
+    let mut s = c
+        .stream_execution(StreamExecutionRequest {
+            execution_id: ex.execution_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    while let Some(ev) = s.message().await.unwrap() {
+        match ev.event {
+            Some(execution_event::Event::Output(o)) if o.stream == StreamKind::Stdout as i32 => {
+                out.extend(o.data)
+            }
+            Some(execution_event::Event::Output(o)) => err.extend(o.data),
+            Some(execution_event::Event::Exit(e)) => {
+                return (
+                    String::from_utf8_lossy(&out).into(),
+                    String::from_utf8_lossy(&err).into(),
+                    e,
+                );
+            }
+            None => {}
+        }
+    }
+    panic!("execution {} stream ended without an exit", ex.execution_id);
+}
