@@ -6,8 +6,9 @@
 //!        [--runs N] [--levels 1,10,50] [--idle N] [--compare-jail]
 //!
 //! `--compare-jail`: two daemons side by side, one jailing its VMMs (the default) and one with
-//! `[jail] enabled = false, seccomp = false`; `runs` creates each, alternating one by one (the
-//! order flips every round), each with a full warm pool. Reports `jailed` and `unjailed`
+//! `[jail] enabled = false, seccomp = false`, restoring the same template snapshot (built once,
+//! by the jailed daemon); `runs` creates each, alternating one by one (the order flips every
+//! round), each with a full warm pool. Reports `jailed` and `unjailed`
 //! (`create_ms` percentiles, the host's share, restore, guest), the differences of their p50s,
 //! and `vmm_spawn_ms`/`vmm_ready_ms` of each: a warm VMM's start, spawn to exec'd in its jail
 //! and to its control socket answering (off the create path: the pool refills afterwards).
@@ -254,14 +255,14 @@ async fn destroy_all(c: &Client, sandboxes: &[Sandbox]) {
     }
 }
 
-/// Starts an `airlockd` in `dir` with `config` (plus the benchmark's common settings) and
-/// builds its template `base`; returns it, a client, and the template.
+/// Starts an `airlockd` in `dir` with `config` (plus the benchmark's common settings); returns
+/// it and a client.
 async fn start_daemon(
     a: &Args,
     dir: &std::path::Path,
     name: &str,
     config: &str,
-) -> Result<(Daemon, Client, Template), String> {
+) -> Result<(Daemon, Client), String> {
     std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -311,9 +312,12 @@ async fn start_daemon(
     let c = airlock_api::client(Some(&format!("unix://{}", socket.display())), None)
         .await
         .map_err(|e| e.to_string())?;
-    log(&format!(
-        "{name}: template: cold boot + snapshot (tens of seconds on nested KVM)"
-    ));
+    Ok((daemon, c))
+}
+
+/// Builds the template `base`: one cold boot and a snapshot.
+async fn make_template(c: &Client) -> Result<Template, String> {
+    log("template: cold boot + snapshot (tens of seconds on nested KVM)");
     let mut events = c
         .clone()
         .create_template(CreateTemplateRequest {
@@ -327,8 +331,7 @@ async fn start_daemon(
     while let Some(ev) = events.message().await.map_err(|e| e.to_string())? {
         template = ev.template.or(template);
     }
-    let template = template.ok_or("no template")?;
-    Ok((daemon, c, template))
+    template.ok_or_else(|| "no template".to_owned())
 }
 
 async fn bench(a: Args) -> Result<serde_json::Value, String> {
@@ -339,7 +342,8 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
         "pool_size = {max_level}\nmax_sandboxes = {}\n",
         max_level.max(a.idle) + 8
     );
-    let (daemon, c, template) = start_daemon(&a, &dir, "create", &config).await?;
+    let (daemon, c) = start_daemon(&a, &dir, "create", &config).await?;
+    let template = make_template(&c).await?;
 
     let mut out = serde_json::Map::new();
     out.insert("bench".into(), "create".into());
@@ -426,16 +430,18 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
     destroy_all(&c, &idle).await;
     out.insert("memory_mib".into(), template.memory_mib.into());
     out.insert("vcpus".into(), template.vcpus.into());
-    out.insert(
-        "host".into(),
-        serde_json::json!({
-            "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-            "kvm": if std::path::Path::new("/sys/module/kvm_pvm").exists() { "nested-pvm" } else { "host" },
-        }),
-    );
+    out.insert("host".into(), host_facts());
     drop(daemon);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(serde_json::Value::Object(out))
+}
+
+/// What the numbers were measured on.
+fn host_facts() -> serde_json::Value {
+    serde_json::json!({
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "kvm": if std::path::Path::new("/sys/module/kvm_pvm").exists() { "nested-pvm" } else { "host" },
+    })
 }
 
 /// The mean of a histogram (`name_sum / name_count`) from the metrics endpoint, in ms.
@@ -450,8 +456,23 @@ async fn compare_jail(a: Args) -> Result<serde_json::Value, String> {
     let dir = std::env::temp_dir().join(format!("airlock-jail-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let common = "pool_size = 2\nmax_sandboxes = 8\n";
-    let jailed = start_daemon(&a, &dir.join("jailed"), "jailed", common).await?;
     let off = format!("{common}[jail]\nenabled = false\nseccomp = false\n");
+    // One template for both: built by the jailed daemon, whose records (stopped cleanly: no
+    // process rows) the other daemon starts from, so both restore the very same snapshot files.
+    {
+        let (_first, c) = start_daemon(&a, &dir.join("jailed"), "jailed", common).await?;
+        make_template(&c).await?;
+    }
+    std::fs::create_dir_all(dir.join("unjailed/data")).map_err(|e| e.to_string())?;
+    for entry in std::fs::read_dir(dir.join("jailed/data")).map_err(|e| e.to_string())? {
+        let path = entry.map_err(|e| e.to_string())?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        if name.starts_with("airlock.db") {
+            std::fs::copy(&path, dir.join("unjailed/data").join(&name))
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    let jailed = start_daemon(&a, &dir.join("jailed"), "jailed", common).await?;
     let unjailed = start_daemon(&a, &dir.join("unjailed"), "unjailed", &off).await?;
     let sides = [("jailed", &jailed), ("unjailed", &unjailed)];
     let mut samples: [Vec<Sandbox>; 2] = [Vec::new(), Vec::new()];
@@ -460,7 +481,7 @@ async fn compare_jail(a: Args) -> Result<serde_json::Value, String> {
     for round in 0..a.runs {
         for k in 0..2 {
             let i = if round % 2 == 0 { k } else { 1 - k };
-            let (_, (daemon, c, _)) = sides[i];
+            let (_, (daemon, c)) = sides[i];
             wait_pool(daemon, 2).await?;
             tokio::time::sleep(Duration::from_millis(300)).await;
             let (ok, failed, _) = create_batch(c, 1).await;
@@ -476,7 +497,7 @@ async fn compare_jail(a: Args) -> Result<serde_json::Value, String> {
     let mut out = serde_json::Map::new();
     out.insert("bench".into(), "create_jail".into());
     let mut p50 = [serde_json::Value::Null, serde_json::Value::Null];
-    for (i, (name, (daemon, _, _))) in sides.iter().enumerate() {
+    for (i, (name, (daemon, _))) in sides.iter().enumerate() {
         let pick = |f: fn(&Sandbox) -> f64| samples[i].iter().map(f).collect::<Vec<_>>();
         let mut s = summary(&walls[i]);
         let host = summary(&pick(|x| x.create_host_ms));
@@ -500,13 +521,7 @@ async fn compare_jail(a: Args) -> Result<serde_json::Value, String> {
     };
     out.insert("jail_overhead_ms_p50".into(), diff(0));
     out.insert("jail_host_overhead_ms_p50".into(), diff(1));
-    out.insert(
-        "host".into(),
-        serde_json::json!({
-            "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-            "kvm": if std::path::Path::new("/sys/module/kvm_pvm").exists() { "nested-pvm" } else { "host" },
-        }),
-    );
+    out.insert("host".into(), host_facts());
     drop(jailed);
     drop(unjailed);
     let _ = std::fs::remove_dir_all(&dir);

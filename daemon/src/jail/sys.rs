@@ -298,10 +298,15 @@ fn child_main(plan: &Plan, go: RawFd, errors: RawFd) -> ! {
         }};
     }
     let mut byte = 0u8;
-    // SAFETY: read(2) of one byte into a live local; EOF (the parent gave up) ends the child.
-    if unsafe { libc::read(go, std::ptr::addr_of_mut!(byte).cast(), 1) } != 1 {
-        // SAFETY: _exit(2) ends only this child.
-        unsafe { libc::_exit(126) };
+    loop {
+        // SAFETY: read(2) of one byte into a live local.
+        let n = unsafe { libc::read(go, std::ptr::addr_of_mut!(byte).cast(), 1) };
+        match n {
+            1 => break,
+            -1 if errno() == libc::EINTR => continue,
+            // EOF: the parent gave up (a failure there, or it died).
+            _ => fail(errors, step),
+        }
     }
     step += 1;
     for (target, fd) in plan.stdio.iter().enumerate() {
@@ -454,11 +459,13 @@ fn enter_jail(j: &JailPlan, errors: RawFd, step: &mut usize) {
         0
     ));
     *step += 1;
-    try_step!(libc::setgroups(0, std::ptr::null()));
+    // Raw system calls, not glibc's wrappers: those would try to change the credentials of
+    // every thread glibc remembers from the parent (threads this child does not have).
+    try_step!(libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) as i32);
     *step += 1;
-    try_step!(libc::setresgid(j.gid, j.gid, j.gid));
+    try_step!(libc::syscall(libc::SYS_setresgid, j.gid, j.gid, j.gid) as i32);
     *step += 1;
-    try_step!(libc::setresuid(j.uid, j.uid, j.uid));
+    try_step!(libc::syscall(libc::SYS_setresuid, j.uid, j.uid, j.uid) as i32);
     *step += 1;
     // Leaving uid 0 cleared the permitted and effective sets; clear the inheritable one too.
     let header = CapHeader {

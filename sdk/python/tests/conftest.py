@@ -102,6 +102,11 @@ default_idle_ttl_s = 900
 [tenants.acme]
 tokens = ["{ACME_TOKEN}"]
 quota = {{ max_sandboxes = 1, max_memory_mib = 4096 }}
+
+# The VMMs accept `probe` commands, so that a test can make one break its seccomp filter.
+[jail]
+test_hooks = true
+uid_base = 1700000000
 """
     )
     log_path = tmp / "airlockd.log"

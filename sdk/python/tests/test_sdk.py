@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -247,15 +249,19 @@ def test_tenants_quota_and_capacity(daemon, client):
             s.destroy()
 
 
+def _wait_dead(sb) -> None:
+    deadline = time.monotonic() + 30
+    while sb.refresh().state != "dead":
+        assert time.monotonic() < deadline, "the sandbox was not reported dead"
+        time.sleep(0.2)
+
+
 def test_a_killed_vmm_makes_a_dead_sandbox(client):
     sb = client.sandboxes.create()
     pid = sb.info.vmm_pid
     assert pid > 0
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while sb.refresh().state != "dead":
-        assert time.monotonic() < deadline, "the sandbox was not reported dead"
-        time.sleep(0.2)
+    _wait_dead(sb)
     assert sb.end_reason == "SANDBOX_DEAD"
     with pytest.raises(airlock.SandboxDead) as e:
         sb.exec(["true"])
@@ -276,6 +282,26 @@ def test_out_of_memory_ends_the_execution(sandbox):
     assert allocated and max(allocated) <= 6, r.stdout
     # The sandbox itself lives on.
     assert sandbox.refresh().state == "running"
+
+
+def _vmm_control_socket(pid: int) -> str:
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return args[args.index(b"--control") + 1].decode()
+
+
+def test_a_vmm_that_breaks_its_seccomp_filter_is_reported(client):
+    sb = client.sandboxes.create()
+    # The test hook makes the VMM's event loop open an AF_INET socket, outside its filter.
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(_vmm_control_socket(sb.info.vmm_pid))
+        s.sendall(b"probe seccomp\n")
+        assert b"survived" not in s.recv(4096)
+    _wait_dead(sb)
+    assert sb.end_reason == "SECCOMP_VIOLATION"
+    with pytest.raises(airlock.SeccompViolation) as e:
+        sb.exec(["true"])
+    assert isinstance(e.value, airlock.SandboxDead)
+    assert e.value.reason == "SECCOMP_VIOLATION"
 
 
 def test_a_guest_kernel_panic_is_reported(client):
