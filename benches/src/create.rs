@@ -284,6 +284,8 @@ async fn start_daemon(
     )
     .map_err(|e| e.to_string())?;
     let socket = dir.join("airlockd.sock");
+    // A daemon that ran here before leaves its socket file.
+    let _ = std::fs::remove_file(&socket);
     let child = Command::new(&a.daemon)
         .arg("--config")
         .arg(&config_path)
