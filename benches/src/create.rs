@@ -468,7 +468,11 @@ async fn compare_jail(a: Args) -> Result<serde_json::Value, String> {
     std::fs::create_dir_all(dir.join("unjailed/data")).map_err(|e| e.to_string())?;
     for entry in std::fs::read_dir(dir.join("jailed/data")).map_err(|e| e.to_string())? {
         let path = entry.map_err(|e| e.to_string())?.path();
-        let name = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        let name = path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
         if name.starts_with("airlock.db") {
             std::fs::copy(&path, dir.join("unjailed/data").join(&name))
                 .map_err(|e| e.to_string())?;

@@ -528,7 +528,6 @@ impl Daemon {
         let run_dir = self.run_dir.join(&vm_id);
         std::fs::create_dir_all(&run_dir)?;
         let log_path = run_dir.join("vmm.log");
-        let summary_path = run_dir.join("summary.json");
         let out_dir = run_dir.join("snapshot");
         let cgroup = self
             .make_cgroup(&vm_id, memory_mib, vcpus)
@@ -562,10 +561,7 @@ impl Daemon {
             args.push(flag.into());
             args.push(path.into());
         }
-        let files =
-            (|| Ok::<_, std::io::Error>((File::create(&log_path)?, File::create(&summary_path)?)))(
-            );
-        let (log, summary_file) = match files {
+        let log = match File::create(&log_path) {
             Ok(f) => f,
             Err(e) => {
                 cleanup(&cgroup);
@@ -578,7 +574,7 @@ impl Daemon {
             run_dir: run_dir.clone(),
             read_only: vec![kernel.to_path_buf(), rootfs.to_path_buf()],
             cgroup: cgroup.clone(),
-            stdout: Some(summary_file),
+            stdout: None,
             stderr: log,
         };
         let child = match vmm::spawn(&self.jailer, launch).await {
