@@ -8,6 +8,7 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use airlock_proto::ClientError;
 use airlock_proto::client::AgentClient;
 use airlock_proto::pb::Ready;
 
@@ -40,10 +41,34 @@ pub fn connect(vsock: &Path, timeout: Duration) -> std::io::Result<UnixStream> {
     Ok(s)
 }
 
+/// Attempts at a connection the guest closes before its `Ready` (nothing was asked yet, so
+/// trying again loses nothing; the guest may be short of a thread for a moment).
+const CLOSED_BEFORE_READY_ATTEMPTS: u32 = 3;
+
+/// A request/response client with `timeout` on every read and write: one attempt.
+fn client_once(vsock: &Path, timeout: Duration) -> Result<Client, ClientError> {
+    let s = connect(vsock, timeout).map_err(|e| ClientError::Handshake(e.to_string()))?;
+    AgentClient::from_unix_stream(s)
+}
+
 /// A request/response client with `timeout` on every read and write.
 pub fn client(vsock: &Path, timeout: Duration) -> Result<Client, String> {
-    let s = connect(vsock, timeout).map_err(|e| e.to_string())?;
-    AgentClient::from_unix_stream(s).map_err(|e| e.to_string())
+    let mut attempt = 1;
+    loop {
+        match client_once(vsock, timeout) {
+            Ok(c) => return Ok(c),
+            Err(ClientError::Closed) if attempt < CLOSED_BEFORE_READY_ATTEMPTS => {
+                tracing::warn!(
+                    vsock = %vsock.display(),
+                    attempt,
+                    "the guest agent closed a new connection before Ready; connecting again"
+                );
+                attempt += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
 }
 
 /// Connects until the agent answers with `Ready`, `deadline` passes or `cancelled` is set.
@@ -57,12 +82,13 @@ pub fn wait_ready(
         if cancelled.load(std::sync::atomic::Ordering::SeqCst) {
             return Err("the sandbox is ending".into());
         }
-        match client(vsock, Duration::from_secs(10)) {
+        // While the restored guest comes up, connections fail in every way: just try again.
+        match client_once(vsock, Duration::from_secs(10)) {
             Ok(c) => {
                 let ready = c.ready().clone();
                 return Ok((c, ready));
             }
-            Err(e) => last = e,
+            Err(e) => last = e.to_string(),
         }
         std::thread::sleep(Duration::from_millis(2));
     }

@@ -82,6 +82,18 @@ def _cgroup_dirs(name: str) -> List[Path]:
     return [r / name for r in roots if (r / name).is_dir()]
 
 
+_SESSION_DAEMON = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report ends with the daemon's log (its temporary directory goes)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed and _SESSION_DAEMON is not None:
+        report.sections.append(("airlockd log (last 60 lines)", _SESSION_DAEMON.log_tail(60)))
+
+
 @pytest.fixture(scope="session")
 def daemon():
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
@@ -129,6 +141,8 @@ uid_base = 1700000000
         start_new_session=True,
     )
     d = Daemon(f"unix://{sock}", bin_dir, tmp / "data", cgroup_parent, proc, log_path)
+    global _SESSION_DAEMON
+    _SESSION_DAEMON = d
     deadline = time.monotonic() + 20
     while not sock.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -155,7 +169,7 @@ uid_base = 1700000000
             proc.wait()
         log.close()
         leftovers = subprocess.run(
-            ["pgrep", "-f", f"airlock-vmm pool --control {tmp}"], capture_output=True, text=True
+            ["pgrep", "-f", f"airlock-vmm .*--control {tmp}/"], capture_output=True, text=True
         ).stdout.split()
         for pid in leftovers:
             os.kill(int(pid), signal.SIGKILL)
