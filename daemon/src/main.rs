@@ -70,6 +70,23 @@ fn parse_args() -> Result<config::Config, String> {
     Ok(cfg)
 }
 
+/// Binds a TCP listener; an address still in use is tried again for up to 5 s (a daemon
+/// that was just killed may not have let go of it yet).
+async fn bind_tcp(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match tokio::net::TcpListener::bind(addr).await {
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AddrInUse
+                    && std::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cfg = match parse_args() {
         Ok(c) => c,
@@ -157,7 +174,7 @@ async fn serve(cfg: config::Config) -> Result<(), String> {
                     .map_err(|e| e.to_string())
             });
         } else if let Some(hostport) = addr.strip_prefix("tcp://") {
-            let listener = tokio::net::TcpListener::bind(hostport)
+            let listener = bind_tcp(hostport)
                 .await
                 .map_err(|e| format!("listening on {hostport}: {e}"))?;
             info!(
@@ -178,7 +195,7 @@ async fn serve(cfg: config::Config) -> Result<(), String> {
         }
     }
     if !daemon.cfg.metrics_listen.is_empty() {
-        let listener = tokio::net::TcpListener::bind(&daemon.cfg.metrics_listen)
+        let listener = bind_tcp(&daemon.cfg.metrics_listen)
             .await
             .map_err(|e| format!("metrics on {}: {e}", daemon.cfg.metrics_listen))?;
         info!("metrics on http://{}/metrics", daemon.cfg.metrics_listen);

@@ -3,7 +3,8 @@
 //! pidfd.
 //!
 //! The child runs between `clone3` and `execve` in a copy of a multi-threaded process, so it
-//! may only make async-signal-safe calls: it never allocates, locks or panics. Everything it
+//! may only make async-signal-safe calls: it never allocates, locks or panics. Its first steps
+//! close every descriptor it inherited but its stdio and two pipes. Everything it
 //! needs (paths as C strings, pointer arrays) is prepared by the parent in a [`Plan`]; each
 //! step is one system call whose failure is reported to the parent as `(step, errno)` over a
 //! close-on-exec pipe, which `execve` closes on success.
@@ -60,8 +61,9 @@ pub struct Bind {
 
 /// The child's steps, for the error message (index = step number).
 pub const STEPS: &[&str] = &[
-    "wait for the parent",
     "set up stdin/stdout/stderr",
+    "close inherited descriptors",
+    "wait for the parent",
     "make the mount tree private",
     "mount the jail's tmpfs",
     "create a directory in the jail",
@@ -84,7 +86,6 @@ pub const STEPS: &[&str] = &[
     "set the uid",
     "clear the capabilities",
     "start a session",
-    "close inherited descriptors",
     "exec the VMM",
 ];
 
@@ -115,7 +116,16 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let read = unsafe { OwnedFd::from_raw_fd(fds[0]) };
     // SAFETY: as for `read`.
     let write = unsafe { OwnedFd::from_raw_fd(fds[1]) };
-    Ok((read, write))
+    // Above 2, which the child's stdio takes (a daemon started with a closed stdin could get
+    // 0 here); try_clone duplicates to 3 or more.
+    let above_stdio = |fd: OwnedFd| {
+        if fd.as_raw_fd() > 2 {
+            Ok(fd)
+        } else {
+            fd.try_clone()
+        }
+    };
+    Ok((above_stdio(read)?, above_stdio(write)?))
 }
 
 /// Clones the child (in new namespaces when `plan.jail` is set); it waits until [`Child::go`].
@@ -297,6 +307,23 @@ fn child_main(plan: &Plan, go: RawFd, errors: RawFd) -> ! {
             }
         }};
     }
+    for (target, fd) in plan.stdio.iter().enumerate() {
+        try_step!(libc::dup2(*fd, target as i32));
+    }
+    step += 1;
+    // The daemon's descriptors (its listeners among them) go first: should the daemon die
+    // now, none of them outlives it in this child. The two pipes stay; both are close-on-exec.
+    let (lo, hi) = (go.min(errors) as u32, go.max(errors) as u32);
+    for (first, last) in [
+        (3, lo.wrapping_sub(1)),
+        (lo + 1, hi - 1),
+        (hi + 1, u32::MAX),
+    ] {
+        if first <= last {
+            try_step!(libc::syscall(libc::SYS_close_range, first, last, 0u32) as i32);
+        }
+    }
+    step += 1;
     let mut byte = 0u8;
     loop {
         // SAFETY: read(2) of one byte into a live local.
@@ -309,23 +336,11 @@ fn child_main(plan: &Plan, go: RawFd, errors: RawFd) -> ! {
         }
     }
     step += 1;
-    for (target, fd) in plan.stdio.iter().enumerate() {
-        try_step!(libc::dup2(*fd, target as i32));
-    }
-    step += 1;
     if let Some(j) = &plan.jail {
         enter_jail(j, errors, &mut step);
     }
-    step = STEPS.len() - 3;
+    step = STEPS.len() - 2;
     try_step!(libc::setsid());
-    step += 1;
-    // Every descriptor above 2 is closed by the exec (the error pipe already is close-on-exec).
-    try_step!(libc::syscall(
-        libc::SYS_close_range,
-        3u32,
-        u32::MAX,
-        libc::CLOSE_RANGE_CLOEXEC
-    ) as i32);
     step += 1;
     try_step!(libc::execve(
         plan.binary.as_ptr(),
