@@ -10,19 +10,6 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")" && pwd)
 cd "$root"
 
-install_packages() {
-  local pkgs=(linux-source-6.1 bc bison flex libelf-dev libssl-dev debootstrap busybox-static
-              e2fsprogs protobuf-compiler python3 python3-venv)
-  local missing=()
-  for p in "${pkgs[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-  done
-  if ((${#missing[@]})); then
-    apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
-  fi
-}
-
 build() {
   echo "== guest kernel (first build: minutes)" >&2
   AIRLOCK_KERNEL=$(kernel-config/build.sh | tail -n1)
@@ -79,7 +66,7 @@ run_code() {
   "$python" sdk/python/examples/quickstart.py
 }
 
-install_packages
+scripts/install-deps.sh
 build
 start_daemon
 ensure_template

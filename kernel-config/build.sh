@@ -23,7 +23,6 @@ set -euo pipefail
 
 readonly SRC_PKG=linux-source-6.1
 readonly SRC_TARBALL=/usr/src/linux-source-6.1.tar.xz
-readonly BUILD_DEPS=(bc bison flex libelf-dev libssl-dev)
 
 SCRIPT_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)
 readonly SCRIPT_DIR
@@ -53,28 +52,9 @@ find_patches() {
     done < <(find "$PATCH_DIR" -maxdepth 1 -name '*.patch' -type f -print0 | LC_ALL=C sort -z)
 }
 
-is_installed() {
-    dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'
-}
-
-# Installs the kernel source and build dependencies that are missing.
+# The kernel source and its build dependencies come from the project's one package list.
 install_deps() {
-    local missing=() pkg
-    for pkg in "$SRC_PKG" "${BUILD_DEPS[@]}"; do
-        is_installed "$pkg" || missing+=("$pkg")
-    done
-    if ((${#missing[@]} == 0)); then
-        return
-    fi
-    log "installing ${missing[*]}"
-    local sudo=()
-    if ((EUID != 0)); then
-        command -v sudo >/dev/null || die "need root (or sudo) to install ${missing[*]}"
-        sudo=(sudo)
-    fi
-    "${sudo[@]}" apt-get update -q
-    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y -q --no-install-recommends "${missing[@]}"
+    "$SCRIPT_DIR/../scripts/install-deps.sh"
 }
 
 # Prints the cache key: sha256 over the source package version and the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: builds every artifact the tests need (guest kernel, base image, binaries),
+# The test command: installs the Debian packages it needs, builds every artifact the tests need (guest kernel, base image, binaries),
 # then runs formatting and lint checks, unit tests, KVM micro tests, system tests, and the
 # Python SDK and CLI tests (pytest against a live airlockd).
 # Artifacts are cached under ${AIRLOCK_CACHE_DIR:-/var/cache/airlock}, keyed by their inputs.
@@ -7,6 +7,12 @@ set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+
+# Everything from Debian that the builds and the tests need (idempotent, quiet when present).
+install_packages() {
+  echo "== Debian packages (scripts/install-deps.sh --tests)" >&2
+  scripts/install-deps.sh --tests
+}
 
 build_artifacts() {
   echo "== guest kernel" >&2
@@ -54,6 +60,7 @@ sdk_tests() {
   "$(dirname "$python")/pytest" -q -rA sdk/python/tests
 }
 
+install_packages
 build_artifacts
 ensure_cgroup2
 static_checks

@@ -10,14 +10,7 @@ sdk=$(cd "$(dirname "$0")" && pwd)
 venv=${AIRLOCK_CACHE_DIR:-/var/cache/airlock}/python
 
 if ! python3 -m venv --help >/dev/null 2>&1 || ! python3 -c 'import ensurepip' 2>/dev/null; then
-  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    echo "== installing python3-venv" >&2
-    apt-get update -q >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-venv >&2
-  else
-    echo "python3 with the venv module is needed (Debian: apt-get install python3-venv)" >&2
-    exit 1
-  fi
+  "$sdk/../../scripts/install-deps.sh"
 fi
 if [[ ! -x $venv/bin/python ]]; then
   echo "== creating $venv" >&2
