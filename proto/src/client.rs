@@ -21,17 +21,47 @@ use std::path::Path;
 
 use prost::Message;
 
-use crate::frame::{FrameError, read_frame, write_frame};
+use crate::frame::{FrameError, count_field, read_frame, read_frame_bytes, write_frame};
 use crate::pb::{
     self, Attached, ErrorCode, ExecExit, ExecStarted, FileData, FileStat, Ready, Request, Reseeded,
     Response, StreamKind, exec_exit, request, response,
 };
-use crate::{MAX_FILE_BYTES, MAX_FILE_CHUNK, PROTOCOL_VERSION};
+use crate::{MAX_DIR_ENTRIES, MAX_FILE_BYTES, MAX_FILE_CHUNK, PROTOCOL_VERSION};
+
+/// `Response.dir_listing`'s field number (agent.proto).
+const DIR_LISTING_FIELD: u32 = 18;
 
 /// Most bytes of responses buffered for requests nobody is waiting for yet.
 pub const MAX_STASHED_BYTES: usize = 32 << 20;
-/// Longest reply line of the hybrid-vsock `CONNECT` handshake.
-const MAX_HANDSHAKE_LINE: usize = 64;
+
+/// Request ids from here up belong to a [`Signaller`]; a client that handed one out drops
+/// their answers.
+pub const SIDE_REQUEST_IDS: u64 = 1 << 62;
+
+/// Sends `Signal` requests on a client's connection from another thread while the client
+/// itself waits for output (a blocked reader cannot send). Its requests take ids from
+/// [`SIDE_REQUEST_IDS`] up, and the client drops their answers; a failed signal is seen by
+/// the execution's outcome, not here.
+#[derive(Debug)]
+pub struct Signaller<W: Write> {
+    writer: std::sync::Mutex<W>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl<W: Write> Signaller<W> {
+    /// Sends `signal` to the process tree of execution `exec_id`.
+    pub fn signal(&self, exec_id: u64, signal: i32) -> Result<(), ClientError> {
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let req = Request {
+            id,
+            kind: Some(request::Kind::Signal(pb::Signal { exec_id, signal })),
+        };
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        write_frame(&mut *w, &req)?;
+        w.flush().map_err(FrameError::Io)?;
+        Ok(())
+    }
+}
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
@@ -101,6 +131,8 @@ pub struct AgentClient<R: Read, W: Write> {
     in_flight: HashMap<u64, Pending>,
     stash: VecDeque<Response>,
     stash_bytes: usize,
+    /// A [`Signaller`] was handed out: answers with side ids are its own.
+    side_requests: bool,
 }
 
 impl AgentClient<UnixStream, UnixStream> {
@@ -114,16 +146,9 @@ impl AgentClient<UnixStream, UnixStream> {
     /// `CONNECT <port>\n`, expects `OK <host port>\n`, then reads `Ready`.
     pub fn connect_vsock(uds_path: impl AsRef<Path>, port: u32) -> Result<Self, ClientError> {
         let mut stream = connect(uds_path.as_ref())?;
-        stream
-            .write_all(format!("CONNECT {port}\n").as_bytes())
-            .map_err(|e| ClientError::Handshake(format!("sending CONNECT: {e}")))?;
-        let line = read_line(&mut stream)?;
-        if !line.starts_with("OK ") {
-            return Err(ClientError::Handshake(format!(
-                "expected `OK <port>`, got {line:?}"
-            )));
-        }
-        Self::from_unix_stream(stream)
+        let mut writer = stream.try_clone().map_err(FrameError::Io)?;
+        crate::vsock::handshake(&mut stream, &mut writer, port)?;
+        Self::from_stream(stream, writer)
     }
 
     /// Uses a connected Unix stream (and a clone of it for writing).
@@ -138,22 +163,6 @@ fn connect(path: &Path) -> Result<UnixStream, ClientError> {
         path: path.display().to_string(),
         source,
     })
-}
-
-/// Reads one `\n`-terminated line byte by byte, so nothing after it is consumed.
-fn read_line(stream: &mut UnixStream) -> Result<String, ClientError> {
-    let mut line = Vec::new();
-    let mut byte = [0u8; 1];
-    while line.len() < MAX_HANDSHAKE_LINE {
-        match stream.read(&mut byte) {
-            Ok(0) => return Err(ClientError::Handshake("connection closed".into())),
-            Ok(_) if byte[0] == b'\n' => return Ok(String::from_utf8_lossy(&line).into_owned()),
-            Ok(_) => line.push(byte[0]),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(ClientError::Handshake(format!("reading reply: {e}"))),
-        }
-    }
-    Err(ClientError::Handshake("reply line too long".into()))
 }
 
 impl<R: Read, W: Write> AgentClient<R, W> {
@@ -179,6 +188,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
             in_flight: HashMap::new(),
             stash: VecDeque::new(),
             stash_bytes: 0,
+            side_requests: false,
         })
     }
 
@@ -195,6 +205,15 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     /// The write half.
     pub fn writer(&self) -> &W {
         &self.writer
+    }
+
+    /// A [`Signaller`] writing through `writer` (a second handle on this connection).
+    pub fn signaller<W2: Write>(&mut self, writer: W2) -> Signaller<W2> {
+        self.side_requests = true;
+        Signaller {
+            writer: std::sync::Mutex::new(writer),
+            next: std::sync::atomic::AtomicU64::new(SIDE_REQUEST_IDS),
+        }
     }
 
     /// A fresh request id (1, 2, 3, ...).
@@ -333,7 +352,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
 
     /// Reads the `Output` frames of request `id` (execution `exec_id`) up to its `ExecExit`.
     /// Each stream's offsets must continue at `expected`, without gaps.
-    fn collect_stream(
+    pub fn collect_stream(
         &mut self,
         id: u64,
         exec_id: u64,
@@ -530,6 +549,23 @@ impl<R: Read, W: Write> AgentClient<R, W> {
         })
     }
 
+    /// Gives a restored clone fresh host entropy ([`crate::identity`]), `sandbox_id` as its
+    /// id and host name, and `tmp_size_bytes` as the size of its /tmp (0: unchanged).
+    pub fn reseed_clone(
+        &mut self,
+        sandbox_id: &str,
+        tmp_size_bytes: u64,
+    ) -> Result<Reseeded, ClientError> {
+        let mut entropy = [0u8; crate::identity::CLONE_ENTROPY_BYTES];
+        crate::identity::random_bytes(&mut entropy).map_err(FrameError::Io)?;
+        self.reseed_with(pb::Reseed {
+            entropy: entropy.to_vec(),
+            hostname: sandbox_id.to_owned(),
+            sandbox_id: sandbox_id.to_owned(),
+            tmp_size_bytes,
+        })
+    }
+
     /// [`reseed`](Self::reseed) with every field of the request (for example the size limit
     /// of /tmp).
     pub fn reseed_with(&mut self, req: pb::Reseed) -> Result<Reseeded, ClientError> {
@@ -554,7 +590,30 @@ impl<R: Read, W: Write> AgentClient<R, W> {
 
     /// Reads one frame and checks it against the requests in flight.
     fn read_response(&mut self) -> Result<Response, ClientError> {
-        let resp: Response = read_frame(&mut self.reader)?.ok_or(ClientError::Closed)?;
+        loop {
+            let resp = self.read_one()?;
+            if !(self.side_requests && resp.id >= SIDE_REQUEST_IDS) {
+                return self.check_response(resp);
+            }
+            // A signaller's answer; whatever it says shows in the execution's outcome.
+        }
+    }
+
+    /// Reads and decodes one frame (a listing's entries are counted before decoding).
+    fn read_one(&mut self) -> Result<Response, ClientError> {
+        let body = read_frame_bytes(&mut self.reader)?.ok_or(ClientError::Closed)?;
+        // A malformed frame fails to decode below.
+        let entries = count_field(&body, &[DIR_LISTING_FIELD, 1]).unwrap_or(0);
+        if entries > MAX_DIR_ENTRIES {
+            return Err(protocol(format!(
+                "a directory listing of {entries} entries (at most {MAX_DIR_ENTRIES})"
+            )));
+        }
+        Ok(Response::decode(body.as_slice()).map_err(FrameError::Decode)?)
+    }
+
+    /// Checks a response against the requests in flight.
+    fn check_response(&mut self, resp: Response) -> Result<Response, ClientError> {
         if resp.id == 0 {
             return match resp.kind {
                 // The agent could not decode a frame of ours; it closes the connection next.
@@ -908,7 +967,7 @@ mod tests {
         let listener = UnixListener::bind(&path).unwrap();
         let handle = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
-            let line = read_line(&mut s).unwrap();
+            let line = crate::vsock::read_line(&mut s).unwrap();
             s.write_all(reply).unwrap();
             if reply.starts_with(b"OK") {
                 write_frame(&mut s, &ready_frame(PROTOCOL_VERSION)).unwrap();

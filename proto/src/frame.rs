@@ -63,6 +63,17 @@ pub fn write_frame<W: Write>(w: &mut W, msg: &impl Message) -> Result<(), FrameE
 
 /// Reads one frame. `Ok(None)` means the stream ended cleanly between frames.
 pub fn read_frame<R: Read, M: Message + Default>(r: &mut R) -> Result<Option<M>, FrameError> {
+    match read_frame_bytes(r)? {
+        Some(body) => M::decode(body.as_slice())
+            .map(Some)
+            .map_err(FrameError::Decode),
+        None => Ok(None),
+    }
+}
+
+/// Reads one frame's body undecoded (to look at it before decoding: see [`count_field`]).
+/// `Ok(None)` means the stream ended cleanly between frames.
+pub fn read_frame_bytes<R: Read>(r: &mut R) -> Result<Option<Vec<u8>>, FrameError> {
     let mut header = [0u8; HEADER_BYTES];
     let got = read_up_to(r, &mut header)?;
     if got == 0 {
@@ -75,14 +86,86 @@ pub fn read_frame<R: Read, M: Message + Default>(r: &mut R) -> Result<Option<M>,
     if len > MAX_FRAME_BYTES {
         return Err(FrameError::TooLarge { len });
     }
-    let mut body = vec![0u8; len];
-    let got = read_up_to(r, &mut body)?;
-    if got < len {
-        return Err(FrameError::TruncatedBody { len });
+    // The buffer grows as bytes arrive: a peer that announces 4 MiB and sends one byte costs
+    // one byte (and a little), not 4 MiB.
+    let mut body = Vec::with_capacity(len.min(GROWTH_STEP));
+    read_body(r, &mut body, len)?;
+    Ok(Some(body))
+}
+
+/// How many times the field at `path` occurs in the encoded message `msg`, without decoding
+/// it: every number but the last names a length-delimited field to descend into (its last
+/// occurrence, as protobuf merges them), the last one the field to count. `None` if the bytes
+/// are not a well-formed message. Decoding a repeated field costs far more than its encoded
+/// bytes (an empty directory entry is 2 bytes on the wire and ~80 in memory), so a count is
+/// checked against its limit before the message is decoded.
+pub fn count_field(msg: &[u8], path: &[u32]) -> Option<usize> {
+    let (&field, rest) = path.split_first()?;
+    let mut count = 0;
+    let mut inner = None;
+    let mut buf = msg;
+    while !buf.is_empty() {
+        let key = take_varint(&mut buf)?;
+        let number = u32::try_from(key >> 3).ok()?;
+        let bytes = match key & 7 {
+            0 => take_varint(&mut buf).map(|_| &[][..])?,
+            1 => take(&mut buf, 8)?,
+            2 => {
+                let len = usize::try_from(take_varint(&mut buf)?).ok()?;
+                take(&mut buf, len)?
+            }
+            5 => take(&mut buf, 4)?,
+            _ => return None,
+        };
+        if number == field {
+            count += 1;
+            inner = Some(bytes);
+        }
     }
-    M::decode(body.as_slice())
-        .map(Some)
-        .map_err(FrameError::Decode)
+    if rest.is_empty() {
+        Some(count)
+    } else {
+        inner.map_or(Some(0), |m| count_field(m, rest))
+    }
+}
+
+fn take_varint(buf: &mut &[u8]) -> Option<u64> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let (&b, rest) = buf.split_first()?;
+        *buf = rest;
+        v |= u64::from(b & 0x7f) << shift;
+        if b & 0x80 == 0 {
+            return Some(v);
+        }
+    }
+    None
+}
+
+fn take<'a>(buf: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+    if buf.len() < n {
+        return None;
+    }
+    let (head, rest) = buf.split_at(n);
+    *buf = rest;
+    Some(head)
+}
+
+/// Most bytes a frame body's buffer grows by before they have arrived.
+const GROWTH_STEP: usize = 64 << 10;
+
+/// Reads exactly `len` body bytes into `body`, growing it a step at a time.
+fn read_body<R: Read>(r: &mut R, body: &mut Vec<u8>, len: usize) -> Result<(), FrameError> {
+    while body.len() < len {
+        let start = body.len();
+        let step = (len - start).min(GROWTH_STEP);
+        body.resize(start + step, 0);
+        let got = read_up_to(r, body.get_mut(start..).unwrap_or_default())?;
+        if got < step {
+            return Err(FrameError::TruncatedBody { len });
+        }
+    }
+    Ok(())
 }
 
 /// Fills `buf` as far as the stream allows; returns how many bytes were read (less than
@@ -225,5 +308,39 @@ mod tests {
         }
         let err = read_frame::<_, Request>(&mut Failing).unwrap_err();
         assert!(matches!(err, FrameError::Io(_)), "{err:?}");
+    }
+
+    #[test]
+    fn a_body_announced_but_not_sent_costs_what_arrived() {
+        let mut bytes = (MAX_FRAME_BYTES as u32).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&[0u8; 10]);
+        let mut body = Vec::new();
+        let err = read_body(&mut &bytes[4..], &mut body, MAX_FRAME_BYTES).unwrap_err();
+        assert!(matches!(err, FrameError::TruncatedBody { .. }), "{err:?}");
+        assert!(body.capacity() <= 2 * GROWTH_STEP, "{}", body.capacity());
+    }
+
+    #[test]
+    fn repeated_fields_are_counted_without_decoding() {
+        use crate::pb::{DirListing, FileStat, Response, response};
+        let listing = |n: usize| Response {
+            id: 7,
+            kind: Some(response::Kind::DirListing(DirListing {
+                entries: vec![FileStat::default(); n],
+                truncated: false,
+            })),
+        };
+        for n in [0, 1, 3, 10_001] {
+            let bytes = listing(n).encode_to_vec();
+            assert_eq!(count_field(&bytes, &[18, 1]), Some(n));
+        }
+        let pong = Response {
+            id: 1,
+            kind: Some(response::Kind::Pong(crate::pb::Pong { uptime_ms: 5 })),
+        }
+        .encode_to_vec();
+        assert_eq!(count_field(&pong, &[18, 1]), Some(0));
+        assert_eq!(count_field(&[0x0a, 0x05, 1], &[1]), None, "truncated");
+        assert_eq!(count_field(&[0x0b], &[1]), None, "a group");
     }
 }

@@ -1,0 +1,115 @@
+//! Control-socket requests: one line each, `WORD [ARGUMENT]`.
+
+use std::fmt;
+use std::path::PathBuf;
+
+/// Longest request line a VMM accepts.
+pub const MAX_LINE: usize = 4096;
+
+/// What a controller can ask of a VMM.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request {
+    /// Park every vCPU outside `KVM_RUN` ([`crate::StateReply`]).
+    Pause,
+    /// Let paused vCPUs run again ([`crate::StateReply`]).
+    Resume,
+    /// Write a snapshot of the paused VM into the directory, created if missing
+    /// ([`crate::SnapshotReply`]).
+    Snapshot(PathBuf),
+    /// State and shape ([`crate::StatusReply`]).
+    Status,
+    /// End the VM; the VMM exits with code 0 ([`crate::StopReply`]).
+    Stop,
+    /// A warm pool process restores the snapshot in the directory and answers once the
+    /// clone's vCPUs run ([`crate::RestoreReply`]); only a pool process takes it, once.
+    Restore(PathBuf),
+    /// A test hook (`airlock-vmm --test-hooks` only): the words after `probe`.
+    Probe(String),
+}
+
+impl Request {
+    /// Parses one request line (surrounding white space ignored).
+    pub fn parse(line: &str) -> Result<Self, String> {
+        let line = line.trim();
+        let (word, arg) = line.split_once(' ').unwrap_or((line, ""));
+        let arg = arg.trim();
+        let dir = |what: &str| {
+            if arg.is_empty() {
+                Err(format!("{what} needs a directory"))
+            } else {
+                Ok(PathBuf::from(arg))
+            }
+        };
+        match (word, arg.is_empty()) {
+            ("pause", true) => Ok(Self::Pause),
+            ("resume", true) => Ok(Self::Resume),
+            ("status", true) => Ok(Self::Status),
+            ("stop", true) => Ok(Self::Stop),
+            ("snapshot", _) => dir("snapshot").map(Self::Snapshot),
+            ("restore", _) => dir("restore").map(Self::Restore),
+            ("probe", _) => Ok(Self::Probe(arg.to_owned())),
+            ("", _) => Err("empty command".into()),
+            (w @ ("pause" | "resume" | "status" | "stop"), false) => {
+                Err(format!("{w} takes no argument"))
+            }
+            (w, _) => Err(format!(
+                "unknown command {w:?} (pause, resume, snapshot DIR, status, stop, restore DIR)"
+            )),
+        }
+    }
+
+    /// The line that [`parse`](Self::parse) reads back (without the newline).
+    pub fn to_line(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl fmt::Display for Request {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Pause => f.write_str("pause"),
+            Self::Resume => f.write_str("resume"),
+            Self::Status => f.write_str("status"),
+            Self::Stop => f.write_str("stop"),
+            Self::Snapshot(d) => write!(f, "snapshot {}", d.display()),
+            Self::Restore(d) => write!(f, "restore {}", d.display()),
+            Self::Probe(words) => write!(f, "probe {words}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_request_reads_back_what_it_writes() {
+        for r in [
+            Request::Pause,
+            Request::Resume,
+            Request::Status,
+            Request::Stop,
+            Request::Snapshot("/var/lib/airlock/run/vm-1/snap shot".into()),
+            Request::Restore("/t/tpl-1".into()),
+            Request::Probe("kill 1 9".into()),
+        ] {
+            assert_eq!(Request::parse(&r.to_line()), Ok(r.clone()), "{r}");
+        }
+    }
+
+    #[test]
+    fn garbage_is_refused_with_a_reason() {
+        for bad in [
+            "",
+            "  ",
+            "pause now",
+            "snapshot",
+            "restore  ",
+            "rm -rf /",
+            "STATUS",
+        ] {
+            assert!(Request::parse(bad).is_err(), "{bad:?} was accepted");
+        }
+        assert_eq!(Request::parse(" resume \n"), Ok(Request::Resume));
+    }
+}
