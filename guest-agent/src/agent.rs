@@ -5,12 +5,16 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use airlock_proto::PROTOCOL_VERSION;
-use airlock_proto::pb::Ready;
+use airlock_proto::pb::{self, Ready, Reseeded};
 
 use crate::cgroup::CgroupRoot;
-use crate::exec::{self, ExecTable};
+use crate::clock::millis;
+use crate::error::ReqError;
+use crate::exec::ExecTable;
+use crate::exec_spec;
 use crate::reaper::Reaper;
-use crate::server::millis;
+use crate::reseed::{self, Identity};
+use crate::spawn::Spawner;
 use crate::sys;
 
 /// Where the kernel lists the online CPUs (`0-3,5`).
@@ -28,24 +32,15 @@ pub struct Settings {
     pub orphan_buffer_bytes: usize,
 }
 
-/// What Reseed changed about this VM.
-#[derive(Debug, Default)]
-pub struct Identity {
-    /// Set by Reseed (as PID 1); reported in later Ready frames.
-    pub hostname: Option<String>,
-    /// Set by Reseed: exported to executions, reported in Ready. Empty before any.
-    pub sandbox_id: String,
-}
-
 /// State shared by every connection and execution.
 #[derive(Debug)]
 pub struct Agent {
     /// Running as PID 1 in a VM (power-off reboots) rather than as an ordinary process.
     pub pid1: bool,
-    pub reaper: Arc<Reaper>,
-    /// Per-execution cgroups, where cgroup v2 is available.
-    pub cgroups: Option<CgroupRoot>,
-    pub execs: ExecTable,
+    /// Where executions' processes start: the reaper, and per-execution cgroups where cgroup
+    /// v2 is available.
+    pub spawner: Arc<Spawner>,
+    pub execs: Arc<ExecTable>,
     /// Where state files go (see [`Settings::state_dir`]).
     pub state_dir: Option<PathBuf>,
     identity: Mutex<Identity>,
@@ -61,9 +56,8 @@ impl Agent {
     ) -> Self {
         Self {
             pid1: settings.pid1,
-            reaper,
-            cgroups,
-            execs: ExecTable::new(settings.orphan_buffer_bytes),
+            spawner: Arc::new(Spawner { reaper, cgroups }),
+            execs: Arc::new(ExecTable::new(settings.orphan_buffer_bytes)),
             state_dir: settings.state_dir,
             identity: Mutex::new(Identity::default()),
             ready,
@@ -86,9 +80,14 @@ impl Agent {
         self.identity.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The environment executions start from (see [`exec::base_env`]).
+    /// The environment executions start from (see [`exec_spec::base_env`]).
     pub fn base_env(&self) -> Vec<(String, String)> {
-        exec::base_env(&self.identity().sandbox_id)
+        exec_spec::base_env(&self.identity().sandbox_id)
+    }
+
+    /// Handles a Reseed request (see [`reseed::handle`]).
+    pub fn reseed(&self, req: pb::Reseed) -> Result<Reseeded, ReqError> {
+        reseed::handle(self.pid1, self.state_dir.as_deref(), &self.identity, req)
     }
 
     /// Kills every execution, syncs, and powers the VM off (PID 1) or exits (host mode).

@@ -1,7 +1,8 @@
-//! The life of one execution, on its own thread: spawn, then one `poll` loop over the process's
-//! stdout and stderr pipes, its stdin pipe, and a waker (exit delivered by the reaper, stdin
-//! queued by the connection), until the process has exited and its output is drained; then the
-//! exit record.
+//! The life of one execution, on its own thread: spawn ([`launch`], with [`crate::spawn`]), then
+//! one `poll` loop over the process's stdout and stderr pipes, its stdin pipe, and a waker (exit
+//! delivered by the reaper, stdin queued by the connection), until the process has exited and
+//! its output is drained ([`Run::pump`]); then the exit record ([`Run::finish`]). The thread
+//! itself, and the execution's place in the table, are [`crate::exec`]'s.
 //!
 //! Output is read in large pieces (the pipes are enlarged) and sent as ≤64 KiB Output frames,
 //! all frames of one wake-up in one write, to whichever connection owns the execution (see
@@ -17,59 +18,27 @@
 
 use std::fs::File;
 use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::process::{Command, Stdio};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use airlock_proto::MAX_OUTPUT_CHUNK;
 use airlock_proto::pb::{
-    self, ErrorCode, ExecExit, ExecStarted, Output, Response, StreamKind, exec_exit, response,
+    self, ErrorCode, ExecExit, Output, Response, StreamKind, exec_exit, response,
 };
 
-use crate::agent::Agent;
 use crate::cgroup::CgroupStats;
-use crate::delivery::{Delivery, Frame};
+use crate::conn::ConnWriter;
+use crate::delivery::{Delivery, Frame, OrphanLimits};
 use crate::error::ReqError;
-use crate::exec::{ExecPlace, ExecSpec, Execution, KillTarget, StdinChunk, StdinQueue};
-use crate::reaper::{ExitSlot, Waker};
-use crate::server::ConnWriter;
+use crate::exec_spec::ExecSpec;
+use crate::execution::{Execution, KillTarget, StdinChunk, StdinQueue};
+use crate::spawn::{self, PIPE_BYTES, Spawned, Spawner};
 use crate::sys::{self, Reaped};
 
-/// Capacity asked for each output pipe (the default is 64 KiB).
-const PIPE_BYTES: usize = 256 << 10;
 /// How long output is drained after the main process exited.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(2);
-
-/// Runs the execution `spec` answering request `request_id` on `conn`, from spawn to ExecExit.
-pub fn run(
-    agent: &Arc<Agent>,
-    conn: Arc<ConnWriter>,
-    request_id: u64,
-    spec: ExecSpec,
-    place: ExecPlace,
-) {
-    let exec_id = agent.execs.next_id();
-    let mut run = match launch(agent, &conn, exec_id, request_id, &spec) {
-        Ok(run) => run,
-        Err(e) => {
-            conn.send(&e.response(request_id));
-            return;
-        }
-    };
-    agent.execs.insert(Arc::clone(&run.exec), &conn);
-    let started = ExecStarted {
-        exec_id,
-        pid: u32::try_from(run.exec.pid).unwrap_or(0),
-    };
-    // Nothing else is sent for this execution before the loop starts, so this comes first.
-    conn.send(&reply(request_id, response::Kind::ExecStarted(started)));
-    run.pump();
-    let exec = Arc::clone(&run.exec);
-    let exit = run.finish();
-    agent.execs.exited(&exec, exit, place);
-}
 
 fn reply(id: u64, kind: response::Kind) -> Response {
     Response {
@@ -88,9 +57,9 @@ struct OutStream {
     cap: u64,
 }
 
-/// The loop's state.
+/// One execution's loop: its state from spawn to exit (see [`launch`]).
 #[derive(Debug)]
-struct Run {
+pub struct Run {
     exec: Arc<Execution>,
     out: [OutStream; 2],
     stdin: Option<File>,
@@ -104,59 +73,34 @@ struct Run {
     buf: Vec<u8>,
 }
 
-/// Creates the cgroup, spawns the process and builds the loop's state.
-fn launch(
-    agent: &Agent,
+/// Starts execution `exec_id` of `spec` for request `request_id` of `conn`: spawns the process
+/// (see [`Spawner::spawn`]) and builds the loop's state. A kept execution's output window is
+/// bounded by `limits`.
+pub fn launch(
+    spawner: &Spawner,
+    limits: &Arc<OrphanLimits>,
     conn: &Arc<ConnWriter>,
     exec_id: u64,
     request_id: u64,
     spec: &ExecSpec,
 ) -> Result<Run, ReqError> {
-    let cgroup = match &agent.cgroups {
-        Some(root) => {
-            if spec.memory_max.is_some() && !root.controllers().memory {
-                return Err(ReqError::new(
-                    ErrorCode::Unsupported,
-                    "a memory limit needs the cgroup memory controller, which is off",
-                ));
-            }
-            Some(root.create(exec_id, spec.memory_max).map_err(|e| {
-                ReqError::new(ErrorCode::Internal, format!("creating the cgroup: {e}"))
-            })?)
-        }
-        None if spec.memory_max.is_some() => {
-            return Err(ReqError::new(
-                ErrorCode::Unsupported,
-                "a memory limit needs per-execution cgroups, which this agent does not have",
-            ));
-        }
-        None => None,
-    };
-    let mut cmd = command(spec)?;
-    sys::prepare_child(&mut cmd, cgroup.as_ref().map(|c| c.procs_fd()));
-    let waker = Arc::new(Waker::new().map_err(|e| ReqError::io("creating an eventfd", &e))?);
-    let exit = Arc::new(ExitSlot::new(Arc::clone(&waker)));
-    let started = Instant::now();
-    let mut child = match agent.reaper.spawn(&mut cmd, Arc::clone(&exit)) {
-        Ok(child) => child,
-        Err(e) => {
-            if let Some(cg) = cgroup {
-                let _ = cg.kill_and_remove();
-            }
-            let program = spec.argv.first().map_or("", String::as_str);
-            return Err(ReqError::io(&format!("starting {program}"), &e));
-        }
-    };
-    let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
-    let (stdin, stdout, stderr) = take_pipes(&mut child)?;
+    let Spawned {
+        pid,
+        cgroup,
+        waker,
+        exit,
+        started,
+        pipes: (stdin, stdout, stderr),
+    } = spawner.spawn(exec_id, spec)?;
     let delivery = Delivery::new(
         exec_id,
-        child.id(),
+        pid,
         spec.keep_on_disconnect,
         Arc::clone(conn),
         request_id,
-        Arc::clone(agent.execs.orphan_limits()),
+        Arc::clone(limits),
     );
+    let pid = i32::try_from(pid).unwrap_or(i32::MAX);
     let exec = Arc::new(Execution {
         exec_id,
         delivery: Arc::new(delivery),
@@ -192,51 +136,6 @@ fn launch(
     })
 }
 
-/// Whether the process gets a stdin pipe (else /dev/null).
-fn wants_stdin(spec: &ExecSpec) -> bool {
-    spec.stdin_open || !spec.stdin.is_empty()
-}
-
-/// The command for `spec`: argv, a clean environment, cwd, and pipes.
-fn command(spec: &ExecSpec) -> Result<Command, ReqError> {
-    let (program, args) = spec
-        .argv
-        .split_first()
-        .ok_or_else(|| ReqError::invalid("argv is empty"))?;
-    let mut cmd = Command::new(program);
-    cmd.args(args)
-        .env_clear()
-        .envs(spec.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(&spec.cwd)
-        .stdin(if wants_stdin(spec) {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    Ok(cmd)
-}
-
-/// Our ends of a child's stdin, stdout and stderr pipes (`None` where there is none).
-type Pipes = (Option<File>, Option<File>, Option<File>);
-
-/// Our ends of the child's pipes: stdin non-blocking, stdout and stderr enlarged.
-fn take_pipes(child: &mut std::process::Child) -> Result<Pipes, ReqError> {
-    let pipe = |fd: Option<OwnedFd>| fd.map(File::from);
-    let stdin = pipe(child.stdin.take().map(OwnedFd::from));
-    let stdout = pipe(child.stdout.take().map(OwnedFd::from));
-    let stderr = pipe(child.stderr.take().map(OwnedFd::from));
-    for p in stdout.iter().chain(&stderr) {
-        // Fewer, larger reads; the default size works too.
-        let _ = sys::set_pipe_size(p.as_fd(), PIPE_BYTES);
-    }
-    if let Some(p) = &stdin {
-        sys::set_nonblocking(p.as_fd()).map_err(|e| ReqError::io("stdin pipe", &e))?;
-    }
-    Ok((stdin, stdout, stderr))
-}
-
 /// The stdin queue at start: Exec.stdin as the first chunk, closing stdin after it unless
 /// stdin_open.
 fn initial_stdin(spec: &ExecSpec) -> StdinQueue {
@@ -244,7 +143,7 @@ fn initial_stdin(spec: &ExecSpec) -> StdinQueue {
         accepting: spec.stdin_open,
         ..StdinQueue::default()
     };
-    if wants_stdin(spec) && (!spec.stdin.is_empty() || !spec.stdin_open) {
+    if spawn::wants_stdin(spec) && (!spec.stdin.is_empty() || !spec.stdin_open) {
         queue.pending_bytes = spec.stdin.len();
         queue.chunks.push_back(StdinChunk {
             reply_to: None,
@@ -264,8 +163,13 @@ enum Slot {
 }
 
 impl Run {
+    /// The execution, as the table and its connection see it.
+    pub fn exec(&self) -> &Arc<Execution> {
+        &self.exec
+    }
+
     /// The loop: until the process exited and its output is drained.
-    fn pump(&mut self) {
+    pub fn pump(&mut self) {
         // Exec.stdin (if any) is queued already.
         self.exec.waker.wake();
         loop {
@@ -435,7 +339,7 @@ impl Run {
     }
 
     /// Ends the execution: kills what is left, collects accounting, removes the cgroup.
-    fn finish(self) -> ExecExit {
+    pub fn finish(self) -> ExecExit {
         let (reaped, exited_at) = self.exited.unwrap_or_else(|| {
             (
                 Reaped {

@@ -7,25 +7,40 @@
 //! with `--listen unix:PATH` (or `vsock:PORT`) it skips the init work and serves the same
 //! protocol on that socket; the protocol tests run it that way.
 //!
-//! Code map: `init` (PID 1 work, console lines), `server` (listening, connections, dispatch),
-//! `exec` (validation, the table of executions, Signal/Stdin/Attach), `exec_loop` (one
-//! execution's poll loop and exit record), `delivery` (who gets an execution's responses:
-//! its owner, or a bounded buffer while it has none), `reaper` (the only place that reaps
-//! children), `cgroup`, `files`, `reseed` (a restored clone's own RNG state, host name and
-//! sandbox id), `agent` (shared state, Ready), `error`, and `sys` (all unsafe code).
+//! Code map, in layers: a module uses only modules of the layers below it (the test in
+//! `module_graph` keeps the graph free of cycles).
+//!
+//! 1. `sys` (all unsafe code), `error` (request errors), `clock` (milliseconds).
+//! 2. `conn` (the sending side of a connection), `cgroup`, `reaper` (the only place that reaps
+//!    children), `init` (PID 1 work, console lines), `exec_spec` (a validated Exec request).
+//! 3. `delivery` (who gets an execution's responses: its owner, or a bounded window while it
+//!    has none), `spawn` (an execution's process: cgroup, command, pipes, reaper).
+//! 4. `execution` (a running execution: kill target, stdin queue, Signal).
+//! 5. `exec_loop` (one execution from spawn to exit: its poll loop and exit record).
+//! 6. `exec` (starting executions, the table of executions, Attach), `files`, `reseed` (a
+//!    restored clone's own RNG state, host name and sandbox id).
+//! 7. `agent` (shared state, Ready).
+//! 8. `server` (listening, connections, dispatch), then `main` (options, start-up).
 #![deny(unsafe_code)]
 
 mod agent;
 mod cgroup;
+mod clock;
+mod conn;
 mod delivery;
 mod error;
 mod exec;
 mod exec_loop;
+mod exec_spec;
+mod execution;
 mod files;
 mod init;
+#[cfg(test)]
+mod module_graph;
 mod reaper;
 mod reseed;
 mod server;
+mod spawn;
 mod sys;
 
 use std::io;

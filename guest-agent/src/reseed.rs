@@ -11,13 +11,13 @@ use std::io::{self, Write};
 use std::os::fd::AsFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
 
 use airlock_proto::pb::{self, ErrorCode, Reseeded};
 use airlock_proto::{
     MAX_HOSTNAME_BYTES, MAX_RESEED_ENTROPY, MAX_SANDBOX_ID_BYTES, MIN_RESEED_ENTROPY,
 };
 
-use crate::agent::Agent;
 use crate::error::ReqError;
 use crate::sys;
 
@@ -29,6 +29,15 @@ const SANDBOX_ID_TEMP: &str = ".sandbox-id.tmp";
 const URANDOM: &str = "/dev/urandom";
 /// The longest label of a host name.
 const MAX_LABEL_BYTES: usize = 63;
+
+/// What Reseed changed about this VM.
+#[derive(Debug, Default)]
+pub struct Identity {
+    /// Set by Reseed (as PID 1); reported in later Ready frames.
+    pub hostname: Option<String>,
+    /// Set by Reseed: exported to executions, reported in Ready. Empty before any.
+    pub sandbox_id: String,
+}
 
 /// A validated Reseed request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,12 +117,19 @@ pub fn check_sandbox_id(id: &str) -> Result<(), String> {
     }
 }
 
-/// Handles a Reseed request (serialised with other Reseeds by the agent's identity lock).
-pub fn handle(agent: &Agent, req: pb::Reseed) -> Result<Reseeded, ReqError> {
+/// Handles a Reseed request, serialised with other Reseeds by the `identity` lock. Only `pid1`
+/// (the agent runs as PID 1 in a VM) touches the kernel's RNG, the host name and /tmp; the
+/// sandbox id is written under `state_dir`, if there is one.
+pub fn handle(
+    pid1: bool,
+    state_dir: Option<&Path>,
+    identity: &Mutex<Identity>,
+    req: pb::Reseed,
+) -> Result<Reseeded, ReqError> {
     let spec = ReseedSpec::validate(req)?;
-    let mut identity = agent.identity();
+    let mut identity = identity.lock().unwrap_or_else(PoisonError::into_inner);
     let mut done = Reseeded::default();
-    if agent.pid1 {
+    if pid1 {
         reseed_kernel_rng(&spec.entropy)?;
         done.rng_reseeded = true;
         if let Some(name) = &spec.hostname {
@@ -128,7 +144,7 @@ pub fn handle(agent: &Agent, req: pb::Reseed) -> Result<Reseeded, ReqError> {
         }
     }
     if let Some(id) = spec.sandbox_id {
-        if let Some(dir) = &agent.state_dir {
+        if let Some(dir) = state_dir {
             let path = write_sandbox_id(dir, &id).map_err(|e| {
                 ReqError::io(
                     &format!("writing the sandbox id under {}", dir.display()),

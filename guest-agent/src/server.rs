@@ -11,21 +11,22 @@
 
 use std::fmt;
 use std::fs::File;
-use std::io::{self, BufReader, Write};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::io::{self, BufReader};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use airlock_proto::pb::{self, ErrorCode, Pong, Request, Response, request, response};
-use airlock_proto::{FrameError, append_frame, read_frame};
+use airlock_proto::{FrameError, read_frame};
 
 use crate::agent::Agent;
+use crate::clock::millis;
+use crate::conn::ConnWriter;
 use crate::error::ReqError;
-use crate::{exec, files, reseed, sys};
+use crate::{exec, files, sys};
 
 /// How long PowerOff waits for the host to take its answer before the VM resets.
 const POWER_OFF_LINGER: Duration = Duration::from_secs(1);
@@ -130,94 +131,6 @@ fn accept_error_is_transient(e: &io::Error) -> bool {
     )
 }
 
-/// The sending side of one connection, shared by every thread that answers on it.
-#[derive(Debug)]
-pub struct ConnWriter {
-    stream: Mutex<File>,
-    /// Another descriptor of the socket, to shut it down while a writer blocks in `stream`.
-    control: File,
-    /// The connection ended: executions must not register on it any more.
-    closed: AtomicBool,
-    /// A write failed: later sends are dropped.
-    broken: AtomicBool,
-}
-
-impl ConnWriter {
-    /// `stream` for writing, `control` another descriptor of the same socket.
-    pub fn new(stream: File, control: File) -> Self {
-        Self {
-            stream: Mutex::new(stream),
-            control,
-            closed: AtomicBool::new(false),
-            broken: AtomicBool::new(false),
-        }
-    }
-
-    /// Sends one response (dropped if the connection is broken).
-    pub fn send(&self, resp: &Response) {
-        self.send_all(std::slice::from_ref(resp));
-    }
-
-    /// Sends responses with one write, in order. Blocks while the host does not read. Returns
-    /// false if they were not (or not all) written because the connection is broken.
-    pub fn send_all(&self, resps: &[Response]) -> bool {
-        if self.broken.load(Ordering::SeqCst) {
-            return false;
-        }
-        if resps.is_empty() {
-            return true;
-        }
-        let mut buf = Vec::new();
-        for resp in resps {
-            if let Err(e) = append_frame(&mut buf, resp) {
-                // Responses are built within the frame limit; this is a bug, not input.
-                eprintln!("airlock-agent: dropping a response to {}: {e}", resp.id);
-            }
-        }
-        let mut stream = self.stream.lock().unwrap_or_else(PoisonError::into_inner);
-        if stream.write_all(&buf).is_err() {
-            self.broken.store(true, Ordering::SeqCst);
-            sys::shutdown(self.control.as_fd());
-            return false;
-        }
-        true
-    }
-
-    pub fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::SeqCst)
-    }
-
-    pub fn mark_closed(&self) {
-        self.closed.store(true, Ordering::SeqCst);
-    }
-
-    /// Whether the connection can still reach its host: not closed, no write failed, and the
-    /// peer neither reset nor hung up.
-    pub fn is_alive(&self) -> bool {
-        !self.is_closed()
-            && !self.broken.load(Ordering::SeqCst)
-            && !sys::peer_gone(self.control.as_fd())
-    }
-
-    /// Waits up to `grace` for the host to close the connection or send more, so that the
-    /// last answer is on its way before the VM resets (the guest's vsock transmits from a
-    /// queue that a reset would drop).
-    pub fn linger(&self, grace: Duration) {
-        let mut fds = [libc::pollfd {
-            fd: self.control.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        }];
-        let _ = sys::poll(&mut fds, Some(grace));
-    }
-
-    /// Ends the connection for every thread using it: blocked reads and writes return.
-    pub fn shutdown(&self) {
-        self.broken.store(true, Ordering::SeqCst);
-        sys::shutdown(self.control.as_fd());
-    }
-}
-
 /// Serves one connection until it ends.
 fn serve_connection(agent: &Arc<Agent>, fd: OwnedFd) {
     let read_half = File::from(fd);
@@ -289,16 +202,19 @@ fn dispatch(agent: &Arc<Agent>, conn: &Arc<ConnWriter>, req: Request) -> Flow {
         return Flow::Continue;
     };
     let answer = match kind {
-        request::Kind::Exec(e) => exec::start(agent, conn, id, e).map(|()| None),
+        request::Kind::Exec(e) => {
+            let base_env = agent.base_env();
+            exec::start(&agent.execs, &agent.spawner, base_env, conn, id, e).map(|()| None)
+        }
         request::Kind::Stdin(s) => agent
             .execs
             .get(conn, s.exec_id)
             .and_then(|e| e.push_stdin(conn, id, s.data, s.eof))
             .map(|()| None),
         request::Kind::Attach(a) => agent.execs.attach(conn, id, &a).map(|()| None),
-        request::Kind::Reseed(r) => {
-            reseed::handle(agent, r).map(|done| Some(response::Kind::Reseeded(done)))
-        }
+        request::Kind::Reseed(r) => agent
+            .reseed(r)
+            .map(|done| Some(response::Kind::Reseeded(done))),
         request::Kind::Signal(s) => agent
             .execs
             .get(conn, s.exec_id)
@@ -332,10 +248,6 @@ fn ok(id: u64) -> Response {
         id,
         kind: Some(response::Kind::Ok(pb::Ok {})),
     }
-}
-
-pub fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
