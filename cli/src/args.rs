@@ -1,0 +1,416 @@
+//! The command line: clap's definitions of every command and flag, and the parsers of their
+//! values (`K=V`, `LOCAL:/GUEST/PATH[:MODE]`, octal modes, guest paths).
+
+use std::path::PathBuf;
+
+use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
+
+/// The help heading of the flags every command takes.
+const GLOBAL: &str = "Global options";
+
+const AFTER_HELP: &str = "\
+Examples:
+  airlock template create base
+  ID=$(airlock create --label demo=cli)
+  airlock exec \"$ID\" -- python3 -c 'print(6*7)'
+  airlock cp hello.py \"$ID\":/tmp/hello.py
+  airlock --json ls
+  airlock rm \"$ID\"
+
+Exit status: `exec` and `logs` exit with the remote command's code (124 when its timeout ended
+it, 128+N when signal N did); 2 for a usage error; 1 for any other failure, with the daemon's
+reason code (SANDBOX_NOT_FOUND, PATH_NOT_ALLOWED, ...) on stderr.";
+
+/// `airlock`: the command-line client of `airlockd`, the microVM sandbox service.
+#[derive(Debug, Parser)]
+#[command(
+    name = "airlock",
+    version,
+    about = "The command-line client of airlockd, the microVM sandbox service",
+    after_help = AFTER_HELP,
+    arg_required_else_help = true
+)]
+pub struct Cli {
+    /// Print one JSON value per command (for scripts) instead of text
+    #[arg(long, global = true, help_heading = GLOBAL)]
+    pub json: bool,
+
+    /// The daemon: unix:///PATH or http://HOST:PORT [default: unix:///run/airlock/airlockd.sock]
+    #[arg(
+        long,
+        global = true,
+        env = "AIRLOCK_ADDR",
+        hide_env_values = true,
+        value_name = "ADDR",
+        help_heading = GLOBAL
+    )]
+    pub addr: Option<String>,
+
+    /// The tenant token, sent as `authorization: Bearer TOKEN` (none: the Unix socket's default
+    /// tenant)
+    #[arg(
+        long,
+        global = true,
+        env = "AIRLOCK_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN",
+        help_heading = GLOBAL
+    )]
+    pub token: Option<String>,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Make, list and delete templates (snapshotted VMs that sandboxes start from)
+    #[command(subcommand)]
+    Template(TemplateCommand),
+    /// Start a sandbox from a template and print its id (--json: its record)
+    Create(Box<CreateArgs>),
+    /// List your sandboxes (--json: a list of records)
+    Ls(LsArgs),
+    /// Show one sandbox's record
+    Get(IdArg),
+    /// Run a command in a sandbox: streams its output live and exits with its exit code
+    #[command(override_usage = EXEC_USAGE)]
+    Exec(Box<ExecArgs>),
+    /// Stream an execution's output (stored or live) and exit with its exit code
+    Logs(LogsArgs),
+    /// Send a signal to an execution's whole process tree
+    Kill(KillArgs),
+    /// Copy a file into a sandbox (cp LOCAL ID:PATH) or out of it (cp ID:PATH LOCAL)
+    Cp(CpArgs),
+    /// Pause a sandbox: stop its vCPUs, keep its memory and processes
+    Pause(IdArg),
+    /// Resume a paused sandbox where it stopped
+    Resume(IdArg),
+    /// Snapshot a running or paused sandbox into a new template
+    Snapshot(SnapshotArgs),
+    /// Destroy a sandbox and free what it held (idempotent)
+    Rm(IdArg),
+    /// Print the completion script of a shell (airlock completions bash > FILE)
+    Completions(CompletionsArgs),
+}
+
+const EXEC_USAGE: &str = "\
+airlock exec [OPTIONS] ID -- CMD [ARGS]...
+       airlock exec [OPTIONS] ID --shell SCRIPT
+       airlock exec [OPTIONS] ID --code SOURCE [--language python|sh]";
+
+/// `template ...`.
+#[derive(Debug, Subcommand)]
+pub enum TemplateCommand {
+    /// Build a template: boot, warm up and snapshot a VM (progress on stderr); prints its name
+    /// and id (--json: its record)
+    Create(TemplateCreateArgs),
+    /// List the templates you can use: yours and the shared ones (--json: a list of records)
+    Ls,
+    /// Delete one of your templates (sandboxes made from it keep running)
+    Rm(TemplateRmArgs),
+}
+
+/// `template create`.
+#[derive(Debug, Args)]
+pub struct TemplateCreateArgs {
+    /// Name of the template: [a-z0-9][a-z0-9._-]{0,62}
+    pub name: String,
+    /// vCPUs of its sandboxes [daemon's default: 1]
+    #[arg(long, value_name = "N")]
+    pub vcpus: Option<u32>,
+    /// Guest memory of its sandboxes in MiB [daemon's default: 256]
+    #[arg(long, value_name = "MIB")]
+    pub memory_mib: Option<u32>,
+    /// Guest kernel (vmlinux) on the daemon's host [default: the daemon's]
+    #[arg(long, value_name = "PATH")]
+    pub kernel: Option<String>,
+    /// Root filesystem image (ext4) on the daemon's host [default: the daemon's]
+    #[arg(long, value_name = "PATH")]
+    pub rootfs: Option<String>,
+    /// A /bin/sh command run in the guest before the snapshot, to warm the page cache
+    /// [default: the daemon's, which loads Python]
+    #[arg(long, value_name = "SHELL COMMAND", conflicts_with = "no_warmup")]
+    pub warmup: Option<String>,
+    /// Snapshot as soon as the guest agent is ready, without a warm-up
+    #[arg(long)]
+    pub no_warmup: bool,
+}
+
+/// `template rm`.
+#[derive(Debug, Args)]
+pub struct TemplateRmArgs {
+    /// The template's name
+    pub name: String,
+}
+
+/// `create`: every field of `CreateSandboxRequest`.
+#[derive(Debug, Args)]
+pub struct CreateArgs {
+    /// Template to start from [default: base]
+    #[arg(long, value_name = "NAME")]
+    pub template: Option<String>,
+    /// vCPUs: the template's value (a snapshot's shape is fixed; another value is refused)
+    #[arg(long, value_name = "N")]
+    pub vcpus: Option<u32>,
+    /// Guest memory in MiB: the template's value (as for --vcpus)
+    #[arg(long, value_name = "MIB")]
+    pub memory_mib: Option<u32>,
+    /// Writable space (the guest's /tmp) in MiB [default: the daemon's]
+    #[arg(long, value_name = "MIB")]
+    pub disk_mib: Option<u32>,
+    /// An environment variable of every execution in the sandbox (repeatable)
+    #[arg(long = "env", value_name = "K=V", value_parser = parse_kv)]
+    pub env: Vec<(String, String)>,
+    /// A label to find the sandbox by (repeatable; see `ls --label`)
+    #[arg(long = "label", value_name = "K=V", value_parser = parse_kv)]
+    pub labels: Vec<(String, String)>,
+    /// Destroy the sandbox after this many seconds without calls [default: the daemon's]
+    #[arg(long, value_name = "SECS")]
+    pub idle_ttl: Option<u32>,
+    /// Destroy the sandbox this many seconds after creation at the latest [default: the
+    /// daemon's]
+    #[arg(long, visible_alias = "max-lifetime", value_name = "SECS")]
+    pub lifetime: Option<u32>,
+    /// Upload a local file before the sandbox is ready, with octal permission bits (default
+    /// 644); the guest path must be under a writable prefix (repeatable)
+    #[arg(
+        long = "file",
+        value_name = "LOCAL:/GUEST/PATH[:MODE]",
+        value_parser = parse_file_spec
+    )]
+    pub files: Vec<FileSpec>,
+    /// A guest path prefix that `cp` and --file may write under (repeatable) [default: the
+    /// daemon's, /tmp]
+    #[arg(long, value_name = "PREFIX", value_parser = parse_guest_path)]
+    pub writable: Vec<String>,
+    /// A guest path prefix that `cp` may read under (repeatable) [default: the daemon's, /tmp]
+    #[arg(long, value_name = "PREFIX", value_parser = parse_guest_path)]
+    pub exportable: Vec<String>,
+}
+
+/// `ls`: the filters of `ListSandboxesRequest`.
+#[derive(Debug, Args)]
+pub struct LsArgs {
+    /// Only sandboxes with this label (repeatable: all must match)
+    #[arg(long = "label", value_name = "K=V", value_parser = parse_kv)]
+    pub labels: Vec<(String, String)>,
+    /// Only sandboxes in this state (repeatable) [default: starting, running and paused]
+    #[arg(long = "state", value_enum, value_name = "STATE")]
+    pub states: Vec<StateArg>,
+}
+
+/// A sandbox state, for `ls --state`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum StateArg {
+    // Restoring, not answered yet
+    Starting,
+    // Running
+    Running,
+    // Paused
+    Paused,
+    // Its VMM ended on its own
+    Dead,
+    // Destroyed by a call, its idle TTL or its lifetime
+    Destroyed,
+}
+
+/// `exec`: every field of `ExecRequest`.
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("what").required(true).args(["argv", "shell", "code"])))]
+pub struct ExecArgs {
+    /// The sandbox's id
+    pub id: String,
+    /// Wall-clock limit in seconds, enforced by the daemon (airlock then exits 124) [default:
+    /// the daemon's]
+    #[arg(long, value_name = "SECS")]
+    pub timeout: Option<u64>,
+    /// Working directory [default: /root]
+    #[arg(long, value_name = "DIR")]
+    pub cwd: Option<String>,
+    /// An environment variable, over the sandbox's (repeatable)
+    #[arg(long = "env", value_name = "K=V", value_parser = parse_kv)]
+    pub env: Vec<(String, String)>,
+    /// Memory limit of this execution in MiB (beyond it: OOM_KILLED; the sandbox lives on)
+    #[arg(long, value_name = "MIB")]
+    pub memory_mib: Option<u32>,
+    /// Feed this file to the command's stdin ('-': airlock's own stdin) [default: empty]
+    #[arg(long, value_name = "FILE")]
+    pub stdin: Option<PathBuf>,
+    /// Run this /bin/sh script instead of a command
+    #[arg(long, value_name = "SCRIPT")]
+    pub shell: Option<String>,
+    /// Run this source code with an interpreter (see --language) instead of a command
+    #[arg(long, value_name = "SOURCE")]
+    pub code: Option<String>,
+    /// The interpreter of --code [default: python]
+    // (`requires = "code"` would not fire: clap lets a conflicting member of the group stand in)
+    #[arg(long, value_enum, conflicts_with_all = ["argv", "shell"], value_name = "LANGUAGE")]
+    pub language: Option<Language>,
+    /// The command and its arguments (after `--`); CMD is looked up in the guest's PATH
+    #[arg(
+        value_name = "CMD",
+        trailing_var_arg = true,
+        allow_hyphen_values = true
+    )]
+    pub argv: Vec<String>,
+}
+
+/// The interpreter of `exec --code`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Language {
+    // python3
+    Python,
+    // /bin/sh
+    Sh,
+}
+
+impl Language {
+    /// The name the API uses.
+    pub fn api_name(self) -> &'static str {
+        match self {
+            Language::Python => "python",
+            Language::Sh => "sh",
+        }
+    }
+}
+
+/// `logs`.
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    /// The execution's id (`airlock --json exec` prints it on stderr)
+    pub execution_id: String,
+    /// Start stdout at this byte offset [default: 0, everything]
+    #[arg(
+        long,
+        value_name = "BYTES",
+        default_value_t = 0,
+        hide_default_value = true
+    )]
+    pub stdout_offset: u64,
+    /// Start stderr at this byte offset [default: 0, everything]
+    #[arg(
+        long,
+        value_name = "BYTES",
+        default_value_t = 0,
+        hide_default_value = true
+    )]
+    pub stderr_offset: u64,
+}
+
+/// `kill`.
+#[derive(Debug, Args)]
+pub struct KillArgs {
+    /// The execution's id
+    pub execution_id: String,
+    /// The signal's number [default: 9, SIGKILL]
+    #[arg(long, short, value_name = "N")]
+    pub signal: Option<i32>,
+}
+
+/// `cp`.
+#[derive(Debug, Args)]
+#[command(override_usage = "airlock cp [OPTIONS] LOCAL ID:/PATH\n       airlock cp ID:/PATH LOCAL")]
+pub struct CpArgs {
+    /// The source: a local file, or ID:/PATH in a sandbox (under an exportable prefix)
+    pub from: String,
+    /// The destination: ID:/PATH in a sandbox (under a writable prefix), or a local file
+    pub to: String,
+    /// Octal permission bits of an uploaded file [default: 644]
+    #[arg(long, value_name = "MODE", value_parser = parse_mode)]
+    pub mode: Option<u32>,
+}
+
+/// A command that takes a sandbox's id.
+#[derive(Debug, Args)]
+pub struct IdArg {
+    /// The sandbox's id
+    pub id: String,
+}
+
+/// `snapshot`.
+#[derive(Debug, Args)]
+pub struct SnapshotArgs {
+    /// The sandbox's id
+    pub id: String,
+    /// Name of the new template
+    pub template: String,
+}
+
+/// `completions`.
+#[derive(Debug, Args)]
+pub struct CompletionsArgs {
+    /// The shell
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
+}
+
+/// A file `create --file` uploads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileSpec {
+    /// Here.
+    pub local: PathBuf,
+    /// In the guest (absolute).
+    pub guest: String,
+    /// Permission bits (0: the daemon's 0644).
+    pub mode: u32,
+}
+
+/// `K=V` (V may hold `=`; K may not be empty).
+pub fn parse_kv(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("{s:?}: expected K=V")),
+    }
+}
+
+/// Octal permission bits, `644` or `0755`.
+pub fn parse_mode(s: &str) -> Result<u32, String> {
+    let bad = || format!("{s:?}: expected octal permission bits such as 644 or 0755");
+    if s.is_empty() || !s.bytes().all(|b| (b'0'..=b'7').contains(&b)) {
+        return Err(bad());
+    }
+    u32::from_str_radix(s, 8)
+        .ok()
+        .filter(|m| *m <= 0o7777)
+        .ok_or_else(bad)
+}
+
+/// An absolute path in the guest.
+pub fn parse_guest_path(s: &str) -> Result<String, String> {
+    if s.starts_with('/') {
+        Ok(s.to_owned())
+    } else {
+        Err(format!("{s:?}: expected an absolute guest path (/...)"))
+    }
+}
+
+/// `LOCAL:/GUEST/PATH` or `LOCAL:/GUEST/PATH:MODE`: the guest path starts at the first `:/`
+/// (so LOCAL may not hold `:/`); a last `:` followed only by digits gives the mode, in octal.
+pub fn parse_file_spec(s: &str) -> Result<FileSpec, String> {
+    let bad = || format!("{s:?}: expected LOCAL:/GUEST/PATH[:MODE]");
+    let (local, rest) = s.split_once(":/").ok_or_else(bad)?;
+    if local.is_empty() {
+        return Err(bad());
+    }
+    let guest = format!("/{rest}");
+    let (guest, mode) = match guest.rsplit_once(':') {
+        Some((path, m))
+            if path.len() > 1 && !m.is_empty() && m.bytes().all(|b| b.is_ascii_digit()) =>
+        {
+            (path.to_owned(), parse_mode(m)?)
+        }
+        _ => (guest, 0),
+    };
+    Ok(FileSpec {
+        local: PathBuf::from(local),
+        guest,
+        mode,
+    })
+}
+
+/// `ID:/PATH`, a path in a sandbox (ids start with `sb-`): `(id, path)`.
+pub fn sandbox_path(s: &str) -> Option<(&str, &str)> {
+    s.split_once(':').filter(|(id, _)| id.starts_with("sb-"))
+}

@@ -1,0 +1,78 @@
+//! `template create`, `template ls`, `template rm`.
+
+use airlock_api::v1::{DeleteTemplateRequest, ListTemplatesRequest, Template};
+use serde_json::{Value, json};
+
+use super::{Ctx, fail};
+use crate::args::{TemplateCommand, TemplateCreateArgs};
+use crate::output::{print_json, template_json, template_table};
+use crate::request::template_request;
+
+/// Runs a `template` command.
+pub async fn run(ctx: &mut Ctx, command: TemplateCommand) -> Result<u8, String> {
+    match command {
+        TemplateCommand::Create(a) => create(ctx, &a).await,
+        TemplateCommand::Ls => list(ctx).await,
+        TemplateCommand::Rm(a) => remove(ctx, &a.name).await,
+    }
+}
+
+fn print_template(ctx: &Ctx, t: &Template) {
+    if ctx.json {
+        print_json(&template_json(t));
+    } else {
+        println!("{} ({})", t.name, t.id);
+    }
+}
+
+/// `template create`: the build's progress on stderr, the template on stdout.
+async fn create(ctx: &mut Ctx, args: &TemplateCreateArgs) -> Result<u8, String> {
+    let mut stream = ctx
+        .client
+        .create_template(template_request(args))
+        .await
+        .map_err(fail)?
+        .into_inner();
+    while let Some(ev) = stream.message().await.map_err(fail)? {
+        eprintln!(
+            "[{:>6.1} s] {}: {}",
+            ev.elapsed_ms as f64 / 1000.0,
+            ev.phase,
+            ev.message
+        );
+        if let Some(t) = ev.template {
+            print_template(ctx, &t);
+        }
+    }
+    Ok(0)
+}
+
+/// `template ls`: a table, or a list of records.
+async fn list(ctx: &mut Ctx) -> Result<u8, String> {
+    let r = ctx
+        .client
+        .list_templates(ListTemplatesRequest {})
+        .await
+        .map_err(fail)?
+        .into_inner();
+    if ctx.json {
+        print_json(&Value::Array(
+            r.templates.iter().map(template_json).collect(),
+        ));
+    } else {
+        print!("{}", template_table(&r.templates));
+    }
+    Ok(0)
+}
+
+/// `template rm`: text mode prints nothing.
+async fn remove(ctx: &mut Ctx, name: &str) -> Result<u8, String> {
+    let req = DeleteTemplateRequest {
+        name: name.to_owned(),
+    };
+    ctx.client.delete_template(req).await.map_err(fail)?;
+    if ctx.json {
+        print_json(&json!({"name": name, "deleted": true}));
+    }
+    Ok(0)
+}

@@ -1,0 +1,130 @@
+//! The API requests the commands send, built from their arguments. Pure but for the files
+//! they upload, which they read through a `read` function (tests pass their own).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use airlock_api::v1::{
+    Argv, Code, CreateSandboxRequest, CreateTemplateRequest, ExecRequest, FilePolicy, FileToPlace,
+    ListSandboxesRequest, SandboxState, exec_request,
+};
+
+use crate::args::{CreateArgs, ExecArgs, LsArgs, StateArg, TemplateCreateArgs};
+
+/// Reads a local file (`-`: our stdin, where a command allows it); the error names the file.
+pub type Read<'a> = &'a dyn Fn(&Path) -> Result<Vec<u8>, String>;
+
+/// Reads a file from the local disk, or our stdin for `-`.
+pub fn read_local(path: &Path) -> Result<Vec<u8>, String> {
+    if path == Path::new("-") {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf)
+            .map_err(|e| format!("stdin: {e}"))?;
+        return Ok(buf);
+    }
+    std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn map(pairs: &[(String, String)]) -> HashMap<String, String> {
+    pairs.iter().cloned().collect()
+}
+
+/// `CreateSandboxRequest` of `airlock create`; reads the `--file`s.
+pub fn create_request(args: &CreateArgs, read: Read) -> Result<CreateSandboxRequest, String> {
+    let files = args
+        .files
+        .iter()
+        .map(|f| {
+            Ok(FileToPlace {
+                path: f.guest.clone(),
+                content: read(&f.local)?,
+                mode: f.mode,
+            })
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let file_policy =
+        (!args.writable.is_empty() || !args.exportable.is_empty()).then(|| FilePolicy {
+            writable: args.writable.clone(),
+            exportable: args.exportable.clone(),
+        });
+    Ok(CreateSandboxRequest {
+        template: args.template.clone().unwrap_or_default(),
+        vcpus: args.vcpus.unwrap_or(0),
+        memory_mib: args.memory_mib.unwrap_or(0),
+        disk_mib: args.disk_mib.unwrap_or(0),
+        env: map(&args.env),
+        files,
+        labels: map(&args.labels),
+        idle_ttl_s: args.idle_ttl.unwrap_or(0),
+        max_lifetime_s: args.lifetime.unwrap_or(0),
+        file_policy,
+    })
+}
+
+/// The command of `airlock exec`: argv, `--shell` or `--code` (clap lets exactly one through).
+fn exec_command(args: &ExecArgs) -> Result<exec_request::Command, String> {
+    if let Some(script) = &args.shell {
+        return Ok(exec_request::Command::Shell(script.clone()));
+    }
+    if let Some(source) = &args.code {
+        return Ok(exec_request::Command::Code(Code {
+            language: args
+                .language
+                .map(|l| l.api_name())
+                .unwrap_or_default()
+                .to_owned(),
+            source: source.clone(),
+        }));
+    }
+    if args.argv.is_empty() {
+        return Err("exec: a command is needed (ID -- CMD [ARGS...], --shell or --code)".into());
+    }
+    Ok(exec_request::Command::Argv(Argv {
+        args: args.argv.clone(),
+    }))
+}
+
+/// `ExecRequest` of `airlock exec`; reads `--stdin`.
+pub fn exec_request(args: &ExecArgs, read: Read) -> Result<ExecRequest, String> {
+    let stdin = match &args.stdin {
+        Some(path) => read(path)?,
+        None => Vec::new(),
+    };
+    Ok(ExecRequest {
+        sandbox_id: args.id.clone(),
+        command: Some(exec_command(args)?),
+        cwd: args.cwd.clone().unwrap_or_default(),
+        env: map(&args.env),
+        timeout_ms: args.timeout.unwrap_or(0).saturating_mul(1000),
+        stdin,
+        memory_limit_mib: args.memory_mib.unwrap_or(0),
+    })
+}
+
+/// `CreateTemplateRequest` of `airlock template create`.
+pub fn template_request(args: &TemplateCreateArgs) -> CreateTemplateRequest {
+    CreateTemplateRequest {
+        name: args.name.clone(),
+        kernel_path: args.kernel.clone().unwrap_or_default(),
+        rootfs_path: args.rootfs.clone().unwrap_or_default(),
+        vcpus: args.vcpus.unwrap_or(0),
+        memory_mib: args.memory_mib.unwrap_or(0),
+        warmup: args.warmup.clone().unwrap_or_default(),
+        no_warmup: args.no_warmup,
+    }
+}
+
+/// `ListSandboxesRequest` of `airlock ls`.
+pub fn list_request(args: &LsArgs) -> ListSandboxesRequest {
+    let state = |s: &StateArg| match s {
+        StateArg::Starting => SandboxState::Starting,
+        StateArg::Running => SandboxState::Running,
+        StateArg::Paused => SandboxState::Paused,
+        StateArg::Dead => SandboxState::Dead,
+        StateArg::Destroyed => SandboxState::Destroyed,
+    };
+    ListSandboxesRequest {
+        labels: map(&args.labels),
+        states: args.states.iter().map(|s| state(s) as i32).collect(),
+    }
+}

@@ -1,0 +1,514 @@
+//! The `airlock` binary against an in-process mock of the daemon's API on a Unix socket: what
+//! it prints (text and `--json`), its exit codes, and the requests it sends.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::process::Output as ProcOutput;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use airlock_api::v1::airlock_server::{Airlock, AirlockServer};
+use airlock_api::v1::*;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+type Answer<T> = Result<Response<T>, Status>;
+type Events<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+fn events<T: Send + 'static>(items: Vec<T>) -> Events<T> {
+    Box::pin(tokio_stream::iter(items.into_iter().map(Ok)))
+}
+
+/// What the mock saw.
+#[derive(Debug, Default)]
+struct Seen {
+    create: Option<CreateSandboxRequest>,
+    exec: Option<ExecRequest>,
+    template: Option<CreateTemplateRequest>,
+    list: Option<ListSandboxesRequest>,
+    files: HashMap<String, (u32, Vec<u8>)>,
+}
+
+#[derive(Debug, Default, Clone)]
+struct Mock(Arc<Mutex<Seen>>);
+
+fn sandbox(id: &str) -> Sandbox {
+    Sandbox {
+        id: id.into(),
+        template: "base".into(),
+        state: SandboxState::Running as i32,
+        vcpus: 1,
+        memory_mib: 256,
+        ..Default::default()
+    }
+}
+
+fn template(name: &str) -> Template {
+    Template {
+        name: name.into(),
+        id: format!("tpl-{name}"),
+        vcpus: 1,
+        memory_mib: 256,
+        ..Default::default()
+    }
+}
+
+fn output(stream: StreamKind, data: &str) -> ExecutionEvent {
+    ExecutionEvent {
+        event: Some(execution_event::Event::Output(Output {
+            stream: stream as i32,
+            offset: 0,
+            data: data.as_bytes().to_vec(),
+        })),
+    }
+}
+
+fn exit(state: ExecutionState, exit_code: i32, reason: &str) -> ExecutionEvent {
+    ExecutionEvent {
+        event: Some(execution_event::Event::Exit(Execution {
+            state: state as i32,
+            exit_code,
+            error_reason: reason.into(),
+            error_message: if reason.is_empty() {
+                ""
+            } else {
+                "it took too long"
+            }
+            .into(),
+            ..Default::default()
+        })),
+    }
+}
+
+#[tonic::async_trait]
+impl Airlock for Mock {
+    type CreateTemplateStream = Events<TemplateEvent>;
+    type StreamExecutionStream = Events<ExecutionEvent>;
+    type ReadFileStream = Events<FileChunk>;
+
+    async fn create_template(
+        &self,
+        r: Request<CreateTemplateRequest>,
+    ) -> Answer<Events<TemplateEvent>> {
+        let r = r.into_inner();
+        let t = template(&r.name);
+        self.0.lock().unwrap().template = Some(r);
+        let booting = TemplateEvent {
+            phase: "booting".into(),
+            message: "cold boot".into(),
+            ..Default::default()
+        };
+        let ready = TemplateEvent {
+            phase: "ready".into(),
+            elapsed_ms: 1500,
+            message: "done".into(),
+            template: Some(t),
+        };
+        Ok(Response::new(events(vec![booting, ready])))
+    }
+    async fn list_templates(
+        &self,
+        _: Request<ListTemplatesRequest>,
+    ) -> Answer<ListTemplatesResponse> {
+        Ok(Response::new(ListTemplatesResponse {
+            templates: vec![template("base")],
+        }))
+    }
+    async fn delete_template(
+        &self,
+        _: Request<DeleteTemplateRequest>,
+    ) -> Answer<DeleteTemplateResponse> {
+        Ok(Response::new(DeleteTemplateResponse {}))
+    }
+    async fn create_sandbox(&self, r: Request<CreateSandboxRequest>) -> Answer<Sandbox> {
+        let r = r.into_inner();
+        let mut s = sandbox("sb-1");
+        s.labels = r.labels.clone();
+        self.0.lock().unwrap().create = Some(r);
+        Ok(Response::new(s))
+    }
+    async fn get_sandbox(&self, r: Request<GetSandboxRequest>) -> Answer<Sandbox> {
+        match r.into_inner().sandbox_id.as_str() {
+            "sb-1" => Ok(Response::new(sandbox("sb-1"))),
+            id => Err(Status::not_found(format!("no sandbox {id}"))),
+        }
+    }
+    async fn list_sandboxes(
+        &self,
+        r: Request<ListSandboxesRequest>,
+    ) -> Answer<ListSandboxesResponse> {
+        self.0.lock().unwrap().list = Some(r.into_inner());
+        Ok(Response::new(ListSandboxesResponse {
+            sandboxes: vec![sandbox("sb-1")],
+        }))
+    }
+    async fn pause_sandbox(&self, _: Request<PauseSandboxRequest>) -> Answer<Sandbox> {
+        let mut s = sandbox("sb-1");
+        s.state = SandboxState::Paused as i32;
+        Ok(Response::new(s))
+    }
+    async fn resume_sandbox(&self, _: Request<ResumeSandboxRequest>) -> Answer<Sandbox> {
+        Ok(Response::new(sandbox("sb-1")))
+    }
+    async fn snapshot_sandbox(&self, r: Request<SnapshotSandboxRequest>) -> Answer<Template> {
+        Ok(Response::new(template(&r.into_inner().template_name)))
+    }
+    async fn destroy_sandbox(
+        &self,
+        _: Request<DestroySandboxRequest>,
+    ) -> Answer<DestroySandboxResponse> {
+        Ok(Response::new(DestroySandboxResponse { destroyed: true }))
+    }
+    async fn exec(&self, r: Request<ExecRequest>) -> Answer<ExecResponse> {
+        let r = r.into_inner();
+        if r.sandbox_id != "sb-1" {
+            return Err(Status::not_found("SANDBOX_NOT_FOUND"));
+        }
+        let timed_out = r.timeout_ms > 0;
+        self.0.lock().unwrap().exec = Some(r);
+        let execution_id = if timed_out { "ex-timeout" } else { "ex-7" }.into();
+        Ok(Response::new(ExecResponse { execution_id }))
+    }
+    async fn stream_execution(
+        &self,
+        r: Request<StreamExecutionRequest>,
+    ) -> Answer<Events<ExecutionEvent>> {
+        let evs = match r.into_inner().execution_id.as_str() {
+            "ex-timeout" => vec![exit(ExecutionState::TimedOut, -1, "EXEC_TIMEOUT")],
+            "ex-7" => vec![
+                output(StreamKind::Stdout, "hi\n"),
+                output(StreamKind::Stderr, "err\n"),
+                exit(ExecutionState::Exited, 7, ""),
+            ],
+            _ => return Err(Status::not_found("EXECUTION_NOT_FOUND")),
+        };
+        Ok(Response::new(events(evs)))
+    }
+    async fn get_execution(&self, _: Request<GetExecutionRequest>) -> Answer<GetExecutionResponse> {
+        Err(Status::unimplemented("mock"))
+    }
+    async fn kill_execution(
+        &self,
+        _: Request<KillExecutionRequest>,
+    ) -> Answer<KillExecutionResponse> {
+        Ok(Response::new(KillExecutionResponse { signalled: true }))
+    }
+    async fn write_file(
+        &self,
+        r: Request<Streaming<WriteFileRequest>>,
+    ) -> Answer<WriteFileResponse> {
+        let mut s = r.into_inner();
+        let (mut path, mut mode, mut data) = (String::new(), 0, Vec::new());
+        while let Some(m) = s.message().await? {
+            match m.part {
+                Some(write_file_request::Part::Header(h)) => (path, mode) = (h.path, h.mode),
+                Some(write_file_request::Part::Data(d)) => data.extend(d),
+                None => {}
+            }
+        }
+        if !path.starts_with("/tmp/") {
+            return Err(Status::permission_denied("PATH_NOT_ALLOWED"));
+        }
+        let n = data.len() as u64;
+        self.0.lock().unwrap().files.insert(path, (mode, data));
+        Ok(Response::new(WriteFileResponse { bytes_written: n }))
+    }
+    async fn read_file(&self, r: Request<ReadFileRequest>) -> Answer<Events<FileChunk>> {
+        let path = r.into_inner().path;
+        let Some((_, data)) = self.0.lock().unwrap().files.get(&path).cloned() else {
+            return Err(Status::not_found("no such file"));
+        };
+        let size = data.len() as u64;
+        Ok(Response::new(events(vec![FileChunk { data, size }])))
+    }
+    async fn list_files(&self, _: Request<ListFilesRequest>) -> Answer<ListFilesResponse> {
+        Err(Status::unimplemented("mock"))
+    }
+}
+
+/// A scratch directory of this test.
+fn scratch() -> PathBuf {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let n = N.fetch_add(1, Ordering::SeqCst);
+    let d = std::env::temp_dir().join(format!("airlock-cli-test-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A mock daemon on a Unix socket in a scratch directory.
+struct Daemon {
+    dir: PathBuf,
+    mock: Mock,
+}
+
+impl Daemon {
+    fn start() -> Self {
+        let dir = scratch();
+        let listener = tokio::net::UnixListener::bind(dir.join("d.sock")).unwrap();
+        let mock = Mock::default();
+        let service = AirlockServer::new(mock.clone());
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+        );
+        Daemon { dir, mock }
+    }
+
+    async fn airlock(&self, args: &[&str]) -> ProcOutput {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_airlock"))
+            .args(args)
+            .env(
+                "AIRLOCK_ADDR",
+                format!("unix://{}", self.dir.join("d.sock").display()),
+            )
+            .env_remove("AIRLOCK_TOKEN")
+            .current_dir(&self.dir)
+            .output()
+            .await
+            .unwrap()
+    }
+
+    fn seen(&self) -> std::sync::MutexGuard<'_, Seen> {
+        self.mock.0.lock().unwrap()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn json(b: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(b).unwrap_or_else(|e| panic!("{e}: {}", text(b)))
+}
+
+#[tokio::test]
+async fn create_prints_the_id_or_the_record() {
+    let d = Daemon::start();
+    let p = d
+        .airlock(&["create", "--label", "demo=cli", "--env", "WHO=cli"])
+        .await;
+    assert_eq!(p.status.code(), Some(0), "{}", text(&p.stderr));
+    assert_eq!(text(&p.stdout), "sb-1\n");
+    assert!(text(&p.stderr).starts_with("ready in "));
+
+    std::fs::write(d.dir.join("in.py"), "print(1)\n").unwrap();
+    let p = d
+        .airlock(&[
+            "--json",
+            "create",
+            "--disk-mib",
+            "64",
+            "--file",
+            "in.py:/tmp/in.py:600",
+        ])
+        .await;
+    assert_eq!(p.status.code(), Some(0), "{}", text(&p.stderr));
+    let v = json(&p.stdout);
+    assert_eq!(
+        (v["id"].as_str(), v["state"].as_str()),
+        (Some("sb-1"), Some("running"))
+    );
+    let req = d.seen().create.clone().unwrap();
+    assert_eq!(req.disk_mib, 64);
+    assert_eq!(req.files.len(), 1);
+    assert_eq!(
+        (req.files[0].mode, req.files[0].content.as_slice()),
+        (0o600, &b"print(1)\n"[..])
+    );
+
+    let p = d.airlock(&["create", "--file", "absent:/tmp/x"]).await;
+    assert_eq!(p.status.code(), Some(1));
+    assert!(
+        text(&p.stderr).starts_with("airlock: absent: "),
+        "{}",
+        text(&p.stderr)
+    );
+}
+
+#[tokio::test]
+async fn exec_streams_and_exits_with_the_remote_code() {
+    let d = Daemon::start();
+    let p = d
+        .airlock(&["exec", "sb-1", "--", "sh", "-c", "exit 7"])
+        .await;
+    assert_eq!(p.status.code(), Some(7));
+    assert_eq!(
+        (text(&p.stdout), text(&p.stderr)),
+        ("hi\n".into(), "err\n".into())
+    );
+
+    let p = d.airlock(&["--json", "exec", "sb-1", "--", "true"]).await;
+    assert_eq!(p.status.code(), Some(7));
+    assert_eq!(text(&p.stdout), "hi\n");
+    let first = text(&p.stderr).lines().next().unwrap().to_owned();
+    assert_eq!(json(first.as_bytes())["execution_id"], "ex-7");
+
+    let p = d
+        .airlock(&["exec", "sb-1", "--timeout", "2", "--", "sleep", "60"])
+        .await;
+    assert_eq!(p.status.code(), Some(124));
+    assert!(text(&p.stderr).contains("EXEC_TIMEOUT"));
+    assert_eq!(d.seen().exec.as_ref().unwrap().timeout_ms, 2000);
+
+    let p = d.airlock(&["logs", "ex-7"]).await;
+    assert_eq!((p.status.code(), text(&p.stdout)), (Some(7), "hi\n".into()));
+
+    let p = d.airlock(&["exec", "sb-0", "--", "true"]).await;
+    assert_eq!(p.status.code(), Some(1));
+    assert!(text(&p.stderr).contains("SANDBOX_NOT_FOUND"));
+}
+
+#[tokio::test]
+async fn exec_sends_stdin_shell_and_code() {
+    let d = Daemon::start();
+    std::fs::write(d.dir.join("input"), "data").unwrap();
+    let p = d
+        .airlock(&["exec", "sb-1", "--stdin", "input", "--shell", "cat"])
+        .await;
+    assert_eq!(p.status.code(), Some(7), "{}", text(&p.stderr));
+    let req = d.seen().exec.clone().unwrap();
+    assert_eq!(req.stdin, b"data");
+    assert_eq!(
+        req.command,
+        Some(exec_request::Command::Shell("cat".into()))
+    );
+
+    let p = d
+        .airlock(&["exec", "sb-1", "--code", "print(1)", "--language", "python"])
+        .await;
+    assert_eq!(p.status.code(), Some(7), "{}", text(&p.stderr));
+    let cmd = d.seen().exec.clone().unwrap().command;
+    assert!(matches!(cmd, Some(exec_request::Command::Code(c)) if c.language == "python"));
+}
+
+#[tokio::test]
+async fn lists_and_records() {
+    let d = Daemon::start();
+    let p = d.airlock(&["ls"]).await;
+    assert!(text(&p.stdout).starts_with("ID "), "{}", text(&p.stdout));
+    assert!(text(&p.stdout).contains("sb-1"));
+    let v = json(
+        &d.airlock(&["ls", "--json", "--state", "paused"])
+            .await
+            .stdout,
+    );
+    assert_eq!(v[0]["id"], "sb-1");
+    assert_eq!(
+        d.seen().list.as_ref().unwrap().states,
+        [SandboxState::Paused as i32]
+    );
+
+    assert!(text(&d.airlock(&["template", "ls"]).await.stdout).contains("base"));
+    assert_eq!(
+        json(&d.airlock(&["--json", "template", "ls"]).await.stdout)[0]["name"],
+        "base"
+    );
+    assert_eq!(
+        json(&d.airlock(&["--json", "get", "sb-1"]).await.stdout)["id"],
+        "sb-1"
+    );
+    assert!(text(&d.airlock(&["get", "sb-1"]).await.stdout).contains("running"));
+    let p = d.airlock(&["get", "sb-2"]).await;
+    assert_eq!(p.status.code(), Some(1));
+    assert!(text(&p.stderr).starts_with("airlock: NotFound: no sandbox sb-2"));
+}
+
+#[tokio::test]
+async fn quiet_commands_print_json_objects() {
+    let d = Daemon::start();
+    for (args, key) in [
+        (&["pause", "sb-1"][..], "state"),
+        (&["resume", "sb-1"], "state"),
+        (&["rm", "sb-1"], "destroyed"),
+        (&["template", "rm", "x"], "deleted"),
+        (&["kill", "ex-7"], "signalled"),
+        (&["snapshot", "sb-1", "snap"], "name"),
+    ] {
+        let p = d.airlock(args).await;
+        assert_eq!(p.status.code(), Some(0), "{args:?}: {}", text(&p.stderr));
+        if key != "name" {
+            assert!(p.stdout.is_empty(), "{args:?} prints nothing as text");
+        }
+        let p = d.airlock(&[&["--json"][..], args].concat()).await;
+        assert!(
+            json(&p.stdout).get(key).is_some(),
+            "{args:?}: {}",
+            text(&p.stdout)
+        );
+    }
+    assert_eq!(
+        json(&d.airlock(&["--json", "pause", "sb-1"]).await.stdout)["state"],
+        "paused"
+    );
+}
+
+#[tokio::test]
+async fn cp_both_ways() {
+    let d = Daemon::start();
+    std::fs::write(d.dir.join("in.txt"), "payload\n").unwrap();
+    let p = d
+        .airlock(&["cp", "--mode", "0640", "in.txt", "sb-1:/tmp/in.txt"])
+        .await;
+    assert_eq!(p.status.code(), Some(0), "{}", text(&p.stderr));
+    assert_eq!(text(&p.stderr), "8 bytes written\n");
+    assert_eq!(d.seen().files["/tmp/in.txt"].0, 0o640);
+    let p = d
+        .airlock(&["--json", "cp", "sb-1:/tmp/in.txt", "out.txt"])
+        .await;
+    assert_eq!(json(&p.stdout)["bytes_read"], 8);
+    assert_eq!(
+        std::fs::read_to_string(d.dir.join("out.txt")).unwrap(),
+        "payload\n"
+    );
+    let p = d.airlock(&["cp", "in.txt", "sb-1:/etc/in.txt"]).await;
+    assert_eq!(p.status.code(), Some(1));
+    assert!(text(&p.stderr).contains("PATH_NOT_ALLOWED"));
+    let p = d.airlock(&["cp", "a", "b"]).await;
+    assert_eq!(p.status.code(), Some(1));
+}
+
+#[tokio::test]
+async fn template_create_shows_progress() {
+    let d = Daemon::start();
+    let p = d
+        .airlock(&["template", "create", "py", "--vcpus", "2", "--no-warmup"])
+        .await;
+    assert_eq!(p.status.code(), Some(0));
+    assert_eq!(text(&p.stdout), "py (tpl-py)\n");
+    assert!(text(&p.stderr).contains("booting: cold boot"));
+    let req = d.seen().template.clone().unwrap();
+    assert!(req.no_warmup && req.vcpus == 2);
+}
+
+#[tokio::test]
+async fn usage_errors_exit_2_and_no_daemon_exits_1() {
+    let d = Daemon::start();
+    for args in [
+        &[][..],
+        &["exec", "sb-1"],
+        &["create", "--env", "X"],
+        &["nope"],
+    ] {
+        let p = d.airlock(args).await;
+        assert_eq!(p.status.code(), Some(2), "{args:?}");
+    }
+    let p = d.airlock(&["completions", "bash"]).await;
+    assert_eq!(p.status.code(), Some(0));
+    assert!(text(&p.stdout).contains("airlock"));
+
+    let p = d
+        .airlock(&["--addr", "unix:///nonexistent/none.sock", "ls"])
+        .await;
+    assert_eq!(p.status.code(), Some(1));
+    assert!(text(&p.stderr).contains("cannot reach airlockd"));
+}
