@@ -182,6 +182,8 @@ pub enum WaitError {
     Deadline { last: String },
     #[error("stopped waiting for the guest agent: {0}")]
     Cancelled(String),
+    #[error("the guest agent answered but cannot be used")]
+    Agent(#[source] ClientError),
 }
 
 /// Connects until the agent answers with `Ready` or `deadline` passes. `gone` is asked between
@@ -200,6 +202,8 @@ pub fn wait_ready(
         }
         match connect(uds, port, deadline, |_| {}) {
             Ok(c) => return Ok(c),
+            // An agent that answered and speaks another protocol will not change its mind.
+            Err(e @ ClientError::Version { .. }) => return Err(WaitError::Agent(e)),
             Err(e) => last = e.to_string(),
         }
         std::thread::sleep(RETRY);

@@ -3,7 +3,9 @@
 //! Commands reach the VMM's event loop through a channel plus an eventfd that wakes it; the loop
 //! carries them out between device events, so nothing else touches devices or guest memory while
 //! a command runs (that is what makes a snapshot consistent). [`ControlHandle`] is the in-process
-//! side; [`serve_control_socket`] puts it on a Unix socket with a line protocol:
+//! side; [`serve_control_socket`] puts it on a Unix socket with a line protocol, whose requests
+//! ([`airlock_control::Request`]) and replies ([`airlock_control::Reply`]) are the contract
+//! with `airlockd`, defined in the `airlock-control` crate:
 //!
 //! ```text
 //! → pause\n              ← {"ok":true,"state":"paused"}\n
@@ -11,12 +13,13 @@
 //! → snapshot /some/dir\n ← {"ok":true,"memory_bytes_written":…,"snapshot_ms":…}\n  (paused VMs only)
 //! → status\n             ← {"ok":true,"state":"running","vcpus":1,"mem_mib":256,…}\n
 //! → stop\n               ← {"ok":true}\n  (the VM ends with exit code 0, "stopped")
+//! → restore /some/dir\n  ← {"ok":true,"state":"running","running_after_us":…}\n  (pool processes only)
 //! → probe open /etc/x\n  ← {"ok":true,"opened":false,"errno":2,…}\n  (only with --test-hooks)
 //! ```
 //!
 //! One command per connection; a failure answers `{"ok":false,"error":"…"}`. Lines are at most
-//! 4 KiB; a client that sends nothing within 10 s is dropped. The socket file is created with
-//! mode 0600 (its directory is the access control).
+//! [`MAX_LINE`] bytes; a client that sends nothing within 10 s is dropped. The socket file is
+//! created with mode 0600 (its directory is the access control).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -25,8 +28,13 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use airlock_control::{
+    ControlError, Reply, Request, RestoreReply, StatusReply, VmState, reply_line,
+};
+use serde_json::Value;
 use vmm_sys_util::eventfd::EventFd;
+
+pub use airlock_control::MAX_LINE;
 
 /// What a controller can ask of a VM.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,8 +53,9 @@ pub enum VmCommand {
     Probe(crate::probe::Probe),
 }
 
-/// A command's answer: a JSON object of results, or an error message.
-pub type CommandReply = Result<Value, String>;
+/// A command's answer: the typed reply (sent as a JSON object, see
+/// [`airlock_control::reply_line`]), or an error message.
+pub type CommandReply = Result<Reply, String>;
 
 /// How long a controller waits for the event loop to answer.
 pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(120);
@@ -101,41 +110,28 @@ pub fn command_channel() -> std::io::Result<(ControlHandle, CommandQueue)> {
     Ok((handle, CommandQueue { rx, wake }))
 }
 
-/// Longest command line accepted on the control socket.
-pub const MAX_LINE: usize = 4096;
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Parses one command line of the socket protocol.
+/// Parses one command line of the socket protocol for a running VM ([`Request::parse`]):
+/// `probe` only with the test hooks on (otherwise it is an unknown command), and `restore`,
+/// which only a pool process takes ([`next_restore_request`]), is refused.
 pub fn parse_command(line: &str) -> Result<VmCommand, String> {
-    let line = line.trim();
-    let (word, arg) = line.split_once(' ').unwrap_or((line, ""));
-    let arg = arg.trim();
-    match (word, arg.is_empty()) {
-        ("pause", true) => Ok(VmCommand::Pause),
-        ("resume", true) => Ok(VmCommand::Resume),
-        ("status", true) => Ok(VmCommand::Status),
-        ("stop", true) => Ok(VmCommand::Stop),
-        ("snapshot", false) => Ok(VmCommand::Snapshot(PathBuf::from(arg))),
-        ("snapshot", true) => Err("snapshot needs a directory".into()),
-        ("probe", _) if crate::probe::enabled() => crate::probe::parse(arg).map(VmCommand::Probe),
-        ("", _) => Err("empty command".into()),
-        (w, _) => Err(format!(
-            "unknown command {w:?} (pause, resume, snapshot DIR, status, stop)"
-        )),
-    }
-}
-
-fn reply_line(reply: &CommandReply) -> String {
-    let v = match reply {
-        Ok(Value::Object(map)) => {
-            let mut m = map.clone();
-            m.insert("ok".into(), Value::Bool(true));
-            Value::Object(m)
+    match Request::parse(line)? {
+        Request::Pause => Ok(VmCommand::Pause),
+        Request::Resume => Ok(VmCommand::Resume),
+        Request::Status => Ok(VmCommand::Status),
+        Request::Stop => Ok(VmCommand::Stop),
+        Request::Snapshot(dir) => Ok(VmCommand::Snapshot(dir)),
+        Request::Probe(words) if crate::probe::enabled() => {
+            crate::probe::parse(&words).map(VmCommand::Probe)
         }
-        Ok(other) => json!({"ok": true, "result": other}),
-        Err(e) => json!({"ok": false, "error": e}),
-    };
-    format!("{v}\n")
+        Request::Probe(_) => {
+            Err("unknown command \"probe\" (pause, resume, snapshot DIR, status, stop)".into())
+        }
+        Request::Restore(_) => {
+            Err("`restore DIR` is only for a pool process; this VM already runs".into())
+        }
+    }
 }
 
 fn serve_one(stream: UnixStream, handle: &ControlHandle) {
@@ -191,8 +187,8 @@ fn serve_loop(listener: &UnixListener, handle: &ControlHandle) {
 /// How a pool process's restore went, for the answer to `restore DIR`.
 #[derive(Debug)]
 pub enum RestoreOutcome {
-    /// The clone runs: its control handle and the answer's fields.
-    Running(ControlHandle, Value),
+    /// The clone runs: its control handle and the answer.
+    Running(ControlHandle, RestoreReply),
     Failed(String),
 }
 
@@ -223,8 +219,8 @@ pub fn serve_pool_control(listener: UnixListener, vcpus: usize) -> std::io::Resu
                 return;
             }
             match out_rx.recv() {
-                Ok(RestoreOutcome::Running(handle, answer_fields)) => {
-                    answer(requester, &Ok(answer_fields));
+                Ok(RestoreOutcome::Running(handle, restored)) => {
+                    answer(requester, &Ok(Reply::Restore(restored)));
                     serve_loop(&listener, &handle);
                 }
                 Ok(RestoreOutcome::Failed(msg)) => answer(requester, &Err(msg)),
@@ -262,18 +258,21 @@ pub fn next_restore_request(listener: &UnixListener, vcpus: usize) -> (UnixStrea
         let mut line = String::new();
         let read = BufReader::new(stream.take(MAX_LINE as u64 + 1)).read_line(&mut line);
         let reply: CommandReply = match read {
-            Ok(n) if n > 0 && line.len() <= MAX_LINE => {
-                let line = line.trim();
-                match line.split_once(' ') {
-                    Some(("restore", dir)) if !dir.trim().is_empty() => {
-                        return (w, PathBuf::from(dir.trim()));
-                    }
-                    _ if line == "status" => Ok(json!({"state": "prepared", "vcpus": vcpus})),
-                    _ => Err(format!(
-                        "no VM yet: this pool process takes `restore DIR` or `status`, not {line:?}"
-                    )),
-                }
-            }
+            Ok(n) if n > 0 && line.len() <= MAX_LINE => match Request::parse(&line) {
+                Ok(Request::Restore(dir)) => return (w, dir),
+                Ok(Request::Status) => Ok(Reply::Status(StatusReply {
+                    state: VmState::Prepared,
+                    vcpus: u32::try_from(vcpus).unwrap_or(u32::MAX),
+                    mem_mib: None,
+                    cpu_template: None,
+                    uptime_ms: None,
+                    userspace_up: None,
+                })),
+                _ => Err(format!(
+                    "no VM yet: this pool process takes `restore DIR` or `status`, not {:?}",
+                    line.trim()
+                )),
+            },
             Ok(_) => Err(format!("empty command or longer than {MAX_LINE} bytes")),
             Err(e) => Err(format!("read the command: {e}")),
         };
@@ -286,28 +285,21 @@ pub fn answer(mut stream: UnixStream, reply: &CommandReply) {
     let _ = stream.write_all(reply_line(reply).as_bytes());
 }
 
-/// Sends one command line to a control socket and returns the JSON answer (for tools and
-/// tests).
+/// Sends one command line to a control socket and returns the JSON answer, whatever it says
+/// (for tools and tests; [`airlock_control::send_line`]).
 pub fn send_command(path: &Path, line: &str) -> std::io::Result<Value> {
-    let mut s = UnixStream::connect(path)?;
-    s.set_read_timeout(Some(COMMAND_TIMEOUT + Duration::from_secs(5)))?;
-    let sent = s
-        .write_all(line.as_bytes())
-        .and_then(|()| s.write_all(b"\n"));
-    // A VMM that refuses an overlong line answers and closes before it was all written: the
-    // answer is still there to read.
-    match sent {
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
-        other => other?,
-    }
-    let mut answer = String::new();
-    BufReader::new(s.take(1 << 20)).read_line(&mut answer)?;
+    let timeout = COMMAND_TIMEOUT + Duration::from_secs(5);
+    let answer = airlock_control::send_line(path, line, timeout).map_err(|e| match e {
+        ControlError::Io(e) => e,
+        other => std::io::Error::other(other),
+    })?;
     serde_json::from_str(&answer).map_err(std::io::Error::other)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn commands_parse_and_garbage_is_refused() {
@@ -321,6 +313,103 @@ mod tests {
         assert!(parse_command("pause now").is_err());
         assert!(parse_command("").is_err());
         assert!(parse_command("rm -rf /").is_err());
+        // Only a pool process restores.
+        assert!(parse_command("restore /snap/dir").is_err());
+        // The test hooks are off here: `probe` is unknown, as any other word.
+        assert_eq!(
+            parse_command("probe seccomp"),
+            Err("unknown command \"probe\" (pause, resume, snapshot DIR, status, stop)".into())
+        );
+    }
+
+    /// The typed replies go out as the JSON objects the VMM has always sent (keys sorted:
+    /// serde_json's map), so clients that read them as JSON see no change.
+    #[test]
+    fn typed_replies_keep_the_wire_format() {
+        let status = Reply::Status(StatusReply {
+            state: VmState::Running,
+            vcpus: 2,
+            mem_mib: Some(256),
+            cpu_template: Some("host".into()),
+            uptime_ms: Some(1234),
+            userspace_up: Some(true),
+        });
+        let snapshot = Reply::Snapshot(airlock_control::SnapshotReply {
+            dir: "/s/d".into(),
+            memory_bytes_written: 1 << 28,
+            state_bytes: 4096,
+            snapshot_ms: 12.5,
+            memory_ms: 10.25,
+        });
+        let cases: [(Reply, Value); 7] = [
+            (
+                Reply::State(airlock_control::StateReply {
+                    state: VmState::Paused,
+                }),
+                json!({"state": "paused"}),
+            ),
+            (
+                Reply::State(airlock_control::StateReply {
+                    state: VmState::Running,
+                }),
+                json!({"state": "running"}),
+            ),
+            (
+                status,
+                json!({
+                    "state": "running",
+                    "vcpus": 2u8,
+                    "mem_mib": 256u64,
+                    "cpu_template": "host",
+                    "uptime_ms": 1234u64,
+                    "userspace_up": true,
+                }),
+            ),
+            (
+                Reply::Status(StatusReply {
+                    state: VmState::Prepared,
+                    vcpus: 2,
+                    mem_mib: None,
+                    cpu_template: None,
+                    uptime_ms: None,
+                    userspace_up: None,
+                }),
+                json!({"state": "prepared", "vcpus": 2usize}),
+            ),
+            (
+                snapshot,
+                json!({
+                    "dir": "/s/d",
+                    "memory_bytes_written": 1u64 << 28,
+                    "state_bytes": 4096u64,
+                    "snapshot_ms": 12.5,
+                    "memory_ms": 10.25,
+                }),
+            ),
+            (
+                Reply::Restore(RestoreReply {
+                    state: VmState::Running,
+                    running_after_us: 812,
+                }),
+                json!({"state": "running", "running_after_us": 812u64}),
+            ),
+            (Reply::Stop(airlock_control::StopReply {}), json!({})),
+        ];
+        for (reply, mut before) in cases {
+            if let Value::Object(m) = &mut before {
+                m.insert("ok".into(), Value::Bool(true));
+            }
+            assert_eq!(reply_line(&Ok(reply)), format!("{before}\n"));
+        }
+        let probe = json!({"opened": false, "errno": 2, "error": "No such file"});
+        assert_eq!(
+            reply_line(&Ok(Reply::Probe(probe))),
+            "{\"errno\":2,\"error\":\"No such file\",\"ok\":true,\"opened\":false}\n"
+        );
+        assert_eq!(
+            reply_line(&Err("no".into())),
+            "{\"error\":\"no\",\"ok\":false}\n"
+        );
     }
 
     #[test]
@@ -338,12 +427,19 @@ mod tests {
         };
         let (stream, dir) = next_restore_request(&listener, 2);
         assert_eq!(dir, PathBuf::from("/snap/dir"));
-        answer(stream, &Ok(json!({"state": "running"})));
+        answer(
+            stream,
+            &Ok(Reply::Restore(RestoreReply {
+                state: VmState::Running,
+                running_after_us: 7,
+            })),
+        );
         let (status, bogus, restored) = client.join().unwrap();
         assert_eq!(status["state"], "prepared");
         assert_eq!(status["vcpus"], 2);
         assert_eq!(bogus["ok"], false);
         assert_eq!(restored["ok"], true);
+        assert_eq!(restored["running_after_us"], 7);
         let _ = std::fs::remove_file(&path);
     }
 
@@ -358,7 +454,9 @@ mod tests {
                 let (cmd, reply) = queue.rx.recv().unwrap();
                 let _ = queue.wake.read();
                 let r = match cmd {
-                    VmCommand::Status => Ok(json!({"state": "running"})),
+                    VmCommand::Status => Ok(Reply::State(airlock_control::StateReply {
+                        state: VmState::Running,
+                    })),
                     other => Err(format!("no {other:?}")),
                 };
                 reply.send(r).unwrap();

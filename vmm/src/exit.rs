@@ -1,33 +1,19 @@
 //! How a VM ended, and the process exit code that says so.
 //!
-//! | code | meaning |
-//! | ---: | --- |
-//! | 0 | the guest ended itself (keyboard-controller reset, `reboot=k`): a clean power-off; or the host stopped the VM on request |
-//! | 1 | VMM error: the host could not build or run the VM (bad image, KVM refused an ioctl) |
-//! | 2 | usage error: bad command line |
-//! | 64 | guest kernel panic (seen on the console) |
-//! | 65 | triple fault (`KVM_EXIT_SHUTDOWN`) |
-//! | 66 | KVM internal error, e.g. an instruction the (nested) emulator cannot run |
-//! | 67 | KVM could not enter the guest (`KVM_EXIT_FAIL_ENTRY`) |
-//! | 68 | boot deadline passed before the guest printed `airlock: userspace up` |
-//! | 69 | unexpected vCPU exit or `KVM_RUN` failure |
-//! | 70 | seccomp violation: a VMM thread made a system call outside its filter (see `seccomp`) |
+//! The exit codes and what each means are part of the contract with `airlockd` and are defined
+//! in [`airlock_control::exit`] (the table is there); [`code`] re-exports them, and
+//! [`VmExit::exit_code`] picks one for each way a VM ends. A seccomp violation (see
+//! [`crate::seccomp`]) ends the process with [`code::SECCOMP_VIOLATION`].
 
 use std::fmt;
 use std::time::Duration;
 
-/// Exit codes of `airlock-vmm`.
+/// Exit codes of `airlock-vmm` (defined in [`airlock_control::exit`]).
 pub mod code {
-    pub const OK: u8 = 0;
-    pub const VMM_ERROR: u8 = 1;
-    pub const USAGE: u8 = 2;
-    pub const GUEST_PANIC: u8 = 64;
-    pub const TRIPLE_FAULT: u8 = 65;
-    pub const INTERNAL_ERROR: u8 = 66;
-    pub const FAIL_ENTRY: u8 = 67;
-    pub const BOOT_TIMEOUT: u8 = 68;
-    pub const VCPU_ERROR: u8 = 69;
-    pub const SECCOMP_VIOLATION: u8 = 70;
+    pub use airlock_control::exit::{
+        BOOT_TIMEOUT, FAIL_ENTRY, GUEST_PANIC, INTERNAL_ERROR, OK, SECCOMP_VIOLATION, TRIPLE_FAULT,
+        USAGE, VCPU_ERROR, VMM_ERROR,
+    };
 }
 
 /// Why a VM stopped. Guest faults are results, not VMM errors.
@@ -58,7 +44,7 @@ pub enum VmExit {
 }
 
 impl VmExit {
-    /// The process exit code documented above.
+    /// The process exit code (see [`airlock_control::exit`]).
     pub fn exit_code(&self) -> u8 {
         match self {
             VmExit::GuestReset | VmExit::Stopped => code::OK,
@@ -149,6 +135,10 @@ mod tests {
             },
         ];
         let mut codes: Vec<u8> = exits.iter().map(VmExit::exit_code).collect();
+        // The daemon reads each of them as the guest's crash.
+        for c in &codes {
+            assert!(airlock_control::exit::VmmExit::from_code(i32::from(*c)).is_guest_crash());
+        }
         assert!(
             codes
                 .iter()

@@ -153,10 +153,10 @@ fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
     // commands on the same listener, so there is no moment without a control socket.
     let outcome = ctl.outcome;
     finish(vmm.run_then(move || {
-        let answer = serde_json::json!({
-            "state": "running",
-            "running_after_us": asked.elapsed().as_micros() as u64,
-        });
+        let answer = airlock_control::RestoreReply {
+            state: airlock_control::VmState::Running,
+            running_after_us: asked.elapsed().as_micros() as u64,
+        };
         let _ = outcome.send(control::RestoreOutcome::Running(handle, answer));
     }))
 }

@@ -16,6 +16,7 @@ use std::sync::Mutex;
 use std::sync::OnceLock;
 use std::sync::mpsc::{Sender, channel};
 
+use airlock_control::Reply;
 use serde_json::json;
 
 use crate::control::CommandReply;
@@ -73,7 +74,7 @@ pub fn parse(arg: &str) -> Result<Probe, String> {
 /// Runs `probe` (called by the event loop).
 pub fn run(probe: Probe) -> CommandReply {
     match probe {
-        Probe::Seccomp => Ok(forbidden_call()),
+        Probe::Seccomp => Ok(Reply::Probe(forbidden_call())),
         other => {
             let thread = PROBE_THREAD.get().ok_or("test hooks are off")?;
             let (tx, rx) = channel();
@@ -90,19 +91,19 @@ pub fn run(probe: Probe) -> CommandReply {
 
 fn run_here(probe: &Probe) -> CommandReply {
     match probe {
-        Probe::Open(path) => Ok(match std::fs::File::open(path) {
+        Probe::Open(path) => Ok(Reply::Probe(match std::fs::File::open(path) {
             Ok(_) => json!({"opened": true}),
             Err(e) => json!({"opened": false, "errno": e.raw_os_error(), "error": e.to_string()}),
-        }),
+        })),
         Probe::Kill { pid, signal } => {
             // SAFETY: kill(2) takes plain integers and touches no memory of ours.
             let rc = unsafe { libc::kill(*pid, *signal) };
             let err = std::io::Error::last_os_error();
-            Ok(if rc == 0 {
+            Ok(Reply::Probe(if rc == 0 {
                 json!({"sent": true})
             } else {
                 json!({"sent": false, "errno": err.raw_os_error(), "error": err.to_string()})
-            })
+            }))
         }
         Probe::Seccomp => Err("probe seccomp runs on the event loop".into()),
     }

@@ -12,17 +12,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Sender, channel};
 use std::time::{Duration, Instant};
 
+use airlock_proto::AGENT_VSOCK_PORT;
 use airlock_proto::client::describe_exit;
+use airlock_proto::identity;
 use airlock_proto::pb::{self, StreamKind, exec_exit};
-use airlock_proto::{AGENT_VSOCK_PORT, AgentClient, ClientError};
+use airlock_proto::vsock::{self, TimedClient, WaitError};
 use vmm::config::{ConsoleOutput, VsockConfig};
 use vmm::exit::code;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::cli::{self, RunOptions};
 
-/// How often to retry connecting while the guest boots.
-const CONNECT_RETRY: Duration = Duration::from_millis(100);
+/// How long to wait for the agent when there is no boot deadline (`--boot-timeout 0`): in
+/// effect for as long as the VM runs.
+const NO_BOOT_DEADLINE: Duration = Duration::from_secs(365 * 24 * 3600);
 /// How long the guest may take to power off after the command before the VM is stopped.
 const POWER_OFF_GRACE: Duration = Duration::from_secs(30);
 /// Exit code when the command's timeout killed it (as coreutils `timeout`).
@@ -184,44 +187,15 @@ fn client_thread(
     }
 }
 
-type Client = AgentClient<std::os::unix::net::UnixStream, std::os::unix::net::UnixStream>;
-
 /// A clone restored from a snapshot shares its RNG state and host name with every sibling:
-/// give it fresh entropy from the host and its own sandbox id (also its host name).
-fn give_identity(client: &mut Client) -> Result<(), String> {
-    let mut entropy = [0u8; 64];
-    getrandom(&mut entropy).map_err(|e| format!("host entropy: {e}"))?;
-    let id = sandbox_id(&entropy[..8]);
+/// give it fresh entropy from the host and its own sandbox id (`sb-` and 16 hex digits, also
+/// its host name).
+fn give_identity(client: &mut TimedClient) -> Result<(), String> {
+    let id = identity::new_id("sb").map_err(|e| format!("host entropy: {e}"))?;
     let done = client
-        .reseed(&entropy, &id, &id)
+        .reseed_clone(&id, 0)
         .map_err(|e| format!("reseed the clone: {}", cli::error_chain(&e)))?;
     log::info!("clone identity: sandbox id {id} ({done:?})");
-    Ok(())
-}
-
-/// `sb-` and 16 hex digits.
-fn sandbox_id(bytes: &[u8]) -> String {
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    format!("sb-{hex}")
-}
-
-/// Fills `buf` from the kernel's CSPRNG.
-pub fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
-    let mut filled = 0;
-    while filled < buf.len() {
-        let rest = &mut buf[filled..];
-        // SAFETY: the pointer and length describe `rest`, a live mutable buffer; getrandom(2)
-        // writes at most that many bytes into it.
-        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(e);
-            }
-            continue;
-        }
-        filled += n as usize;
-    }
     Ok(())
 }
 
@@ -294,7 +268,11 @@ pub fn snapshot(opts: cli::SnapshotOptions, started: Instant) -> ExitCode {
         .unwrap_or_else(|_| Err("the snapshot thread panicked".into()));
     match (result, vm_exit) {
         (Ok(summary), Ok(_)) => {
-            println!("{summary}");
+            // As a JSON value: its keys sorted, as they always were.
+            match serde_json::to_value(&summary) {
+                Ok(v) => println!("{v}"),
+                Err(e) => log::warn!("the snapshot is written; its summary is not: {e}"),
+            }
             ExitCode::from(code::OK)
         }
         (Err(e), exit) => {
@@ -321,7 +299,8 @@ fn take_snapshot(
     deadline: Option<Instant>,
     vm_gone: &AtomicBool,
     handle: &vmm::control::ControlHandle,
-) -> Result<serde_json::Value, String> {
+) -> Result<airlock_control::SnapshotReply, String> {
+    use airlock_control::Reply;
     use vmm::control::VmCommand;
     let result = (|| {
         vmm::seccomp::apply(vmm::seccomp::ThreadClass::Client).map_err(|e| cli::error_chain(&e))?;
@@ -335,7 +314,10 @@ fn take_snapshot(
         }
         drop(client);
         handle.call(VmCommand::Pause)?;
-        handle.call(VmCommand::Snapshot(out.to_path_buf()))
+        match handle.call(VmCommand::Snapshot(out.to_path_buf()))? {
+            Reply::Snapshot(summary) => Ok(summary),
+            other => Err(format!("the VM answered the snapshot with {other:?}")),
+        }
     })();
     if let Err(e) = handle.call(VmCommand::Stop) {
         log::debug!("stop after the snapshot: {e}");
@@ -344,7 +326,7 @@ fn take_snapshot(
 }
 
 /// Runs the warm-up command (its output is dropped; a failure fails the snapshot).
-fn warm_up(client: &mut Client, cmd: &str) -> Result<(), String> {
+fn warm_up(client: &mut TimedClient, cmd: &str) -> Result<(), String> {
     let t = Instant::now();
     let exec = airlock_proto::pb::Exec {
         command: Some(airlock_proto::pb::exec::Command::Shell(cmd.to_owned())),
@@ -363,23 +345,28 @@ fn warm_up(client: &mut Client, cmd: &str) -> Result<(), String> {
     }
 }
 
-/// Connects to the agent, retrying while the guest boots.
-fn connect(uds: &Path, deadline: Option<Instant>, vm_gone: &AtomicBool) -> Result<Client, String> {
-    loop {
-        match AgentClient::connect_vsock(uds, AGENT_VSOCK_PORT) {
-            Ok(c) => return Ok(c),
-            // Not listening yet (the guest resets the connection) or the socket is not bound yet.
-            Err(ClientError::Handshake(_) | ClientError::Connect { .. }) => {}
-            Err(e) => return Err(format!("connect to the agent: {}", cli::error_chain(&e))),
+/// Connects to the agent, retrying while the guest boots ([`vsock::wait_ready`]) until the boot
+/// `deadline` (none: until the VM ends). The connection then has no deadline: the command's
+/// output may take as long as the command does (`--timeout` is the agent's to enforce).
+fn connect(
+    uds: &Path,
+    deadline: Option<Instant>,
+    vm_gone: &AtomicBool,
+) -> Result<TimedClient, String> {
+    let deadline = deadline.unwrap_or_else(|| Instant::now() + NO_BOOT_DEADLINE);
+    let gone = || {
+        vm_gone
+            .load(Ordering::Acquire)
+            .then(|| "the VM ended before the agent answered".to_owned())
+    };
+    let client = vsock::wait_ready(uds, AGENT_VSOCK_PORT, deadline, gone).map_err(|e| match e {
+        WaitError::Cancelled(why) => why,
+        WaitError::Deadline { last } => {
+            format!("the agent did not answer before the boot deadline (last attempt: {last})")
         }
-        if vm_gone.load(Ordering::Acquire) {
-            return Err("the VM ended before the agent answered".into());
-        }
-        if deadline.is_some_and(|d| Instant::now() > d) {
-            return Err("the agent did not answer before the boot deadline".into());
-        }
-        std::thread::sleep(CONNECT_RETRY);
-    }
+    })?;
+    client.set_deadline(None);
+    Ok(client)
 }
 
 fn forward_output(stream: StreamKind, data: &[u8]) {
@@ -471,5 +458,119 @@ mod tests {
         let mut t = with(exec_exit::Status::Signal(9));
         t.timed_out = true;
         assert_eq!(command_exit_code(&t), TIMED_OUT);
+    }
+}
+
+/// The `client` seccomp filter against what the agent-client thread does with the shared
+/// `airlock_proto` code (no VM: a fake agent on a Unix socket stands in for the guest).
+#[cfg(test)]
+mod client_filter_tests {
+    use std::io::{Read, Write};
+    use std::os::unix::net::{UnixListener, UnixStream};
+
+    use airlock_proto::frame::{read_frame, write_frame};
+    use airlock_proto::pb::{Ready, Request, Reseeded, Response, request, response};
+
+    use super::*;
+
+    const CHILD_ENV: &str = "AIRLOCK_CLIENT_FILTER_CHILD";
+
+    /// Reads the `CONNECT 52\n` line byte by byte.
+    fn read_connect_line(s: &mut UnixStream) -> String {
+        let mut line = Vec::new();
+        let mut b = [0u8; 1];
+        while s.read(&mut b).unwrap() == 1 && b[0] != b'\n' {
+            line.push(b[0]);
+        }
+        String::from_utf8(line).unwrap()
+    }
+
+    /// A guest agent: the first connection is reset (a guest that is not listening yet), the
+    /// second answers the handshake, sends Ready and answers Reseed and PowerOff. Returns the
+    /// Reseed it was sent.
+    fn fake_agent(listener: &UnixListener) -> airlock_proto::pb::Reseed {
+        drop(listener.accept().unwrap());
+        let (mut s, _) = listener.accept().unwrap();
+        assert_eq!(read_connect_line(&mut s), "CONNECT 52");
+        s.write_all(b"OK 1024\n").unwrap();
+        let ready = Response {
+            id: 0,
+            kind: Some(response::Kind::Ready(Ready {
+                protocol_version: airlock_proto::PROTOCOL_VERSION,
+                ..Default::default()
+            })),
+        };
+        write_frame(&mut s, &ready).unwrap();
+        let mut reseed = None;
+        while let Some(req) = read_frame::<_, Request>(&mut s).unwrap() {
+            let kind = match req.kind {
+                Some(request::Kind::Reseed(r)) => {
+                    reseed = Some(r);
+                    response::Kind::Reseeded(Reseeded::default())
+                }
+                Some(request::Kind::PowerOff(_)) => response::Kind::Ok(airlock_proto::pb::Ok {}),
+                other => panic!("unexpected request {other:?}"),
+            };
+            let answer = Response {
+                id: req.id,
+                kind: Some(kind),
+            };
+            write_frame(&mut s, &answer).unwrap();
+        }
+        reseed.expect("a Reseed")
+    }
+
+    /// Run in a child process by the test below: the client thread's steps under the `client`
+    /// filter (a call outside it ends the process with the seccomp violation code).
+    #[test]
+    fn client_filter_child() {
+        let Some(uds) = std::env::var_os(CHILD_ENV) else {
+            return;
+        };
+        vmm::seccomp::enable().unwrap();
+        let uds = PathBuf::from(uds);
+        std::thread::spawn(move || {
+            vmm::seccomp::apply(vmm::seccomp::ThreadClass::Client).unwrap();
+            let gone = AtomicBool::new(false);
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let mut client = connect(&uds, Some(deadline), &gone).unwrap();
+            assert_eq!(client.reader().deadline(), None);
+            give_identity(&mut client).unwrap();
+            client.power_off().unwrap();
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn the_client_filter_allows_connecting_and_reseeding_through_the_shared_code() {
+        let dir =
+            std::env::temp_dir().join(format!("airlock-client-filter-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let uds = dir.join("vsock.sock");
+        let listener = UnixListener::bind(&uds).unwrap();
+        let agent = std::thread::spawn(move || fake_agent(&listener));
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "run::client_filter_tests::client_filter_child"])
+            .args(["--nocapture", "--test-threads", "1"])
+            .env(CHILD_ENV, &uds)
+            .output()
+            .unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{:?}: {stderr}", out.status.code());
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout.contains("1 passed"),
+            "the child ran no test: {stdout}"
+        );
+        let reseed = agent.join().unwrap();
+        assert!(
+            identity::well_formed(&reseed.sandbox_id, "sb"),
+            "{reseed:?}"
+        );
+        assert_eq!(reseed.hostname, reseed.sandbox_id);
+        assert_eq!(reseed.entropy.len(), identity::CLONE_ENTROPY_BYTES);
+        assert_eq!(reseed.tmp_size_bytes, 0);
     }
 }

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use airlock_control::{Reply, SnapshotReply, StateReply, StatusReply, StopReply, VmState};
 use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
 use kvm_ioctls::IoEventAddress;
 use linux_loader::loader::{Elf, KernelLoader, load_cmdline};
@@ -775,27 +776,28 @@ impl Vmm {
     }
 
     fn execute(&mut self, cmd: VmCommand) -> CommandReply {
+        let state = |state| Reply::State(StateReply { state });
         match cmd {
-            VmCommand::Pause => self
-                .pause()
-                .map(|()| serde_json::json!({"state": "paused"})),
-            VmCommand::Resume => self
-                .resume()
-                .map(|()| serde_json::json!({"state": "running"})),
-            VmCommand::Snapshot(dir) => self.snapshot(&dir),
-            VmCommand::Status => Ok(serde_json::json!({
-                "state": if self.paused { "paused" } else { "running" },
-                "vcpus": self.machine.vcpus,
-                "mem_mib": self.machine.mem_mib,
-                "cpu_template": self.machine.cpu_template,
-                "uptime_ms": self.started.elapsed().as_millis() as u64,
-                "userspace_up": self.console.ready_after_us().is_some(),
+            VmCommand::Pause => self.pause().map(|()| state(VmState::Paused)),
+            VmCommand::Resume => self.resume().map(|()| state(VmState::Running)),
+            VmCommand::Snapshot(dir) => self.snapshot(&dir).map(Reply::Snapshot),
+            VmCommand::Status => Ok(Reply::Status(StatusReply {
+                state: if self.paused {
+                    VmState::Paused
+                } else {
+                    VmState::Running
+                },
+                vcpus: u32::from(self.machine.vcpus),
+                mem_mib: Some(u32::try_from(self.machine.mem_mib).unwrap_or(u32::MAX)),
+                cpu_template: Some(self.machine.cpu_template.clone()),
+                uptime_ms: Some(self.started.elapsed().as_millis() as u64),
+                userspace_up: Some(self.console.ready_after_us().is_some()),
             })),
             VmCommand::Probe(p) => crate::probe::run(p),
             VmCommand::Stop => {
                 let mut st = self.control.lock().unwrap_or_else(|e| e.into_inner());
                 st.exit.get_or_insert(VmExit::Stopped);
-                Ok(serde_json::json!({}))
+                Ok(Reply::Stop(StopReply {}))
             }
         }
     }
@@ -863,7 +865,7 @@ impl Vmm {
 
     /// Writes a snapshot of the paused VM into `dir`: guest memory first, then the `state`
     /// file (renamed into place last, so a directory with a `state` file is complete).
-    pub fn snapshot(&mut self, dir: &std::path::Path) -> CommandReply {
+    pub fn snapshot(&mut self, dir: &std::path::Path) -> Result<SnapshotReply, String> {
         if !self.paused {
             return Err("pause the VM before taking a snapshot".into());
         }
@@ -916,13 +918,13 @@ impl Vmm {
             dir.display(),
             written >> 20
         );
-        Ok(serde_json::json!({
-            "dir": dir.display().to_string(),
-            "memory_bytes_written": written,
-            "state_bytes": state_bytes,
-            "snapshot_ms": ms,
-            "memory_ms": mem_ms,
-        }))
+        Ok(SnapshotReply {
+            dir: dir.display().to_string(),
+            memory_bytes_written: written,
+            state_bytes,
+            snapshot_ms: ms,
+            memory_ms: mem_ms,
+        })
     }
 
     /// Logs where every vCPU is, for a VM that is about to be stopped from outside.
