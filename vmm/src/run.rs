@@ -364,6 +364,7 @@ fn connect(
         WaitError::Deadline { last } => {
             format!("the agent did not answer before the boot deadline (last attempt: {last})")
         }
+        WaitError::Agent(e) => format!("connect to the agent: {}", cli::error_chain(&e)),
     })?;
     client.set_deadline(None);
     Ok(client)
