@@ -71,6 +71,11 @@ pub struct Config {
     /// CAPACITY_EXHAUSTED (resource `start_queue`).
     pub max_concurrent_starts: usize,
     pub max_start_queue: usize,
+    /// A daemon that stops (SIGTERM, an upgrade) or dies leaves running and paused sandboxes
+    /// running, and the next one adopts them again, executions included. `false`: a stopping
+    /// daemon ends every sandbox (DAEMON_STOPPED) and a starting one reaps whatever it finds
+    /// (DAEMON_RESTARTED).
+    pub adopt_on_restart: bool,
     /// How every VMM is confined (see `jail.rs`).
     pub jail: crate::jail::JailConfig,
 }
@@ -131,6 +136,7 @@ impl Default for Config {
             ready_timeout_ms: 30_000,
             max_concurrent_starts: 0,
             max_start_queue: 1024,
+            adopt_on_restart: true,
             jail: crate::jail::JailConfig::default(),
         }
     }

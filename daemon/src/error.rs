@@ -4,8 +4,12 @@
 
 use std::collections::HashMap;
 
+use airlock_proto::ClientError;
+use airlock_proto::pb::ErrorCode;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::reason::EndReason;
 
 /// Every way a call can fail.
 #[derive(Debug, thiserror::Error)]
@@ -43,12 +47,14 @@ pub enum ApiError {
     DiskQuota { limit: u64, message: String },
     #[error("path {path} is not allowed: {why}")]
     PathNotAllowed { path: String, why: String },
+    #[error("{path} does not exist in the sandbox")]
+    FileNotFound { path: String },
     /// The sandbox's VMM ended (reason code: GUEST_CRASHED, OOM_KILLED, SECCOMP_VIOLATION or
     /// SANDBOX_DEAD).
     #[error("sandbox {id} is dead: {message}")]
     Dead {
         id: String,
-        reason: String,
+        reason: EndReason,
         message: String,
     },
     #[error("the guest agent of sandbox {id} did not answer: {message}")]
@@ -73,7 +79,8 @@ impl ApiError {
             Self::FileTooLarge { .. } => "FILE_TOO_LARGE",
             Self::DiskQuota { .. } => "DISK_QUOTA_EXCEEDED",
             Self::PathNotAllowed { .. } => "PATH_NOT_ALLOWED",
-            Self::Dead { reason, .. } => reason,
+            Self::FileNotFound { .. } => "FILE_NOT_FOUND",
+            Self::Dead { reason, .. } => reason.dead_call_reason(),
             Self::AgentUnavailable { .. } => "AGENT_UNAVAILABLE",
             Self::Internal(_) => "INTERNAL",
         }
@@ -83,9 +90,10 @@ impl ApiError {
         match self {
             Self::InvalidArgument(_) => Code::InvalidArgument,
             Self::Unauthenticated(_) => Code::Unauthenticated,
-            Self::SandboxNotFound(_) | Self::ExecutionNotFound(_) | Self::TemplateNotFound(_) => {
-                Code::NotFound
-            }
+            Self::SandboxNotFound(_)
+            | Self::ExecutionNotFound(_)
+            | Self::TemplateNotFound(_)
+            | Self::FileNotFound { .. } => Code::NotFound,
             Self::TemplateExists(_) => Code::AlreadyExists,
             Self::SandboxNotRunning { .. } => Code::FailedPrecondition,
             Self::Capacity { .. }
@@ -137,7 +145,7 @@ impl ApiError {
                 m.insert("size".into(), size.to_string());
                 m.insert("limit".into(), limit.to_string());
             }
-            Self::PathNotAllowed { path, .. } => {
+            Self::PathNotAllowed { path, .. } | Self::FileNotFound { path } => {
                 m.insert("path".into(), path.clone());
             }
             Self::DiskQuota { limit, .. } => {
@@ -175,6 +183,59 @@ impl From<std::io::Error> for ApiError {
 /// Result of a call.
 pub type ApiResult<T> = Result<T, ApiError>;
 
+/// What an agent call was doing, for [`from_agent`].
+#[derive(Clone, Copy, Debug)]
+pub struct AgentCall<'a> {
+    /// The sandbox.
+    pub sandbox: &'a str,
+    /// The path the call was about, if any.
+    pub path: &'a str,
+    /// The sandbox's writable space, for DISK_QUOTA_EXCEEDED.
+    pub disk_limit: u64,
+}
+
+/// The one conversion of an agent client's error into the API's: what the agent refused keeps
+/// its meaning (a path that escapes, a full disk, a missing or oversized file, a bad request);
+/// a broken, silent or misbehaving connection is AGENT_UNAVAILABLE.
+pub fn from_agent(e: ClientError, call: AgentCall<'_>) -> ApiError {
+    let path = call.path.to_owned();
+    match e {
+        ClientError::Agent { code, message } => match code {
+            ErrorCode::PathEscape => ApiError::PathNotAllowed { path, why: message },
+            ErrorCode::NoSpace => ApiError::DiskQuota {
+                limit: call.disk_limit,
+                message,
+            },
+            ErrorCode::NotFound => ApiError::FileNotFound { path },
+            ErrorCode::TooLarge => ApiError::InvalidArgument(format!("{path}: {message}")),
+            ErrorCode::InvalidArgument
+            | ErrorCode::AlreadyExists
+            | ErrorCode::PermissionDenied
+            | ErrorCode::Io => ApiError::InvalidArgument(format!("{path}: {message}")),
+            _ => ApiError::AgentUnavailable {
+                id: call.sandbox.to_owned(),
+                message: format!("the agent failed ({code:?}): {message}"),
+            },
+        },
+        other => ApiError::AgentUnavailable {
+            id: call.sandbox.to_owned(),
+            message: error_chain(&other),
+        },
+    }
+}
+
+/// An error with its sources, `: `-separated.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        next = cause.source();
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,7 +260,7 @@ mod tests {
     fn user_and_platform_failures_map_to_distinct_codes() {
         let dead: Status = ApiError::Dead {
             id: "sb-1".into(),
-            reason: "OOM_KILLED".into(),
+            reason: EndReason::OomKilled,
             message: "memory limit".into(),
         }
         .into();
@@ -209,5 +270,44 @@ mod tests {
         assert_eq!(missing.code(), Code::NotFound);
         let bad: Status = ApiError::InvalidArgument("x".into()).into();
         assert_eq!(bad.code(), Code::InvalidArgument);
+    }
+
+    #[test]
+    fn agent_errors_convert_by_code_not_by_text() {
+        let call = AgentCall {
+            sandbox: "sb-1",
+            path: "/tmp/x",
+            disk_limit: 1 << 20,
+        };
+        let refused = |code, message: &str| ClientError::Agent {
+            code,
+            message: message.into(),
+        };
+        let cases = [
+            (
+                refused(ErrorCode::PathEscape, "a symlink"),
+                "PATH_NOT_ALLOWED",
+            ),
+            (refused(ErrorCode::NoSpace, "ENOSPC"), "DISK_QUOTA_EXCEEDED"),
+            (
+                refused(ErrorCode::NotFound, "no such file"),
+                "FILE_NOT_FOUND",
+            ),
+            (
+                refused(ErrorCode::InvalidArgument, "PathEscape"),
+                "INVALID_ARGUMENT",
+            ),
+            (refused(ErrorCode::Internal, "bug"), "AGENT_UNAVAILABLE"),
+            (ClientError::Closed, "AGENT_UNAVAILABLE"),
+            (ClientError::Protocol("garbage".into()), "AGENT_UNAVAILABLE"),
+        ];
+        for (e, want) in cases {
+            let text = e.to_string();
+            assert_eq!(from_agent(e, call).reason(), want, "{text}");
+        }
+        match from_agent(refused(ErrorCode::NoSpace, "full"), call) {
+            ApiError::DiskQuota { limit, .. } => assert_eq!(limit, 1 << 20),
+            other => panic!("{other:?}"),
+        }
     }
 }

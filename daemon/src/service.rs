@@ -1,20 +1,19 @@
-//! The gRPC service: authentication (tenant from the token), then one call into `Daemon` per
-//! RPC, with a tracing span per call.
+//! The gRPC service, thin: authenticate (the tenant from the token), convert, call the
+//! daemon's parts, convert back, with a tracing span per call. File transfer lives in
+//! `files`, the output stream in `stream`.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use airlock_api::v1::airlock_server::Airlock;
 use airlock_api::v1::*;
-use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
+use crate::config::Config;
+use crate::daemon::Daemon;
 use crate::error::{ApiError, ApiResult};
-use crate::exec;
-use crate::files;
-use crate::state::{Daemon, well_formed};
+use crate::{files, stream};
 
 /// The caller's tenant, put into each request by the listener's interceptor.
 #[derive(Clone, Debug)]
@@ -24,7 +23,7 @@ pub struct Tenant(pub String);
 /// tenant; on TCP every call needs a token.
 #[derive(Clone, Debug)]
 pub struct Auth {
-    pub daemon: Arc<Daemon>,
+    pub cfg: Arc<Config>,
     pub token_required: bool,
 }
 
@@ -36,14 +35,10 @@ impl tonic::service::Interceptor for Auth {
             .map(|v| v.to_str().unwrap_or_default().trim().to_owned());
         let tenant = match token {
             Some(t) => {
-                let t = t.strip_prefix("Bearer ").unwrap_or(&t).trim().to_owned();
-                self.daemon
-                    .cfg
-                    .tenant_of(&t)
-                    .map(str::to_owned)
-                    .ok_or_else(|| {
-                        Status::from(ApiError::Unauthenticated("unknown token".into()))
-                    })?
+                let t = t.strip_prefix("Bearer ").unwrap_or(&t).trim();
+                self.cfg.tenant_of(t).map(str::to_owned).ok_or_else(|| {
+                    Status::from(ApiError::Unauthenticated("unknown token".into()))
+                })?
             }
             None if self.token_required => {
                 return Err(ApiError::Unauthenticated(
@@ -51,7 +46,7 @@ impl tonic::service::Interceptor for Auth {
                 )
                 .into());
             }
-            None => self.daemon.cfg.default_tenant.clone(),
+            None => self.cfg.default_tenant.clone(),
         };
         req.extensions_mut().insert(Tenant(tenant));
         Ok(req)
@@ -89,70 +84,14 @@ async fn traced<T>(
     }
 }
 
-impl Service {
-    fn execution(
-        &self,
-        tenant: &str,
-        id: &str,
-    ) -> ApiResult<(Execution, Option<Arc<exec::ExecRt>>)> {
-        check_execution_id(id)?;
-        let live = self
-            .daemon
-            .executions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(id)
-            .cloned();
-        if let Some(rt) = live.filter(|r| r.tenant == tenant) {
-            return Ok((rt.record(), Some(rt)));
-        }
-        match self.daemon.store.execution(id)? {
-            Some(e) if e.tenant == tenant => Ok((e, None)),
-            _ => Err(ApiError::ExecutionNotFound(id.to_owned())),
-        }
-    }
-}
-
-/// Reads `[offset, end)` of a file in chunks, sending each as an Output event.
-async fn send_range(
-    tx: &tokio::sync::mpsc::Sender<Result<ExecutionEvent, Status>>,
-    path: &std::path::Path,
-    stream: StreamKind,
-    offset: &mut u64,
-    end: u64,
-) -> bool {
-    if *offset >= end {
-        return true;
-    }
-    let Ok(mut f) = tokio::fs::File::open(path).await else {
-        return false;
-    };
-    if f.seek(std::io::SeekFrom::Start(*offset)).await.is_err() {
-        return false;
-    }
-    while *offset < end {
-        let n = ((end - *offset) as usize).min(64 << 10);
-        let mut buf = vec![0u8; n];
-        let Ok(got) = f.read(&mut buf).await else {
-            return false;
-        };
-        if got == 0 {
-            break;
-        }
-        buf.truncate(got);
-        let ev = ExecutionEvent {
-            event: Some(execution_event::Event::Output(Output {
-                stream: stream as i32,
-                offset: *offset,
-                data: buf,
-            })),
-        };
-        *offset += got as u64;
-        if tx.send(Ok(ev)).await.is_err() {
-            return false;
-        }
-    }
-    true
+/// Runs `f` on a task of its own, so that it finishes (or cleans up) even if the client goes
+/// away mid-call.
+async fn detached<T: Send + 'static>(
+    f: impl std::future::Future<Output = ApiResult<T>> + Send + 'static,
+) -> ApiResult<T> {
+    tokio::spawn(f)
+        .await
+        .map_err(|e| ApiError::Internal(format!("call task: {e}")))?
 }
 
 #[tonic::async_trait]
@@ -171,33 +110,18 @@ impl Airlock for Service {
         let span = tracing::info_span!("call", call = "CreateTemplate", tenant = %tenant, name = %req.name);
         // The build goes on if the client leaves (a template is worth finishing).
         let build = tokio::spawn(
-            async move {
-                let r = d.create_template(&tenant, req, ptx).await;
-                if let Ok(t) = &r {
-                    let rt = d.find_template(&t.tenant, &t.name);
-                    if let Ok(rt) = rt {
-                        d.refill_pool(&rt);
-                    }
-                }
-                r
-            }
-            .instrument(span),
+            async move { d.create_template(&tenant, req, ptx).await }.instrument(span),
         );
         tokio::spawn(async move {
             while let Some(ev) = prx.recv().await {
                 let _ = tx.send(Ok(ev)).await;
             }
-            match build.await {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => {
-                    let _ = tx.send(Err(e.into())).await;
-                }
-                Err(e) => {
-                    let _ = tx
-                        .send(Err(Status::internal(format!("template build: {e}"))))
-                        .await;
-                }
-            }
+            let end = match build.await {
+                Ok(Ok(_)) => return,
+                Ok(Err(e)) => e.into(),
+                Err(e) => Status::internal(format!("template build: {e}")),
+            };
+            let _ = tx.send(Err(end)).await;
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -209,7 +133,8 @@ impl Airlock for Service {
         let tenant = tenant(&req)?;
         let templates = self
             .daemon
-            .templates_for(&tenant)
+            .templates
+            .for_tenant(&tenant)
             .into_iter()
             .map(|t| t.record)
             .collect();
@@ -234,15 +159,16 @@ impl Airlock for Service {
         req: Request<CreateSandboxRequest>,
     ) -> Result<Response<Sandbox>, Status> {
         let tenant = tenant(&req)?;
-        let req = req.into_inner();
-        let d = self.daemon.clone();
-        // The create finishes (or cleans up) even if the client goes away mid-call.
-        let t = tenant.clone();
-        let work = tokio::spawn(async move { d.create_sandbox(&t, req).await });
-        traced("CreateSandbox", &tenant, async {
-            work.await
-                .map_err(|e| ApiError::Internal(format!("create task: {e}")))?
-        })
+        let (s, t, req) = (
+            self.daemon.sandboxes.clone(),
+            tenant.clone(),
+            req.into_inner(),
+        );
+        traced(
+            "CreateSandbox",
+            &tenant,
+            detached(async move { s.create(&t, req).await }),
+        )
         .await
     }
 
@@ -253,7 +179,7 @@ impl Airlock for Service {
         let tenant = tenant(&req)?;
         let id = req.into_inner().sandbox_id;
         traced("GetSandbox", &tenant, async {
-            self.daemon.get_sandbox(&tenant, &id)
+            self.daemon.sandboxes.get(&tenant, &id)
         })
         .await
     }
@@ -265,9 +191,8 @@ impl Airlock for Service {
         let tenant = tenant(&req)?;
         let r = req.into_inner();
         traced("ListSandboxes", &tenant, async {
-            Ok(ListSandboxesResponse {
-                sandboxes: self.daemon.list_sandboxes(&tenant, &r.labels, &r.states)?,
-            })
+            let sandboxes = self.daemon.sandboxes.list(&tenant, &r.labels, &r.states)?;
+            Ok(ListSandboxesResponse { sandboxes })
         })
         .await
     }
@@ -278,7 +203,12 @@ impl Airlock for Service {
     ) -> Result<Response<Sandbox>, Status> {
         let tenant = tenant(&req)?;
         let id = req.into_inner().sandbox_id;
-        traced("PauseSandbox", &tenant, self.daemon.pause(&tenant, &id)).await
+        traced(
+            "PauseSandbox",
+            &tenant,
+            self.daemon.sandboxes.pause(&tenant, &id),
+        )
+        .await
     }
 
     async fn resume_sandbox(
@@ -287,7 +217,12 @@ impl Airlock for Service {
     ) -> Result<Response<Sandbox>, Status> {
         let tenant = tenant(&req)?;
         let id = req.into_inner().sandbox_id;
-        traced("ResumeSandbox", &tenant, self.daemon.resume(&tenant, &id)).await
+        traced(
+            "ResumeSandbox",
+            &tenant,
+            self.daemon.sandboxes.resume(&tenant, &id),
+        )
+        .await
     }
 
     async fn snapshot_sandbox(
@@ -296,15 +231,12 @@ impl Airlock for Service {
     ) -> Result<Response<Template>, Status> {
         let tenant = tenant(&req)?;
         let r = req.into_inner();
-        let d = self.daemon.clone();
         traced("SnapshotSandbox", &tenant, async {
-            let t = d
+            let t = self
+                .daemon
                 .snapshot_sandbox(&tenant, &r.sandbox_id, &r.template_name)
                 .await?;
-            if let Ok(rt) = d.find_template(&tenant, &t.name) {
-                d.refill_pool(&rt);
-            }
-            Ok(t)
+            Ok(t.record)
         })
         .await
     }
@@ -314,14 +246,13 @@ impl Airlock for Service {
         req: Request<DestroySandboxRequest>,
     ) -> Result<Response<DestroySandboxResponse>, Status> {
         let tenant = tenant(&req)?;
-        let id = req.into_inner().sandbox_id;
-        let d = self.daemon.clone();
-        let t = tenant.clone();
-        let work = tokio::spawn(async move { d.destroy_sandbox(&t, &id).await });
-        traced("DestroySandbox", &tenant, async {
-            let destroyed = work
-                .await
-                .map_err(|e| ApiError::Internal(format!("destroy task: {e}")))??;
+        let (s, t, id) = (
+            self.daemon.sandboxes.clone(),
+            tenant.clone(),
+            req.into_inner().sandbox_id,
+        );
+        traced("DestroySandbox", &tenant, async move {
+            let destroyed = detached(async move { s.destroy(&t, &id).await }).await?;
             Ok(DestroySandboxResponse { destroyed })
         })
         .await
@@ -331,8 +262,8 @@ impl Airlock for Service {
         let tenant = tenant(&req)?;
         let r = req.into_inner();
         traced("Exec", &tenant, async {
-            let sb = self.daemon.running(&tenant, &r.sandbox_id)?;
-            let execution_id = exec::start(&self.daemon, &sb, r)?;
+            let sb = self.daemon.sandboxes.running(&tenant, &r.sandbox_id)?;
+            let execution_id = self.daemon.executions.start(&sb.exec_target()?, &r)?;
             Ok(ExecResponse { execution_id })
         })
         .await
@@ -346,66 +277,17 @@ impl Airlock for Service {
     ) -> Result<Response<Self::StreamExecutionStream>, Status> {
         let tenant = tenant(&req)?;
         let r = req.into_inner();
-        let (_, live) = self
-            .execution(&tenant, &r.execution_id)
-            .map_err(Status::from)?;
-        let d = self.daemon.clone();
+        let executions = self.daemon.executions.clone();
+        let (_, live) = executions.get(&tenant, &r.execution_id)?;
         let (tx, rx) = tokio::sync::mpsc::channel(32);
-        tokio::spawn(async move {
-            let paths = exec::output_paths(&d, &r.execution_id);
-            let mut offsets = [r.stdout_offset, r.stderr_offset];
-            let mut changed = live.as_ref().map(|l| l.changed.subscribe());
-            loop {
-                // What is stored now, and whether it is the end.
-                let (ends, finished) = match &live {
-                    Some(l) => {
-                        let fin = l.is_finished();
-                        (l.stored(), fin)
-                    }
-                    None => {
-                        let len = |p: &std::path::Path| {
-                            std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)
-                        };
-                        ([len(&paths[0]), len(&paths[1])], true)
-                    }
-                };
-                for (i, kind) in [(0, StreamKind::Stdout), (1, StreamKind::Stderr)] {
-                    if !send_range(&tx, &paths[i], kind, &mut offsets[i], ends[i]).await {
-                        return;
-                    }
-                }
-                if finished {
-                    let record = match d.store.execution(&r.execution_id) {
-                        Ok(Some(e)) => e,
-                        _ => {
-                            let _ = tx
-                                .send(Err(Status::internal("execution record lost")))
-                                .await;
-                            return;
-                        }
-                    };
-                    // Output written between the check and the end.
-                    for (i, kind) in [(0, StreamKind::Stdout), (1, StreamKind::Stderr)] {
-                        let end = std::fs::metadata(&paths[i]).map(|m| m.len()).unwrap_or(0);
-                        if !send_range(&tx, &paths[i], kind, &mut offsets[i], end).await {
-                            return;
-                        }
-                    }
-                    let _ = tx
-                        .send(Ok(ExecutionEvent {
-                            event: Some(execution_event::Event::Exit(record)),
-                        }))
-                        .await;
-                    return;
-                }
-                if let Some(c) = changed.as_mut() {
-                    let _ = tokio::time::timeout(Duration::from_millis(500), c.changed()).await;
-                }
-                if tx.is_closed() {
-                    return;
-                }
-            }
-        });
+        let offsets = [r.stdout_offset, r.stderr_offset];
+        tokio::spawn(stream::follow(
+            executions,
+            r.execution_id,
+            live,
+            offsets,
+            tx,
+        ));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
@@ -416,16 +298,14 @@ impl Airlock for Service {
         let tenant = tenant(&req)?;
         let r = req.into_inner();
         traced("GetExecution", &tenant, async {
-            let (execution, _) = self.execution(&tenant, &r.execution_id)?;
-            let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
-            if r.include_output {
-                let paths = exec::output_paths(&self.daemon, &r.execution_id);
-                let limit = self.daemon.cfg.max_file_bytes;
-                for (p, out) in paths.iter().zip([&mut stdout, &mut stderr]) {
-                    let f = tokio::fs::File::open(p).await?;
-                    f.take(limit).read_to_end(out).await?;
-                }
-            }
+            let executions = &self.daemon.executions;
+            let (execution, _) = executions.get(&tenant, &r.execution_id)?;
+            let [stdout, stderr] = if r.include_output {
+                stream::read_output(executions, &r.execution_id, self.daemon.cfg.max_file_bytes)
+                    .await?
+            } else {
+                Default::default()
+            };
             Ok(GetExecutionResponse {
                 execution: Some(execution),
                 stdout,
@@ -442,34 +322,11 @@ impl Airlock for Service {
         let tenant = tenant(&req)?;
         let r = req.into_inner();
         traced("KillExecution", &tenant, async {
-            let (_, live) = self.execution(&tenant, &r.execution_id)?;
-            let Some(rt) = live.filter(|l| !l.is_finished()) else {
-                return Ok(KillExecutionResponse { signalled: false });
-            };
-            let signal = if r.signal == 0 {
-                libc::SIGKILL
-            } else {
-                r.signal
-            };
-            if !(1..=64).contains(&signal) {
-                return Err(ApiError::InvalidArgument(format!("signal {signal}")));
-            }
-            if signal == libc::SIGKILL {
-                let d = self.daemon.clone();
-                tokio::spawn(async move {
-                    rt.end_by(
-                        &d,
-                        ExecutionState::Killed,
-                        "KILLED",
-                        "killed by KillExecution",
-                        libc::SIGKILL,
-                    )
-                    .await;
-                });
-            } else {
-                rt.signal(signal).map_err(ApiError::Internal)?;
-            }
-            Ok(KillExecutionResponse { signalled: true })
+            let signalled = self
+                .daemon
+                .executions
+                .kill(&tenant, &r.execution_id, r.signal)?;
+            Ok(KillExecutionResponse { signalled })
         })
         .await
     }
@@ -493,102 +350,16 @@ impl Airlock for Service {
                 }
                 Err(s) => return Err(ApiError::InvalidArgument(format!("request stream: {s}"))),
             };
-            let sb = d.running(&tenant, &header.sandbox_id)?;
-            let (root, rel) = files::check_path(&header.path, &sb.policy.writable, "writable")?;
-            let (root, rel) = (root.to_owned(), rel.to_owned());
-            let vsock = sb
-                .vmm()
-                .ok_or_else(|| ApiError::Internal("no VMM".into()))?
-                .vsock;
-            let mode = if header.mode == 0 {
-                0o644
-            } else {
-                header.mode & 0o7777
-            };
-            let limit = d.cfg.max_file_bytes;
-            let disk_bytes = u64::from(sb.snapshot().disk_mib) << 20;
-            let id = sb.id.clone();
-            // The agent connection is synchronous: chunks go to a blocking task through a channel.
-            let (ctx, mut crx) = tokio::sync::mpsc::channel::<Vec<u8>>(4);
-            let writer =
-                tokio::task::spawn_blocking(move || -> ApiResult<u64> {
-                    let mut client = crate::agent::client(&vsock, Duration::from_secs(30))
-                        .map_err(|m| ApiError::AgentUnavailable {
-                            id: id.clone(),
-                            message: m,
-                        })?;
-                    // A policy may name a directory the image lacks.
-                    if root != "/" {
-                        let _ = client.mkdir(&root, true);
-                    }
-                    let mut offset = 0u64;
-                    let mut pending: Vec<u8> = Vec::new();
-                    let mut first = true;
-                    loop {
-                        let next = crx.blocking_recv();
-                        if let Some(data) = &next {
-                            pending.extend_from_slice(data);
-                        }
-                        while pending.len() >= airlock_proto::MAX_FILE_CHUNK
-                            || (next.is_none() && (!pending.is_empty() || first))
-                        {
-                            let n = pending.len().min(airlock_proto::MAX_FILE_CHUNK);
-                            let chunk: Vec<u8> = pending.drain(..n).collect();
-                            files::write_chunk(&mut client, &root, &rel, offset, chunk, mode)
-                                .map_err(|m| {
-                                    if m.contains("PathEscape") || m.contains("PATH_ESCAPE") {
-                                        ApiError::PathNotAllowed {
-                                            path: rel.clone(),
-                                            why: m,
-                                        }
-                                    } else if m.contains("NoSpace") || m.contains("NO_SPACE") {
-                                        ApiError::DiskQuota {
-                                            limit: disk_bytes,
-                                            message: m,
-                                        }
-                                    } else {
-                                        ApiError::InvalidArgument(format!("writing {rel}: {m}"))
-                                    }
-                                })?;
-                            offset += n as u64;
-                            first = false;
-                            if next.is_none() && pending.is_empty() {
-                                break;
-                            }
-                        }
-                        if next.is_none() {
-                            return Ok(offset);
-                        }
-                    }
-                });
-            let mut total = 0u64;
-            loop {
-                match stream.message().await {
-                    Ok(Some(WriteFileRequest {
-                        part: Some(write_file_request::Part::Data(data)),
-                    })) => {
-                        total += data.len() as u64;
-                        if total > limit {
-                            drop(ctx);
-                            let _ = writer.await;
-                            return Err(ApiError::FileTooLarge { size: total, limit });
-                        }
-                        if ctx.send(data).await.is_err() {
-                            break;
-                        }
-                    }
-                    Ok(None) => break,
-                    Ok(Some(_)) => {
-                        return Err(ApiError::InvalidArgument(
-                            "only data may follow the header".into(),
-                        ));
-                    }
-                    Err(s) => {
-                        return Err(ApiError::InvalidArgument(format!("request stream: {s}")));
-                    }
+            let sb = d.sandboxes.running(&tenant, &header.sandbox_id)?;
+            let target = sb.file_target(d.cfg.max_file_bytes)?;
+            let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(4);
+            let writer = tokio::spawn(files::write(target, header.path, header.mode, rx));
+            while let Some(data) = next_data(&mut stream).await? {
+                if tx.send(data).await.is_err() {
+                    break; // the writer ended (with an error it returns below)
                 }
             }
-            drop(ctx);
+            drop(tx);
             let bytes_written = writer
                 .await
                 .map_err(|e| ApiError::Internal(format!("file task: {e}")))??;
@@ -605,69 +376,12 @@ impl Airlock for Service {
     ) -> Result<Response<Self::ReadFileStream>, Status> {
         let tenant = tenant(&req)?;
         let r = req.into_inner();
-        let sb = self
-            .daemon
-            .running(&tenant, &r.sandbox_id)
-            .map_err(Status::from)?;
-        let (root, rel) = files::check_path(&r.path, &sb.policy.exportable, "exportable")
-            .map(|(a, b)| (a.to_owned(), b.to_owned()))
-            .map_err(Status::from)?;
-        let vsock = sb.vmm().ok_or_else(|| Status::internal("no VMM"))?.vsock;
-        let limit = self.daemon.cfg.max_file_bytes;
-        let id = sb.id.clone();
+        let sb = self.daemon.sandboxes.running(&tenant, &r.sandbox_id)?;
+        let mut chunks = files::read(sb.file_target(self.daemon.cfg.max_file_bytes)?, r.path)?;
         let (tx, rx) = tokio::sync::mpsc::channel(4);
-        tokio::task::spawn_blocking(move || {
-            let mut client = match crate::agent::client(&vsock, Duration::from_secs(30)) {
-                Ok(c) => c,
-                Err(m) => {
-                    let _ =
-                        tx.blocking_send(Err(ApiError::AgentUnavailable { id, message: m }.into()));
-                    return;
-                }
-            };
-            let mut offset = 0u64;
-            loop {
-                let chunk = match files::read_chunk(&mut client, &root, &rel, offset) {
-                    Ok(c) => c,
-                    Err(m) => {
-                        let e = if m.contains("NotFound") || m.contains("NOT_FOUND") {
-                            Status::not_found(format!("{rel}: {m}"))
-                        } else if m.contains("PathEscape") || m.contains("PATH_ESCAPE") {
-                            ApiError::PathNotAllowed {
-                                path: rel.clone(),
-                                why: m,
-                            }
-                            .into()
-                        } else {
-                            Status::invalid_argument(format!("reading {rel}: {m}"))
-                        };
-                        let _ = tx.blocking_send(Err(e));
-                        return;
-                    }
-                };
-                if offset == 0 && chunk.size > limit {
-                    let _ = tx.blocking_send(Err(ApiError::FileTooLarge {
-                        size: chunk.size,
-                        limit,
-                    }
-                    .into()));
-                    return;
-                }
-                offset += chunk.data.len() as u64;
-                let eof = chunk.eof || chunk.data.is_empty();
-                let msg = FileChunk {
-                    data: chunk.data,
-                    size: chunk.size,
-                };
-                if tx.blocking_send(Ok(msg)).is_err() || eof {
-                    return;
-                }
-                if offset > limit {
-                    let _ = tx.blocking_send(Err(ApiError::FileTooLarge {
-                        size: offset,
-                        limit,
-                    }
-                    .into()));
+        tokio::spawn(async move {
+            while let Some(c) = chunks.recv().await {
+                if tx.send(c.map_err(Status::from)).await.is_err() {
                     return;
                 }
             }
@@ -682,44 +396,25 @@ impl Airlock for Service {
         let tenant = tenant(&req)?;
         let r = req.into_inner();
         traced("ListFiles", &tenant, async {
-            let sb = self.daemon.running(&tenant, &r.sandbox_id)?;
-            let (root, rel) = files::check_path(&r.path, &sb.policy.exportable, "exportable")?;
-            let (root, rel) = (root.to_owned(), rel.to_owned());
-            let vsock = sb
-                .vmm()
-                .ok_or_else(|| ApiError::Internal("no VMM".into()))?
-                .vsock;
-            let id = sb.id.clone();
-            let listing = tokio::task::spawn_blocking(move || {
-                let mut client = crate::agent::client(&vsock, Duration::from_secs(30))
-                    .map_err(|m| ApiError::AgentUnavailable { id, message: m })?;
-                files::list(&mut client, &root, &rel)
-                    .map_err(|m| ApiError::InvalidArgument(format!("listing {rel}: {m}")))
-            })
-            .await
-            .map_err(|e| ApiError::Internal(format!("list task: {e}")))??;
-            Ok(ListFilesResponse {
-                entries: listing
-                    .entries
-                    .into_iter()
-                    .map(|e| FileEntry {
-                        name: e.name,
-                        is_dir: e.kind == airlock_proto::pb::FileKind::Dir as i32,
-                        size: e.size,
-                        mode: e.mode,
-                    })
-                    .collect(),
-            })
+            let sb = self.daemon.sandboxes.running(&tenant, &r.sandbox_id)?;
+            let entries =
+                files::list(sb.file_target(self.daemon.cfg.max_file_bytes)?, r.path).await?;
+            Ok(ListFilesResponse { entries })
         })
         .await
     }
 }
 
-/// Ids from clients are checked before they touch paths.
-pub fn check_execution_id(id: &str) -> ApiResult<()> {
-    if well_formed(id, "ex") {
-        Ok(())
-    } else {
-        Err(ApiError::ExecutionNotFound(id.to_owned()))
+/// The next data part of a WriteFile stream (`None` at its end).
+async fn next_data(stream: &mut Streaming<WriteFileRequest>) -> ApiResult<Option<Vec<u8>>> {
+    match stream.message().await {
+        Ok(Some(WriteFileRequest {
+            part: Some(write_file_request::Part::Data(data)),
+        })) => Ok(Some(data)),
+        Ok(None) => Ok(None),
+        Ok(Some(_)) => Err(ApiError::InvalidArgument(
+            "only data may follow the header".into(),
+        )),
+        Err(s) => Err(ApiError::InvalidArgument(format!("request stream: {s}"))),
     }
 }

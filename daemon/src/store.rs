@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::sync::Mutex;
 
-use airlock_api::v1::{Execution, Sandbox, Template};
+use airlock_api::v1::{CreateSandboxRequest, Execution, Sandbox, Template};
 use prost::Message;
 use rusqlite::{Connection, OptionalExtension, params};
 
@@ -18,16 +18,59 @@ pub struct Store {
     db: Mutex<Connection>,
 }
 
-/// A VMM process the daemon started, kept so that a restarted daemon can reap it.
+/// A VMM process the daemon started, kept so that a restarted daemon can adopt or reap it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ProcessRecord {
+pub struct VmmRecord {
+    /// Its id (`vm-...`): names its run directory and cgroup.
+    pub id: String,
     pub pid: u32,
     /// Start time in clock ticks since boot (`/proc/PID/stat` field 22): tells a reused pid
     /// apart.
     pub start_ticks: u64,
+    /// Its jail uid.
+    pub uid: Option<u32>,
     /// Its run directory (sockets, console log).
     pub run_dir: String,
-    /// Its cgroup name, if it has one.
+    /// Whether it has a cgroup (named by its id).
+    pub cgroup: bool,
+    pub owner: Owner,
+}
+
+/// Who a VMM process works for.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Owner {
+    /// A warm pool process of this template id.
+    Pool(String),
+    /// The VMM of this sandbox.
+    Sandbox(String),
+    /// A template build (its cold boot) of this template id.
+    Build(String),
+}
+
+impl Owner {
+    fn kind(&self) -> (&'static str, &str) {
+        match self {
+            Self::Pool(t) => ("pool", t),
+            Self::Sandbox(s) => ("sandbox", s),
+            Self::Build(t) => ("build", t),
+        }
+    }
+
+    fn from_kind(kind: &str, id: String) -> Self {
+        match kind {
+            "sandbox" => Self::Sandbox(id),
+            "pool" => Self::Pool(id),
+            _ => Self::Build(id),
+        }
+    }
+}
+
+/// A VMM process recorded by a daemon older than the `vmms` table: only reaped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LegacyProcess {
+    pub pid: u32,
+    pub start_ticks: u64,
+    pub run_dir: String,
     pub cgroup: String,
 }
 
@@ -43,6 +86,13 @@ CREATE INDEX IF NOT EXISTS executions_by_sandbox ON executions (sandbox_id);
 CREATE TABLE IF NOT EXISTS processes (
     pid INTEGER NOT NULL, start_ticks INTEGER NOT NULL, run_dir TEXT NOT NULL,
     cgroup TEXT NOT NULL, PRIMARY KEY (pid, start_ticks));
+CREATE TABLE IF NOT EXISTS vmms (
+    id TEXT PRIMARY KEY, pid INTEGER NOT NULL, start_ticks INTEGER NOT NULL, uid INTEGER,
+    run_dir TEXT NOT NULL, cgroup INTEGER NOT NULL, owner_kind TEXT NOT NULL,
+    owner_id TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sandbox_specs (id TEXT PRIMARY KEY, spec BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS execution_agents (
+    id TEXT PRIMARY KEY, agent_exec_id INTEGER NOT NULL);
 ";
 
 fn decode<M: Message + Default>(bytes: Vec<u8>) -> rusqlite::Result<M> {
@@ -146,40 +196,140 @@ impl Store {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
-    pub fn add_process(&self, p: &ProcessRecord) -> ApiResult<()> {
+    /// What a restarted daemon needs to serve a live sandbox again (environment, file
+    /// policy); removed when the sandbox ends.
+    pub fn put_sandbox_spec(&self, id: &str, spec: &CreateSandboxRequest) -> ApiResult<()> {
         self.db().execute(
-            "INSERT OR REPLACE INTO processes (pid, start_ticks, run_dir, cgroup)
-             VALUES (?1, ?2, ?3, ?4)",
-            params![p.pid, p.start_ticks, p.run_dir, p.cgroup],
+            "INSERT OR REPLACE INTO sandbox_specs (id, spec) VALUES (?1, ?2)",
+            params![id, spec.encode_to_vec()],
         )?;
         Ok(())
     }
 
-    pub fn remove_process(&self, pid: u32, start_ticks: u64) -> ApiResult<()> {
-        self.db().execute(
-            "DELETE FROM processes WHERE pid = ?1 AND start_ticks = ?2",
-            params![pid, start_ticks],
-        )?;
-        Ok(())
-    }
-
-    pub fn processes(&self) -> ApiResult<Vec<ProcessRecord>> {
+    pub fn sandbox_spec(&self, id: &str) -> ApiResult<Option<CreateSandboxRequest>> {
         let db = self.db();
-        let mut st = db.prepare("SELECT pid, start_ticks, run_dir, cgroup FROM processes")?;
+        let bytes: Option<Vec<u8>> = db
+            .query_row(
+                "SELECT spec FROM sandbox_specs WHERE id = ?1",
+                params![id],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(bytes.map(decode).transpose()?)
+    }
+
+    pub fn remove_sandbox_spec(&self, id: &str) -> ApiResult<()> {
+        self.db()
+            .execute("DELETE FROM sandbox_specs WHERE id = ?1", params![id])?;
+        Ok(())
+    }
+
+    pub fn put_vmm(&self, v: &VmmRecord) -> ApiResult<()> {
+        let (kind, owner) = v.owner.kind();
+        self.db().execute(
+            "INSERT OR REPLACE INTO vmms
+             (id, pid, start_ticks, uid, run_dir, cgroup, owner_kind, owner_id)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            params![
+                v.id,
+                v.pid,
+                v.start_ticks,
+                v.uid,
+                v.run_dir,
+                v.cgroup,
+                kind,
+                owner
+            ],
+        )?;
+        Ok(())
+    }
+
+    pub fn set_vmm_owner(&self, id: &str, owner: &Owner) -> ApiResult<()> {
+        let (kind, owner) = owner.kind();
+        self.db().execute(
+            "UPDATE vmms SET owner_kind = ?2, owner_id = ?3 WHERE id = ?1",
+            params![id, kind, owner],
+        )?;
+        Ok(())
+    }
+
+    pub fn remove_vmm(&self, id: &str) -> ApiResult<()> {
+        self.db()
+            .execute("DELETE FROM vmms WHERE id = ?1", params![id])?;
+        Ok(())
+    }
+
+    pub fn vmms(&self) -> ApiResult<Vec<VmmRecord>> {
+        let db = self.db();
+        let mut st = db.prepare(
+            "SELECT id, pid, start_ticks, uid, run_dir, cgroup, owner_kind, owner_id FROM vmms",
+        )?;
         let rows = st.query_map([], |r| {
-            Ok(ProcessRecord {
-                pid: r.get(0)?,
-                start_ticks: r.get(1)?,
-                run_dir: r.get(2)?,
-                cgroup: r.get(3)?,
+            let kind: String = r.get(6)?;
+            Ok(VmmRecord {
+                id: r.get(0)?,
+                pid: r.get(1)?,
+                start_ticks: r.get(2)?,
+                uid: r.get(3)?,
+                run_dir: r.get(4)?,
+                cgroup: r.get(5)?,
+                owner: Owner::from_kind(&kind, r.get(7)?),
             })
         })?;
         Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// The agent's id of a running execution (to attach to it again after a restart).
+    pub fn set_execution_agent(&self, id: &str, agent_exec_id: u64) -> ApiResult<()> {
+        self.db().execute(
+            "INSERT OR REPLACE INTO execution_agents (id, agent_exec_id) VALUES (?1, ?2)",
+            params![id, agent_exec_id as i64],
+        )?;
+        Ok(())
+    }
+
+    pub fn execution_agent(&self, id: &str) -> ApiResult<Option<u64>> {
+        let db = self.db();
+        let v: Option<i64> = db
+            .query_row(
+                "SELECT agent_exec_id FROM execution_agents WHERE id = ?1",
+                params![id],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(v.map(|v| v as u64))
+    }
+
+    pub fn remove_execution_agent(&self, id: &str) -> ApiResult<()> {
+        self.db()
+            .execute("DELETE FROM execution_agents WHERE id = ?1", params![id])?;
+        Ok(())
+    }
+
+    /// Processes recorded by a daemon older than the `vmms` table (only reaped), forgotten
+    /// once read.
+    pub fn take_legacy_processes(&self) -> ApiResult<Vec<LegacyProcess>> {
+        let db = self.db();
+        let all = {
+            let mut st = db.prepare("SELECT pid, start_ticks, run_dir, cgroup FROM processes")?;
+            let rows = st.query_map([], |r| {
+                Ok(LegacyProcess {
+                    pid: r.get(0)?,
+                    start_ticks: r.get(1)?,
+                    run_dir: r.get(2)?,
+                    cgroup: r.get(3)?,
+                })
+            })?;
+            rows.collect::<Result<Vec<_>, _>>()?
+        };
+        db.execute("DELETE FROM processes", [])?;
+        Ok(all)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]
@@ -211,13 +361,19 @@ mod tests {
                 ..Default::default()
             })
             .unwrap();
-            s.add_process(&ProcessRecord {
+            s.put_vmm(&VmmRecord {
+                id: "vm-1".into(),
                 pid: 42,
                 start_ticks: 7,
+                uid: Some(1900000001),
                 run_dir: "/r".into(),
-                cgroup: String::new(),
+                cgroup: true,
+                owner: Owner::Pool("tpl-1".into()),
             })
             .unwrap();
+            s.set_vmm_owner("vm-1", &Owner::Sandbox("sb-1".into()))
+                .unwrap();
+            s.set_execution_agent("ex-1", 5).unwrap();
         }
         let s = Store::open(&path).unwrap();
         assert_eq!(s.sandbox("sb-1").unwrap().unwrap().tenant, "a");
@@ -226,9 +382,16 @@ mod tests {
         assert_eq!(s.sandboxes(None).unwrap().len(), 2);
         assert_eq!(s.execution("ex-1").unwrap().unwrap().exit_code, 3);
         assert_eq!(s.executions_of("sb-1").unwrap().len(), 1);
-        assert_eq!(s.processes().unwrap()[0].pid, 42);
-        s.remove_process(42, 7).unwrap();
-        assert!(s.processes().unwrap().is_empty());
+        let vmms = s.vmms().unwrap();
+        assert_eq!(vmms[0].pid, 42);
+        assert_eq!(vmms[0].uid, Some(1900000001));
+        assert_eq!(vmms[0].owner, Owner::Sandbox("sb-1".into()));
+        s.remove_vmm("vm-1").unwrap();
+        assert!(s.vmms().unwrap().is_empty());
+        assert_eq!(s.execution_agent("ex-1").unwrap(), Some(5));
+        s.remove_execution_agent("ex-1").unwrap();
+        assert_eq!(s.execution_agent("ex-1").unwrap(), None);
+        assert!(s.take_legacy_processes().unwrap().is_empty());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -154,29 +154,69 @@ pub struct Spawned {
     lease: Option<UidLease>,
 }
 
+/// The end of a VMM: resolves when it has exited (and, if it is our child, been reaped, its
+/// uid given back); the status is known only for our own children.
+pub type ExitFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = io::Result<Option<ExitStatus>>> + Send>>;
+
+/// Kills one process through its pidfd (never a recycled pid).
+#[derive(Debug)]
+pub struct ProcessHandle {
+    pidfd: OwnedFd,
+}
+
+impl ProcessHandle {
+    /// SIGKILL; a process that has already ended is no error.
+    pub fn kill(&self) {
+        let _ = sys::send_signal(&self.pidfd, libc::SIGKILL);
+    }
+}
+
 impl Spawned {
-    /// Waits for the process to end and reaps it; its uid goes back to the pool then.
-    pub async fn wait(mut self) -> io::Result<ExitStatus> {
-        use tokio::io::Interest;
-        use tokio::io::unix::AsyncFd;
+    /// The uid it runs as in its jail (`None` unjailed).
+    pub fn uid(&self) -> Option<u32> {
+        self.lease.as_ref().map(|l| l.uid)
+    }
+
+    /// Splits the process into a handle that kills it and the future of its exit, which reaps
+    /// it and gives its uid back.
+    pub fn split(mut self) -> io::Result<(ProcessHandle, ExitFuture)> {
         let pidfd = self
             .pidfd
             .take()
             .ok_or_else(|| io::Error::other("already reaped"))?;
         let lease = self.lease.take();
-        // SAFETY: the OwnedFd owns the pidfd, so it stays open and names the same process
-        // for as long as the AsyncFd holds it, and its raw value never changes.
-        let fd = unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
-            .map_err(|e| e.into_parts().1)?;
-        let status = loop {
-            let mut ready = fd.readable().await?;
-            if let Some(status) = sys::wait_pidfd(fd.get_ref(), false)? {
-                break status;
-            }
-            ready.clear_ready();
+        let handle = ProcessHandle {
+            pidfd: pidfd.try_clone()?,
         };
-        drop(lease);
-        Ok(status)
+        let exit = async move {
+            let status = wait_exit(pidfd, true).await;
+            drop(lease);
+            status
+        };
+        Ok((handle, Box::pin(exit)))
+    }
+}
+
+/// Waits until the process behind `pidfd` has exited; reaps it (`child`) and returns its
+/// status, or, for a process that is not our child, returns `None` once it is gone.
+async fn wait_exit(pidfd: OwnedFd, child: bool) -> io::Result<Option<ExitStatus>> {
+    use tokio::io::Interest;
+    use tokio::io::unix::AsyncFd;
+    // SAFETY: the OwnedFd owns the pidfd, so it stays open and names the same process for as
+    // long as the AsyncFd holds it, and its raw value never changes.
+    let fd = unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
+        .map_err(|e| e.into_parts().1)?;
+    loop {
+        let mut ready = fd.readable().await?;
+        if !child {
+            // A pidfd polls readable once its process has exited.
+            return Ok(None);
+        }
+        if let Some(status) = sys::wait_pidfd(fd.get_ref(), false)? {
+            return Ok(Some(status));
+        }
+        ready.clear_ready();
     }
 }
 
@@ -262,12 +302,13 @@ impl Jailer {
     }
 
     /// Marks the uids of the range that processes already use (not ours: call it after the
-    /// previous daemon's VMMs were reaped) so that no VMM shares a uid with them.
+    /// previous daemon's VMMs were adopted or reaped) so that no VMM shares a uid with them.
     pub fn skip_uids_in_use(&self) {
         let mut pool = self.uids.lock().unwrap_or_else(|e| e.into_inner());
+        // Adopted VMMs hold their uids already.
         let found: Vec<u32> = process_uids()
             .into_iter()
-            .filter(|u| pool.contains(*u))
+            .filter(|u| pool.contains(*u) && !pool.used.contains(u))
             .collect();
         for uid in found {
             warn!(
@@ -341,6 +382,66 @@ impl Jailer {
             pidfd: Some(pidfd),
             lease,
         })
+    }
+
+    /// Takes back a VMM a previous daemon started: `pid`, if it still is the process that
+    /// started at `start_ticks` (checked after its pidfd is open, so a recycled pid is never
+    /// taken) and runs as `uid` (jailed VMMs), with its uid leased again until it exits.
+    /// `None` if it is gone or is another process.
+    pub fn adopt(
+        &self,
+        pid: u32,
+        start_ticks: u64,
+        uid: Option<u32>,
+    ) -> io::Result<Option<(ProcessHandle, ExitFuture)>> {
+        let pidfd = match sys::pidfd_open(pid) {
+            Ok(fd) => fd,
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let running_uid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u32>().ok());
+        let zombie = status
+            .lines()
+            .any(|l| l.starts_with("State:") && l.contains("zombie"));
+        if crate::vmm::start_ticks(pid) != Some(start_ticks)
+            || zombie
+            || uid.is_some_and(|u| running_uid != Some(u))
+        {
+            return Ok(None);
+        }
+        let lease = match uid {
+            Some(u)
+                if self
+                    .uids
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .contains(u) =>
+            {
+                self.uids
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .used
+                    .insert(u);
+                Some(UidLease {
+                    pool: self.uids.clone(),
+                    uid: u,
+                })
+            }
+            _ => None,
+        };
+        let handle = ProcessHandle {
+            pidfd: pidfd.try_clone()?,
+        };
+        let exit = async move {
+            let status = wait_exit(pidfd, false).await;
+            drop(lease);
+            status
+        };
+        Ok(Some((handle, Box::pin(exit))))
     }
 
     fn plan(&self, launch: &Launch, uid: Option<u32>) -> io::Result<sys::Plan> {

@@ -249,6 +249,19 @@ pub fn send_signal(pidfd: &OwnedFd, signal: i32) -> io::Result<()> {
     }
 }
 
+/// A pidfd for `pid`, which need not be our child (`pidfd_open(2)`).
+pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::other("pid out of range"))?;
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fd = RawFd::try_from(fd).map_err(|_| io::Error::other("pidfd out of range"))?;
+    // SAFETY: the kernel just returned this descriptor to us; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 /// Reaps the child if it has exited (`WNOHANG`) or waits for it (`block`).
 pub fn wait_pidfd(pidfd: &OwnedFd, block: bool) -> io::Result<Option<ExitStatus>> {
     // SAFETY: siginfo_t is plain data; all zeroes is a valid value.

@@ -1,0 +1,264 @@
+//! The composition root: builds the daemon's parts from the settings and wires them (the
+//! supervisor's VMM exits reach the pools and sandboxes here), recovers what a previous daemon
+//! left, runs the background tasks, and stops.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use airlock_api::v1::{CreateTemplateRequest, TemplateEvent};
+use tokio::sync::mpsc::{Sender, UnboundedReceiver};
+use tracing::{info, warn};
+
+use crate::cgroup::Cgroups;
+use crate::config::Config;
+use crate::error::ApiResult;
+use crate::exec::{ExecLimits, Executions};
+use crate::host::VmmHost;
+use crate::jail::Jailer;
+use crate::metrics::Metrics;
+use crate::pool::WarmPool;
+use crate::reason::{EndReason, state_name};
+use crate::recovery::Recovery;
+use crate::sandbox::Sandboxes;
+use crate::store::{Owner, Store};
+use crate::supervisor::{Supervisor, VmmExited};
+use crate::templates::build::Builder;
+use crate::templates::{TemplateRt, Templates};
+use crate::vmm::Launcher;
+
+/// The daemon's parts.
+#[derive(Debug)]
+pub struct Daemon {
+    pub cfg: Arc<Config>,
+    pub store: Arc<Store>,
+    pub metrics: Arc<Metrics>,
+    pub host: Arc<VmmHost>,
+    pub templates: Arc<Templates>,
+    pub builder: Arc<Builder>,
+    pub pool: Arc<WarmPool>,
+    pub executions: Arc<Executions>,
+    pub sandboxes: Arc<Sandboxes>,
+    pub data_dir: PathBuf,
+}
+
+/// Makes `d` (and its parents) if missing.
+fn make_dir(d: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(d).map_err(|e| format!("creating {}: {e}", d.display()))
+}
+
+impl Daemon {
+    /// The daemon of `cfg`: its data directory, record store, cgroups and jail.
+    pub fn open(cfg: Config) -> Result<(Arc<Self>, UnboundedReceiver<VmmExited>), String> {
+        // Absolute: the same paths name files in the daemon and in the VMMs' jails.
+        let data_dir = std::path::absolute(&cfg.data_dir)
+            .map_err(|e| format!("data directory {}: {e}", cfg.data_dir.display()))?;
+        let jailer = Jailer::new(cfg.jail.clone(), &cfg.vmm_binary(), &data_dir.join("jail"))
+            .map_err(|e| format!("jail: {e}"))?;
+        let cgroups = match Cgroups::detect(Path::new("/sys/fs/cgroup"), &cfg.cgroup_parent) {
+            Ok(c) => {
+                info!(version = c.version(), "sandbox cgroups");
+                Some(c)
+            }
+            Err(e) => {
+                warn!("no cgroups, sandboxes run without CPU/memory/pid limits: {e}");
+                None
+            }
+        };
+        Self::build(cfg, data_dir, Arc::new(jailer), cgroups)
+    }
+
+    /// The daemon with `launcher` starting its VMMs (the seam unit tests fill with fakes).
+    pub fn build(
+        cfg: Config,
+        data_dir: PathBuf,
+        launcher: Arc<dyn Launcher>,
+        cgroups: Option<Cgroups>,
+    ) -> Result<(Arc<Self>, UnboundedReceiver<VmmExited>), String> {
+        let (run_dir, templates_dir, output_dir) = (
+            data_dir.join("run"),
+            data_dir.join("templates"),
+            data_dir.join("output"),
+        );
+        for d in [&data_dir, &run_dir, &templates_dir, &output_dir] {
+            make_dir(d)?;
+        }
+        let cfg = Arc::new(cfg);
+        let store = Arc::new(Store::open(&data_dir.join("airlock.db")).map_err(|e| e.to_string())?);
+        let metrics = Arc::new(Metrics::default());
+        let (supervisor, events) = Supervisor::new(store.clone());
+        let host = Arc::new(VmmHost::new(
+            launcher,
+            cgroups,
+            supervisor,
+            metrics.clone(),
+            run_dir,
+            cfg.vmm_overhead_mib,
+            cfg.vmm_pids_max,
+        ));
+        let templates = Arc::new(
+            Templates::load(store.clone(), templates_dir, &cfg.default_tenant)
+                .map_err(|e| e.to_string())?,
+        );
+        let builder = Arc::new(Builder::new(cfg.clone(), host.clone(), templates.clone()));
+        let pool = Arc::new(WarmPool::new(
+            cfg.pool_size,
+            host.clone(),
+            templates.clone(),
+        ));
+        let limits = ExecLimits {
+            default_timeout_ms: cfg.default_exec_timeout_ms,
+            max_timeout_ms: cfg.max_exec_timeout_ms,
+            max_output_bytes: cfg.max_output_bytes,
+        };
+        let executions = Arc::new(Executions::new(
+            limits,
+            output_dir,
+            store.clone(),
+            metrics.clone(),
+        ));
+        let sandboxes = Arc::new(Sandboxes::new(
+            cfg.clone(),
+            store.clone(),
+            metrics.clone(),
+            templates.clone(),
+            pool.clone(),
+            host.clone(),
+            executions.clone(),
+        ));
+        let d = Self {
+            cfg,
+            store,
+            metrics,
+            host,
+            templates,
+            builder,
+            pool,
+            executions,
+            sandboxes,
+            data_dir,
+        };
+        Ok((Arc::new(d), events))
+    }
+
+    /// Adopts or reaps what a previous daemon left, then starts the background work: VMM exits
+    /// reach their owners, TTLs are enforced, warm pools fill.
+    pub async fn start(
+        self: &Arc<Self>,
+        mut events: UnboundedReceiver<VmmExited>,
+    ) -> ApiResult<()> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            while let Some(ev) = events.recv().await {
+                let d = me.clone();
+                tokio::spawn(async move { d.on_vmm_exit(ev).await });
+            }
+        });
+        Recovery {
+            store: &self.store,
+            host: &self.host,
+            sandboxes: &self.sandboxes,
+            executions: &self.executions,
+            adopt: self.cfg.adopt_on_restart,
+        }
+        .run()
+        .await?;
+        // What still runs under a jail uid now is not ours: never hand that uid out.
+        self.host.launcher.skip_uids_in_use();
+        tokio::spawn(crate::janitor::run(
+            self.sandboxes.clone(),
+            self.executions.clone(),
+        ));
+        self.pool.refill_all();
+        Ok(())
+    }
+
+    /// A VMM ended: its owner learns of it; what it had on the host goes.
+    async fn on_vmm_exit(&self, ev: VmmExited) {
+        match &ev.owner {
+            Some(Owner::Sandbox(id)) => self.sandboxes.vmm_exited(id, &ev).await,
+            Some(Owner::Pool(tid)) => {
+                self.pool.exited(tid, &ev.vmm);
+                ev.vmm.remove_leftovers();
+            }
+            _ => ev.vmm.remove_leftovers(),
+        }
+    }
+
+    /// CreateTemplate; its warm pool starts filling once it is ready.
+    pub async fn create_template(
+        &self,
+        tenant: &str,
+        req: CreateTemplateRequest,
+        progress: Sender<TemplateEvent>,
+    ) -> ApiResult<TemplateRt> {
+        let t = self.builder.create(tenant, req, progress).await?;
+        self.pool.refill(&t);
+        Ok(t)
+    }
+
+    /// SnapshotSandbox; the new template's warm pool starts filling.
+    pub async fn snapshot_sandbox(
+        &self,
+        tenant: &str,
+        id: &str,
+        name: &str,
+    ) -> ApiResult<TemplateRt> {
+        let t = self.sandboxes.snapshot(tenant, id, name).await?;
+        self.pool.refill(&t);
+        Ok(t)
+    }
+
+    /// Deletes `tenant`'s template `name`: its warm pool goes; running sandboxes keep their
+    /// mappings (unlinked files stay mapped until the last one ends).
+    pub fn delete_template(&self, tenant: &str, name: &str) -> ApiResult<()> {
+        let t = self.templates.remove(tenant, name)?;
+        self.pool.remove_template(&t.record.id);
+        let _ = std::fs::remove_dir_all(&t.dir);
+        Ok(())
+    }
+
+    /// The Prometheus exposition text.
+    pub fn metrics_text(&self) -> String {
+        let (states, usage) = self.sandboxes.usage();
+        let mut by_state = std::collections::BTreeMap::new();
+        for (s, n) in states {
+            by_state.insert(state_name(s).to_owned(), n);
+        }
+        by_state.insert("warm_pool".into(), self.pool.len() as u64);
+        let mut text = self.metrics.render(&by_state, &usage);
+        text.push_str(&format!(
+            "# HELP airlock_jail_uids_in_use Jail uids held by live VMM processes.\n\
+             # TYPE airlock_jail_uids_in_use gauge\nairlock_jail_uids_in_use {}\n",
+            self.host.launcher.uids_in_use()
+        ));
+        text
+    }
+
+    /// Stops: no new VMMs, warm ones killed; live sandboxes keep running for the next daemon
+    /// (`adopt_on_restart`) or end as DAEMON_STOPPED. Creates in flight end either way.
+    pub async fn shutdown(&self) {
+        self.host.stop();
+        for p in self.pool.drain() {
+            p.wait_gone(std::time::Duration::from_secs(5)).await;
+            p.remove_leftovers();
+        }
+        if self.cfg.adopt_on_restart {
+            for rt in self.sandboxes.all() {
+                if rt.state() == airlock_api::v1::SandboxState::Starting {
+                    let _ = self
+                        .sandboxes
+                        .end(&rt, EndReason::DaemonStopped, "the daemon stopped")
+                        .await;
+                }
+            }
+            info!(
+                sandboxes = self.sandboxes.all().len(),
+                "stopping; live sandboxes keep running for the next daemon"
+            );
+        } else {
+            self.sandboxes
+                .end_all(EndReason::DaemonStopped, "the daemon stopped")
+                .await;
+        }
+    }
+}

@@ -1,0 +1,342 @@
+//! Executions: the registry of running ones (it owns their records, output files and
+//! metrics), starting one (a thread per execution, [`runner`]), the daemon's own timeout,
+//! kills, the end of every execution of a sandbox that ends, and following executions again
+//! after a restart. Stored output lives in `DATA_DIR/output/ID.stdout` / `.stderr`: the same
+//! files serve a live stream and a replay after the fact.
+
+mod record;
+mod rt;
+mod runner;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use airlock_api::v1::{ExecRequest, Execution, ExecutionState, exec_request};
+use airlock_proto::pb;
+use tracing::info;
+
+pub use rt::ExecRt;
+use rt::Ledger;
+pub use runner::Start;
+
+use crate::error::{ApiError, ApiResult};
+use crate::ids;
+use crate::metrics::Metrics;
+use crate::reason::ExecEnd;
+use crate::store::Store;
+
+/// The limits executions run under (from the config).
+#[derive(Clone, Debug)]
+pub struct ExecLimits {
+    pub default_timeout_ms: u64,
+    pub max_timeout_ms: u64,
+    pub max_output_bytes: u64,
+}
+
+/// Where an execution runs.
+#[derive(Clone, Debug)]
+pub struct ExecTarget {
+    pub sandbox_id: String,
+    pub tenant: String,
+    pub template_id: String,
+    /// The sandbox VMM's hybrid-vsock socket.
+    pub vsock: PathBuf,
+    /// The sandbox's environment (the request's entries go over it).
+    pub env: HashMap<String, String>,
+}
+
+/// The executions.
+#[derive(Debug)]
+pub struct Executions {
+    limits: ExecLimits,
+    output_dir: PathBuf,
+    ledger: Arc<Ledger>,
+}
+
+impl Executions {
+    pub fn new(
+        limits: ExecLimits,
+        output_dir: PathBuf,
+        store: Arc<Store>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            limits,
+            output_dir,
+            ledger: Arc::new(Ledger {
+                store,
+                metrics,
+                live: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// The output files of execution `id`.
+    pub fn output_paths(&self, id: &str) -> [PathBuf; 2] {
+        [
+            self.output_dir.join(format!("{id}.stdout")),
+            self.output_dir.join(format!("{id}.stderr")),
+        ]
+    }
+
+    /// A running execution.
+    pub fn live(&self, id: &str) -> Option<Arc<ExecRt>> {
+        self.ledger.live().get(id).cloned()
+    }
+
+    /// The stored record of execution `id`.
+    pub fn record(&self, id: &str) -> ApiResult<Execution> {
+        self.ledger
+            .store
+            .execution(id)?
+            .ok_or_else(|| ApiError::Internal(format!("the record of execution {id} is lost")))
+    }
+
+    /// Whether a sandbox has executions running.
+    pub fn busy(&self, sandbox_id: &str) -> bool {
+        self.ledger
+            .live()
+            .values()
+            .any(|e| e.sandbox_id == sandbox_id)
+    }
+
+    /// Execution `id` of `tenant`: its record, and its runtime if it runs.
+    pub fn get(&self, tenant: &str, id: &str) -> ApiResult<(Execution, Option<Arc<ExecRt>>)> {
+        if !ids::well_formed(id, ids::EXECUTION) {
+            return Err(ApiError::ExecutionNotFound(id.to_owned()));
+        }
+        if let Some(rt) = self.live(id).filter(|r| r.tenant == tenant) {
+            return Ok((rt.record(), Some(rt)));
+        }
+        match self.ledger.store.execution(id)? {
+            Some(e) if e.tenant == tenant => Ok((e, None)),
+            _ => Err(ApiError::ExecutionNotFound(id.to_owned())),
+        }
+    }
+
+    /// Starts an execution in `target`; returns its id at once.
+    pub fn start(&self, target: &ExecTarget, req: &ExecRequest) -> ApiResult<String> {
+        let argv = command_of(req)?;
+        let timeout_ms = match req.timeout_ms {
+            0 => self.limits.default_timeout_ms,
+            t => t.min(self.limits.max_timeout_ms),
+        };
+        let env = merged_env(&target.env, &req.env)?;
+        let id = ids::new_id(ids::EXECUTION)?;
+        let record = Execution {
+            id: id.clone(),
+            sandbox_id: target.sandbox_id.clone(),
+            tenant: target.tenant.clone(),
+            template_id: target.template_id.clone(),
+            command: argv.clone(),
+            cwd: req.cwd.clone(),
+            state: ExecutionState::Running as i32,
+            started_unix_ms: ids::now_ms(),
+            timeout_ms,
+            ..Default::default()
+        };
+        let exec = pb::Exec {
+            command: Some(pb::exec::Command::Argv(pb::Argv { args: argv })),
+            cwd: if req.cwd.is_empty() {
+                "/root".into()
+            } else {
+                req.cwd.clone()
+            },
+            env,
+            stdin: req.stdin.clone(),
+            timeout_ms,
+            max_output_bytes: self.limits.max_output_bytes,
+            // The execution outlives a restarting daemon, which attaches to it again.
+            keep_on_disconnect: true,
+            memory_max_bytes: u64::from(req.memory_limit_mib) << 20,
+            ..Default::default()
+        };
+        self.ledger.store.put_execution(&record)?;
+        for p in &self.output_paths(&id) {
+            std::fs::File::create(p)?;
+        }
+        self.run(record, [0, 0], &target.vsock, Start::Exec(exec), timeout_ms)?;
+        info!(execution = %id, sandbox = %target.sandbox_id, "execution started");
+        Ok(id)
+    }
+
+    /// Follows `record` again after a restart: attaches to the agent's execution `agent_id`
+    /// in the VMM at `vsock`, with the output stored so far; its timeout counts from its start.
+    pub fn adopt(
+        &self,
+        record: Execution,
+        agent_id: u64,
+        vsock: &std::path::Path,
+    ) -> ApiResult<()> {
+        let paths = self.output_paths(&record.id);
+        let len = |p: &PathBuf| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+        let stored = [len(&paths[0]), len(&paths[1])];
+        let ran_ms = u64::try_from(ids::now_ms() - record.started_unix_ms).unwrap_or(0);
+        let left_ms = record.timeout_ms.saturating_sub(ran_ms).max(1);
+        info!(execution = %record.id, left_ms, "following the execution again");
+        self.run(record, stored, vsock, Start::Attach(agent_id), left_ms)
+    }
+
+    /// Registers `record` as running and starts its thread and its timeout.
+    fn run(
+        &self,
+        record: Execution,
+        stored: [u64; 2],
+        vsock: &std::path::Path,
+        start: Start,
+        timeout_ms: u64,
+    ) -> ApiResult<()> {
+        let id = record.id.clone();
+        let full_timeout = record.timeout_ms;
+        let paths = self.output_paths(&id);
+        let rt = Arc::new(ExecRt::new(
+            record,
+            paths,
+            stored,
+            self.limits.max_output_bytes,
+            self.ledger.clone(),
+        ));
+        self.ledger.live().insert(id.clone(), rt.clone());
+        let (r, vsock) = (rt.clone(), vsock.to_path_buf());
+        let handle = tokio::runtime::Handle::current();
+        let spawned = std::thread::Builder::new()
+            .name(format!("exec-{}", id.get(3..11).unwrap_or("x")))
+            .spawn(move || runner::run(r, &vsock, start, handle));
+        if let Err(e) = spawned {
+            rt.fail(ExecEnd::AgentUnavailable(format!("no thread: {e}")));
+            return Err(ApiError::Internal(format!("exec thread: {e}")));
+        }
+        // The daemon's own clock: the timeout holds without a client and without the guest.
+        tokio::spawn(async move {
+            if rt.wait_finished(Duration::from_millis(timeout_ms)).await {
+                return;
+            }
+            let end = ExecEnd::Timeout {
+                timeout_ms: full_timeout,
+            };
+            rt.end_by(end, libc::SIGKILL).await;
+        });
+        Ok(())
+    }
+
+    /// KillExecution: `signal` (0: SIGKILL) to `tenant`'s execution `id`; whether it ran.
+    pub fn kill(&self, tenant: &str, id: &str, signal: i32) -> ApiResult<bool> {
+        let (_, live) = self.get(tenant, id)?;
+        let Some(rt) = live.filter(|l| !l.is_finished()) else {
+            return Ok(false);
+        };
+        let signal = if signal == 0 { libc::SIGKILL } else { signal };
+        if !(1..=64).contains(&signal) {
+            return Err(ApiError::InvalidArgument(format!("signal {signal}")));
+        }
+        if signal == libc::SIGKILL {
+            tokio::spawn(async move { rt.end_by(ExecEnd::Killed, libc::SIGKILL).await });
+        } else {
+            rt.signal(signal).map_err(ApiError::Internal)?;
+        }
+        Ok(true)
+    }
+
+    /// Ends every execution of sandbox `sandbox_id` with `end` (the sandbox ended).
+    pub fn end_all_of(&self, sandbox_id: &str, end: &ExecEnd) {
+        let of_sandbox: Vec<_> = self
+            .ledger
+            .live()
+            .values()
+            .filter(|e| e.sandbox_id == sandbox_id)
+            .cloned()
+            .collect();
+        for e in of_sandbox {
+            e.fail(end.clone());
+        }
+    }
+}
+
+/// The sandbox's environment with the request's entries over it (checked).
+fn merged_env(
+    base: &HashMap<String, String>,
+    over: &HashMap<String, String>,
+) -> ApiResult<HashMap<String, String>> {
+    let mut env = base.clone();
+    for (k, v) in over {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+            return Err(ApiError::InvalidArgument(format!(
+                "bad environment entry {k:?}"
+            )));
+        }
+        env.insert(k.clone(), v.clone());
+    }
+    Ok(env)
+}
+
+/// The command line an Exec request runs.
+fn command_of(req: &ExecRequest) -> ApiResult<Vec<String>> {
+    let argv = match &req.command {
+        Some(exec_request::Command::Argv(a)) => a.args.clone(),
+        Some(exec_request::Command::Shell(s)) => vec!["/bin/sh".into(), "-c".into(), s.clone()],
+        Some(exec_request::Command::Code(c)) => match c.language.as_str() {
+            "" | "python" | "python3" => vec!["python3".into(), "-c".into(), c.source.clone()],
+            "sh" | "bash" | "shell" => vec!["/bin/sh".into(), "-c".into(), c.source.clone()],
+            other => {
+                return Err(ApiError::InvalidArgument(format!(
+                    "language {other:?}: use python or sh"
+                )));
+            }
+        },
+        None => return Err(ApiError::InvalidArgument("no command".into())),
+    };
+    if argv.first().is_none_or(String::is_empty) {
+        return Err(ApiError::InvalidArgument("empty argv".into()));
+    }
+    if argv.iter().any(|a| a.contains('\0')) {
+        return Err(ApiError::InvalidArgument("NUL byte in the command".into()));
+    }
+    Ok(argv)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use airlock_api::v1::{Argv, Code};
+
+    #[test]
+    fn commands_are_built_and_checked() {
+        let mut req = ExecRequest {
+            command: Some(exec_request::Command::Code(Code {
+                language: String::new(),
+                source: "print(42)".into(),
+            })),
+            ..Default::default()
+        };
+        assert_eq!(command_of(&req).unwrap(), ["python3", "-c", "print(42)"]);
+        req.command = Some(exec_request::Command::Code(Code {
+            language: "ruby".into(),
+            source: String::new(),
+        }));
+        assert!(command_of(&req).is_err());
+        req.command = Some(exec_request::Command::Argv(Argv { args: vec![] }));
+        assert!(command_of(&req).is_err());
+        req.command = Some(exec_request::Command::Argv(Argv {
+            args: vec!["a\0b".into()],
+        }));
+        assert!(command_of(&req).is_err());
+        req.command = None;
+        assert!(command_of(&req).is_err());
+    }
+
+    #[test]
+    fn request_env_goes_over_the_sandboxs_and_is_checked() {
+        let base = HashMap::from([("A".to_owned(), "1".to_owned()), ("B".into(), "2".into())]);
+        let over = HashMap::from([("B".to_owned(), "3".to_owned())]);
+        let env = merged_env(&base, &over).unwrap();
+        assert_eq!(env["A"], "1");
+        assert_eq!(env["B"], "3");
+        for bad in ["", "A=B", "A\0"] {
+            let over = HashMap::from([(bad.to_owned(), "x".to_owned())]);
+            assert!(merged_env(&base, &over).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,277 @@
+//! A running execution: its record, the output stored so far, its agent connection (to cut
+//! it, and a signaller to signal through it), and its end, stored once, whoever ends it (the
+//! guest's exit, the daemon's timeout, a kill, its sandbox's end, a lost connection).
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use airlock_api::v1::Execution;
+use airlock_proto::Signaller;
+use airlock_proto::pb::{self, StreamKind};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use super::record::final_record;
+use crate::ids;
+use crate::metrics::Metrics;
+use crate::reason::{ExecEnd, Outcome};
+use crate::store::Store;
+
+/// How long the guest gets to report a killed execution's exit before the daemon cuts it off.
+pub const KILL_GRACE: Duration = Duration::from_secs(3);
+
+/// What every execution shares: the records, the metrics, and the running ones.
+#[derive(Debug)]
+pub struct Ledger {
+    pub store: Arc<Store>,
+    pub metrics: Arc<Metrics>,
+    pub live: Mutex<HashMap<String, Arc<ExecRt>>>,
+}
+
+impl Ledger {
+    pub fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<ExecRt>>> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The connection side of a running execution.
+#[derive(Debug, Default)]
+struct Conn {
+    /// The socket, to cut it (set as soon as it is connected, before the guest says anything).
+    socket: Option<UnixStream>,
+    signaller: Option<Signaller<UnixStream>>,
+    /// The agent's id of the execution, once it has started.
+    agent_id: Option<u64>,
+    /// A signal asked for before the agent had started the process (sent once it has).
+    pending_signal: Option<i32>,
+}
+
+/// Output files and what was stored of each stream.
+#[derive(Debug)]
+pub struct OutputSink {
+    files: [std::fs::File; 2],
+    pub truncated: bool,
+}
+
+/// A running execution.
+#[derive(Debug)]
+pub struct ExecRt {
+    pub id: String,
+    pub sandbox_id: String,
+    pub tenant: String,
+    record: Mutex<Execution>,
+    /// Bytes stored per stream (stdout, stderr).
+    stored: Mutex<[u64; 2]>,
+    /// Bumped when output is stored and when the execution ends.
+    pub changed: watch::Sender<u64>,
+    conn: Mutex<Conn>,
+    finished: AtomicBool,
+    /// Why the daemon ended it, overriding what the guest says.
+    ended_by: Mutex<Option<ExecEnd>>,
+    paths: [PathBuf; 2],
+    max_output: u64,
+    ledger: Arc<Ledger>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl ExecRt {
+    /// A running execution with `record`, its output in `paths` (each holding `stored` bytes).
+    pub fn new(
+        record: Execution,
+        paths: [PathBuf; 2],
+        stored: [u64; 2],
+        max_output: u64,
+        ledger: Arc<Ledger>,
+    ) -> Self {
+        Self {
+            id: record.id.clone(),
+            sandbox_id: record.sandbox_id.clone(),
+            tenant: record.tenant.clone(),
+            record: Mutex::new(record),
+            stored: Mutex::new(stored),
+            changed: watch::Sender::new(0),
+            conn: Mutex::new(Conn::default()),
+            finished: AtomicBool::new(false),
+            ended_by: Mutex::new(None),
+            paths,
+            max_output,
+            ledger,
+        }
+    }
+
+    pub fn record(&self) -> Execution {
+        lock(&self.record).clone()
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.finished.load(Ordering::SeqCst)
+    }
+
+    /// Bytes stored per stream so far.
+    pub fn stored(&self) -> [u64; 2] {
+        *lock(&self.stored)
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|v| *v += 1);
+    }
+
+    /// Waits up to `timeout` for the end; whether it came.
+    pub async fn wait_finished(&self, timeout: Duration) -> bool {
+        let mut rx = self.changed.subscribe();
+        let done = rx.wait_for(|_| self.is_finished());
+        tokio::time::timeout(timeout, done).await.is_ok()
+    }
+
+    /// The connection's socket, as soon as it is connected.
+    pub fn set_socket(&self, s: &UnixStream) {
+        lock(&self.conn).socket = s.try_clone().ok();
+        if self.is_finished() {
+            self.cut();
+        }
+    }
+
+    /// The agent started the process as `agent_id`; signals go through `signaller` now (one
+    /// asked for earlier is sent, and so is the kill of a daemon's end that came first).
+    pub fn started(&self, agent_id: u64, signaller: Signaller<UnixStream>) {
+        if let Err(e) = self.ledger.store.set_execution_agent(&self.id, agent_id) {
+            warn!(execution = %self.id, "recording the agent's id: {e}");
+        }
+        let pending = {
+            let mut c = lock(&self.conn);
+            c.agent_id = Some(agent_id);
+            c.signaller = Some(signaller);
+            c.pending_signal.take()
+        };
+        if let Some(sig) = pending {
+            let _ = self.signal(sig);
+        }
+        if lock(&self.ended_by).is_some() {
+            let _ = self.signal(libc::SIGKILL);
+        }
+    }
+
+    /// Sends `signal` to the execution's process tree; before the agent has started the
+    /// process, the signal is sent as soon as it has.
+    pub fn signal(&self, signal: i32) -> Result<(), String> {
+        let mut c = lock(&self.conn);
+        match (c.agent_id, c.signaller.as_ref()) {
+            (Some(id), Some(s)) => s.signal(id, signal).map_err(|e| e.to_string()),
+            _ => {
+                c.pending_signal = Some(signal);
+                Ok(())
+            }
+        }
+    }
+
+    /// Opens the output files for appending.
+    pub fn open_output(&self) -> std::io::Result<OutputSink> {
+        let open = |p: &PathBuf| std::fs::OpenOptions::new().append(true).open(p);
+        Ok(OutputSink {
+            files: [open(&self.paths[0])?, open(&self.paths[1])?],
+            truncated: false,
+        })
+    }
+
+    /// Stores an output chunk that starts at `offset` of its stream: what this host has
+    /// already (a replay after a restart) is skipped, what is over the cap is dropped.
+    pub fn store_output(
+        &self,
+        sink: &mut OutputSink,
+        stream: StreamKind,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), String> {
+        let slot = usize::from(stream == StreamKind::Stderr);
+        let mut stored = lock(&self.stored);
+        let skip = stored[slot].saturating_sub(offset).min(data.len() as u64) as usize;
+        if offset > stored[slot] {
+            // The agent no longer had what came between (see `Attached`).
+            sink.truncated = true;
+        }
+        let data = data.get(skip..).unwrap_or_default();
+        let room = self.max_output.saturating_sub(stored[slot]) as usize;
+        let take = data.len().min(room);
+        sink.truncated |= take < data.len();
+        if take > 0 {
+            sink.files[slot]
+                .write_all(data.get(..take).unwrap_or_default())
+                .map_err(|e| format!("storing output: {e}"))?;
+            stored[slot] += take as u64;
+        }
+        drop(stored);
+        self.bump();
+        Ok(())
+    }
+
+    /// Marks the daemon's reason for the end (the first one counts).
+    pub fn set_ended_by(&self, end: ExecEnd) {
+        lock(&self.ended_by).get_or_insert(end);
+    }
+
+    /// Ends the execution for the daemon's reason: signals it, gives the guest a grace period
+    /// to report the exit, then cuts the connection. The record says `end` either way.
+    pub async fn end_by(&self, end: ExecEnd, signal: i32) {
+        self.set_ended_by(end.clone());
+        if let Err(e) = self.signal(signal) {
+            warn!(execution = %self.id, "signal: {e}");
+        }
+        if !self.wait_finished(KILL_GRACE).await {
+            self.cut();
+            self.finish(None, Some(&end));
+        }
+    }
+
+    /// The sandbox went away (or the daemon could not follow the execution): end it now.
+    pub fn fail(&self, end: ExecEnd) {
+        self.set_ended_by(end.clone());
+        self.cut();
+        self.finish(None, Some(&end));
+    }
+
+    /// Cuts the agent connection: a thread blocked on it returns.
+    pub fn cut(&self) {
+        if let Some(s) = lock(&self.conn).socket.as_ref() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// Stores the final record once: from the guest's `exit`, or as `failed`.
+    pub fn finish(&self, exit: Option<pb::ExecExit>, failed: Option<&ExecEnd>) {
+        if self.finished.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.cut();
+        let ended_by = lock(&self.ended_by).clone();
+        let record = {
+            let mut r = lock(&self.record);
+            *r = final_record(
+                r.clone(),
+                self.stored(),
+                exit.as_ref(),
+                failed,
+                ended_by.as_ref(),
+                ids::now_ms(),
+            );
+            r.clone()
+        };
+        let ledger = &self.ledger;
+        if let Err(e) = ledger.store.put_execution(&record) {
+            warn!(execution = %self.id, "storing the record: {e}");
+        }
+        let _ = ledger.store.remove_execution_agent(&self.id);
+        let outcome = Outcome::of(record.state()).label();
+        ledger.metrics.execution_ended(outcome);
+        ledger.live().remove(&self.id);
+        info!(execution = %self.id, outcome, exit_code = record.exit_code, "execution ended");
+        self.bump();
+    }
+}

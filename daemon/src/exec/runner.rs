@@ -1,0 +1,103 @@
+//! The thread of one execution: connect to the agent (every step until the process has
+//! started bounded by a deadline, the socket registered first so that the timeout can cut it
+//! at any point), start the command or attach to one that outlived the previous daemon, and
+//! store its output until it exits.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use airlock_proto::pb;
+use airlock_proto::vsock::{self, TimedClient};
+use airlock_proto::{AGENT_VSOCK_PORT, ClientError};
+
+use super::rt::ExecRt;
+use crate::error::error_chain;
+use crate::reason::ExecEnd;
+
+/// Connecting, the agent's Ready and the process's start together may take this long (a
+/// loaded nested-KVM guest forks slowly).
+const START_DEADLINE: Duration = Duration::from_secs(60);
+/// How long an execution whose agent connection broke waits for its sandbox to be reported
+/// dead (whose reason it then takes) before it ends as AGENT_UNAVAILABLE.
+const LOST_CONNECTION_GRACE: Duration = Duration::from_secs(3);
+
+/// How the execution begins on this connection.
+#[derive(Debug)]
+pub enum Start {
+    /// A new process.
+    Exec(pb::Exec),
+    /// One the agent kept across a lost connection (`keep_on_disconnect`), by its id.
+    Attach(u64),
+}
+
+/// The thread body: runs the execution to its end and stores the record.
+pub fn run(rt: Arc<ExecRt>, vsock: &Path, start: Start, runtime: tokio::runtime::Handle) {
+    match drive(&rt, vsock, start) {
+        Ok(exit) => rt.finish(Some(exit), None),
+        Err(message) => {
+            // A lost connection is often the sandbox dying (a guest kernel panic, a killed
+            // VMM): its end then ends this execution with its reason. Give it a moment.
+            runtime.block_on(rt.wait_finished(LOST_CONNECTION_GRACE));
+            rt.finish(None, Some(&ExecEnd::AgentUnavailable(message)));
+        }
+    }
+}
+
+fn drive(rt: &ExecRt, vsock: &Path, start: Start) -> Result<pb::ExecExit, String> {
+    let deadline = Instant::now() + START_DEADLINE;
+    let mut client = vsock::connect(vsock, AGENT_VSOCK_PORT, deadline, |s| rt.set_socket(s))
+        .map_err(|e| format!("connecting to the agent: {}", error_chain(&e)))?;
+    if rt.is_finished() {
+        return Err("ended before it started".into());
+    }
+    let signaller = client
+        .reader()
+        .try_clone_socket()
+        .map(|s| client.signaller(s))
+        .map_err(|e| e.to_string())?;
+    let (request, exec_id, offsets) = begin(rt, &mut client, start).map_err(|e| error_chain(&e))?;
+    // The output may take as long as the execution does; the daemon's timer bounds it.
+    client.set_deadline(None);
+    rt.started(exec_id, signaller);
+    let mut sink = rt.open_output().map_err(|e| e.to_string())?;
+    let mut failed = None;
+    let exit = client
+        .collect_stream(request, exec_id, offsets, |stream, offset, data| {
+            if failed.is_none()
+                && let Err(e) = rt.store_output(&mut sink, stream, offset, data)
+            {
+                failed = Some(e);
+            }
+        })
+        .map_err(|e| format!("agent connection: {}", error_chain(&e)))?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    let mut exit = exit;
+    exit.output_truncated |= sink.truncated;
+    Ok(exit)
+}
+
+/// Starts or attaches: the request id, the agent's execution id and where output continues.
+fn begin(
+    rt: &ExecRt,
+    client: &mut TimedClient,
+    start: Start,
+) -> Result<(u64, u64, [u64; 2]), ClientError> {
+    match start {
+        Start::Exec(exec) => {
+            let (id, started) = client.start_exec(exec)?;
+            Ok((id, started.exec_id, [0, 0]))
+        }
+        Start::Attach(agent_id) => {
+            let have = rt.stored();
+            let (id, attached) = client.attach_from(agent_id, have[0], have[1])?;
+            Ok((
+                id,
+                agent_id,
+                [attached.stdout_offset, attached.stderr_offset],
+            ))
+        }
+    }
+}

@@ -1,0 +1,319 @@
+//! The lifecycle without KVM: a daemon built on the [`FakeLauncher`](crate::fake) (VMMs that
+//! are threads serving real control and vsock sockets) creates, runs, pauses, snapshots,
+//! destroys, loses VMMs, meets hostile guests, and adopts what a previous daemon left.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use airlock_api::v1::*;
+
+use crate::config::Config;
+use crate::daemon::Daemon;
+use crate::fake::{FakeLauncher, Guest};
+use crate::store::{Owner, VmmRecord};
+
+struct TestDaemon {
+    daemon: Arc<Daemon>,
+    launcher: Arc<FakeLauncher>,
+    dir: std::path::PathBuf,
+}
+
+impl Drop for TestDaemon {
+    fn drop(&mut self) {
+        for vm in self.launcher.vms.lock().unwrap().values() {
+            vm.end(libc::SIGKILL);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn config(dir: &std::path::Path) -> Config {
+    let image = dir.join("image");
+    std::fs::write(&image, b"x").unwrap();
+    Config {
+        data_dir: dir.join("data"),
+        kernel: Some(image.clone()),
+        rootfs: Some(image),
+        pool_size: 1,
+        ready_timeout_ms: 2000,
+        ..Config::default()
+    }
+}
+
+/// A started daemon over fake VMMs in a fresh directory, with the template `base`.
+async fn daemon(tag: &str) -> TestDaemon {
+    let dir = std::env::temp_dir().join(format!("airlock-lc-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let launcher = Arc::new(FakeLauncher::default());
+    let cfg = config(&dir);
+    let t = start(cfg, &dir, launcher).await;
+    let (tx, _rx) = tokio::sync::mpsc::channel(64);
+    let req = CreateTemplateRequest {
+        name: "base".into(),
+        ..Default::default()
+    };
+    t.daemon.create_template("default", req, tx).await.unwrap();
+    t
+}
+
+async fn start(cfg: Config, dir: &std::path::Path, launcher: Arc<FakeLauncher>) -> TestDaemon {
+    let (daemon, events) =
+        Daemon::build(cfg.clone(), cfg.data_dir.clone(), launcher.clone(), None).unwrap();
+    daemon.start(events).await.unwrap();
+    TestDaemon {
+        daemon,
+        launcher,
+        dir: dir.to_path_buf(),
+    }
+}
+
+async fn create(t: &TestDaemon) -> Result<Sandbox, crate::error::ApiError> {
+    t.daemon
+        .sandboxes
+        .create("default", CreateSandboxRequest::default())
+        .await
+}
+
+async fn eventually<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what} did not happen within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn exec_req(sandbox: &str, argv: &[&str], timeout_ms: u64) -> ExecRequest {
+    ExecRequest {
+        sandbox_id: sandbox.into(),
+        command: Some(exec_request::Command::Argv(Argv {
+            args: argv.iter().map(|s| s.to_string()).collect(),
+        })),
+        timeout_ms,
+        ..Default::default()
+    }
+}
+
+async fn finished(t: &TestDaemon, id: &str) -> Execution {
+    eventually("the execution's end", || {
+        let (rec, _) = t.daemon.executions.get("default", id).unwrap();
+        (rec.state() != ExecutionState::Running).then_some(rec)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_is_created_runs_pauses_snapshots_and_is_destroyed() {
+    let t = daemon("life").await;
+    let s = create(&t).await.unwrap();
+    assert_eq!(s.state(), SandboxState::Running);
+    let sb = t.daemon.sandboxes.running("default", &s.id).unwrap();
+    let ex = t
+        .daemon
+        .executions
+        .start(
+            &sb.exec_target().unwrap(),
+            &exec_req(&s.id, &["echo", "hi"], 5000),
+        )
+        .unwrap();
+    let rec = finished(&t, &ex).await;
+    assert_eq!(rec.state(), ExecutionState::Exited, "{rec:?}");
+    let out = crate::stream::read_output(&t.daemon.executions, &ex, 1 << 20)
+        .await
+        .unwrap();
+    assert_eq!(out[0], b"echo hi");
+    let paused = t.daemon.sandboxes.pause("default", &s.id).await.unwrap();
+    assert_eq!(paused.state(), SandboxState::Paused);
+    let refused = t.daemon.sandboxes.running("default", &s.id).unwrap_err();
+    assert_eq!(refused.reason(), "SANDBOX_NOT_RUNNING");
+    let tpl = t
+        .daemon
+        .snapshot_sandbox("default", &s.id, "mine")
+        .await
+        .unwrap();
+    assert_eq!(tpl.record.source_sandbox_id, s.id);
+    t.daemon.sandboxes.resume("default", &s.id).await.unwrap();
+    let vm = t.launcher.vms.lock().unwrap()[&s.vmm_pid].clone();
+    assert!(t.daemon.sandboxes.destroy("default", &s.id).await.unwrap());
+    assert!(vm.is_dead());
+    assert!(!t.daemon.sandboxes.destroy("default", &s.id).await.unwrap());
+    let ended = t.daemon.sandboxes.get("default", &s.id).unwrap();
+    assert_eq!(ended.state(), SandboxState::Destroyed);
+    assert_eq!(ended.end_reason, "DESTROYED");
+    let run_dirs = std::fs::read_dir(t.daemon.data_dir.join("run"))
+        .unwrap()
+        .count();
+    assert_eq!(run_dirs, 2, "only the two warm pools' VMMs are left");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vmm_that_dies_ends_its_sandbox_with_the_reason() {
+    let t = daemon("dies").await;
+    let s = create(&t).await.unwrap();
+    let vm = t.launcher.vms.lock().unwrap()[&s.vmm_pid].clone();
+    vm.end(libc::SIGKILL);
+    let dead = eventually("the sandbox's death", || {
+        let r = t.daemon.sandboxes.get("default", &s.id).unwrap();
+        (r.state() == SandboxState::Dead).then_some(r)
+    })
+    .await;
+    assert_eq!(dead.end_reason, "SANDBOX_DEAD");
+    assert!(
+        dead.end_message.contains("signal 9"),
+        "{}",
+        dead.end_message
+    );
+    let err = t.daemon.sandboxes.running("default", &s.id).unwrap_err();
+    assert_eq!(err.reason(), "SANDBOX_DEAD");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_never_says_ready_fails_its_create_in_time() {
+    let t = daemon("stall").await;
+    t.launcher.set_guest(Guest::StallBeforeReady);
+    let began = Instant::now();
+    let err = create(&t).await.unwrap_err();
+    assert_eq!(err.reason(), "AGENT_UNAVAILABLE", "{err}");
+    assert!(
+        began.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        began.elapsed()
+    );
+    let listed = t
+        .daemon
+        .sandboxes
+        .list("default", &Default::default(), &[SandboxState::Dead as i32])
+        .unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].end_reason, "AGENT_UNAVAILABLE");
+    assert!(t.daemon.sandboxes.all().is_empty(), "nothing is left live");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_execution_stalled_before_ready_is_cut_by_its_timeout() {
+    let t = daemon("cut").await;
+    let s = create(&t).await.unwrap();
+    t.launcher.set_guest(Guest::StallBeforeReady);
+    let sb = t.daemon.sandboxes.running("default", &s.id).unwrap();
+    let began = Instant::now();
+    let ex = t
+        .daemon
+        .executions
+        .start(&sb.exec_target().unwrap(), &exec_req(&s.id, &["true"], 300))
+        .unwrap();
+    let rec = finished(&t, &ex).await;
+    assert_eq!(rec.state(), ExecutionState::TimedOut, "{rec:?}");
+    assert_eq!(rec.error_reason, "EXEC_TIMEOUT");
+    assert!(
+        began.elapsed() < Duration::from_secs(6),
+        "{:?}",
+        began.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_directory_entries_is_refused() {
+    let t = daemon("flood").await;
+    let s = create(&t).await.unwrap();
+    t.launcher.set_guest(Guest::FloodListing);
+    let sb = t.daemon.sandboxes.running("default", &s.id).unwrap();
+    let target = sb.file_target(1 << 20).unwrap();
+    let err = crate::files::list(target, "/tmp".into()).await.unwrap_err();
+    assert_eq!(err.reason(), "AGENT_UNAVAILABLE");
+    assert!(err.to_string().contains("entries"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_daemon_adopts_a_running_sandbox_and_follows_its_execution() {
+    let dir = std::env::temp_dir().join(format!("airlock-lc-adopt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = config(&dir);
+    let launcher = Arc::new(FakeLauncher::default());
+    // What a killed daemon leaves: a VMM recorded as a running sandbox's, its records, and an
+    // execution running in its guest with 6 bytes of output stored.
+    let store = crate::store::Store::open(&{
+        std::fs::create_dir_all(&cfg.data_dir).unwrap();
+        cfg.data_dir.join("airlock.db")
+    })
+    .unwrap();
+    let run_dir = cfg.data_dir.join("run/vm-00000000000000aa");
+    let vm = launcher.running_vm(&run_dir);
+    vm.start_exec(77, b"before after");
+    store
+        .put_vmm(&VmmRecord {
+            id: "vm-00000000000000aa".into(),
+            pid: vm.pid,
+            start_ticks: 0,
+            uid: None,
+            run_dir: run_dir.display().to_string(),
+            cgroup: false,
+            owner: Owner::Sandbox("sb-00000000000000aa".into()),
+        })
+        .unwrap();
+    let sandbox = Sandbox {
+        id: "sb-00000000000000aa".into(),
+        tenant: "default".into(),
+        state: SandboxState::Running as i32,
+        max_lifetime_s: 3600,
+        idle_ttl_s: 3600,
+        created_unix_ms: crate::ids::now_ms(),
+        ..Default::default()
+    };
+    store.put_sandbox(&sandbox).unwrap();
+    let env = CreateSandboxRequest {
+        env: [("K".to_owned(), "V".to_owned())].into(),
+        ..Default::default()
+    };
+    store.put_sandbox_spec(&sandbox.id, &env).unwrap();
+    let execution = Execution {
+        id: "ex-00000000000000aa".into(),
+        sandbox_id: sandbox.id.clone(),
+        tenant: "default".into(),
+        state: ExecutionState::Running as i32,
+        started_unix_ms: crate::ids::now_ms(),
+        timeout_ms: 60_000,
+        ..Default::default()
+    };
+    store.put_execution(&execution).unwrap();
+    store.set_execution_agent(&execution.id, 77).unwrap();
+    std::fs::create_dir_all(cfg.data_dir.join("output")).unwrap();
+    std::fs::write(
+        cfg.data_dir.join("output/ex-00000000000000aa.stdout"),
+        b"before",
+    )
+    .unwrap();
+    std::fs::write(cfg.data_dir.join("output/ex-00000000000000aa.stderr"), b"").unwrap();
+    drop(store);
+
+    let t = start(cfg, &dir, launcher).await;
+    let rt = t.daemon.sandboxes.running("default", &sandbox.id).unwrap();
+    assert_eq!(rt.env["K"], "V", "the environment is kept");
+    assert_eq!(rt.vmm().unwrap().pid, vm.pid);
+    let (_, live) = t.daemon.executions.get("default", &execution.id).unwrap();
+    assert!(live.is_some(), "the execution is followed again");
+    assert!(
+        t.daemon
+            .executions
+            .kill("default", &execution.id, 0)
+            .unwrap()
+    );
+    let rec = finished(&t, &execution.id).await;
+    assert_eq!(rec.state(), ExecutionState::Killed, "{rec:?}");
+    let out = crate::stream::read_output(&t.daemon.executions, &execution.id, 1 << 20)
+        .await
+        .unwrap();
+    assert_eq!(
+        out[0], b"before after",
+        "the output continues without a gap"
+    );
+    assert!(!vm.is_dead(), "the adopted VMM still runs");
+}

@@ -1,0 +1,234 @@
+//! CreateSandbox: check, admit, take a start slot, restore the template in a warm VMM, wait
+//! for the guest's agent, give the clone its identity and files. A create that fails ends its
+//! sandbox (DEAD, with the error's reason) and leaves nothing running.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use airlock_api::v1::{CreateSandboxRequest, Sandbox, SandboxState};
+use airlock_proto::AGENT_VSOCK_PORT;
+use tracing::info;
+
+use super::admission::{self, Held};
+use super::spec::SandboxSpec;
+use super::{SandboxRt, Sandboxes, new_sandbox_id};
+use crate::agent::CALL_TIMEOUT;
+use crate::error::{AgentCall, ApiError, ApiResult, from_agent};
+use crate::files;
+use crate::ids;
+use crate::reason::EndReason;
+use crate::store::Owner;
+use crate::templates::TemplateRt;
+use crate::vmm::{self, VmmProcess};
+
+/// The guest's share of a create: from vCPUs running to the agent's Ready, then identity and
+/// files (ms).
+struct GuestTimes {
+    ready_ms: f64,
+    identity_ms: f64,
+}
+
+impl Sandboxes {
+    /// CreateSandbox: answers the ready sandbox.
+    pub async fn create(
+        self: &Arc<Self>,
+        tenant: &str,
+        req: CreateSandboxRequest,
+    ) -> ApiResult<Sandbox> {
+        let t0 = Instant::now();
+        let name = if req.template.is_empty() {
+            "base"
+        } else {
+            req.template.as_str()
+        };
+        let template = self.templates.find(tenant, name)?;
+        let spec = SandboxSpec::check(&req, &template.record, &self.cfg)?;
+        let rt = Arc::new(self.new_rt(tenant, &template, &spec)?);
+        if let Err(e) = self.admit(&rt) {
+            self.metrics.create_failed(e.reason());
+            return Err(e);
+        }
+        let started = self.start(&rt, &template, &spec, t0).await;
+        // Refilled after the answer: starting a VMM process competes for the CPU with the
+        // restore it would replace.
+        self.pool.refill(&template);
+        match started {
+            Ok(s) => Ok(s),
+            Err(e) => {
+                self.metrics.create_failed(e.reason());
+                let reason = EndReason::CreateFailed(e.reason().to_owned());
+                let _ = self.end(&rt, reason, &e.to_string()).await;
+                Err(e)
+            }
+        }
+    }
+
+    fn new_rt(&self, tenant: &str, t: &TemplateRt, spec: &SandboxSpec) -> ApiResult<SandboxRt> {
+        let record = Sandbox {
+            id: new_sandbox_id()?,
+            tenant: tenant.to_owned(),
+            template: t.record.name.clone(),
+            template_id: t.record.id.clone(),
+            state: SandboxState::Starting as i32,
+            vcpus: t.record.vcpus,
+            memory_mib: t.record.memory_mib,
+            disk_mib: spec.disk_mib,
+            labels: spec.labels.clone(),
+            idle_ttl_s: spec.idle_ttl_s,
+            max_lifetime_s: spec.max_lifetime_s,
+            created_unix_ms: ids::now_ms(),
+            ..Default::default()
+        };
+        Ok(SandboxRt::new(
+            record,
+            spec.env.clone(),
+            spec.policy.clone(),
+            Duration::ZERO,
+        ))
+    }
+
+    /// Capacity and quota against the live sandboxes; the sandbox is live once admitted.
+    fn admit(&self, rt: &Arc<SandboxRt>) -> ApiResult<()> {
+        let mut live = self.live_map();
+        let held: Vec<_> = live
+            .values()
+            .map(|s| Held {
+                tenant: &s.tenant,
+                memory_mib: s.memory_mib(),
+            })
+            .collect();
+        let quota = self.cfg.quota_of(&rt.tenant);
+        admission::admit(&self.cfg, &quota, &rt.tenant, rt.memory_mib(), &held)?;
+        live.insert(rt.id.clone(), rt.clone());
+        Ok(())
+    }
+
+    /// From admitted to ready: a start slot, a VMM, the restore, the guest.
+    async fn start(
+        &self,
+        rt: &Arc<SandboxRt>,
+        template: &TemplateRt,
+        spec: &SandboxSpec,
+        t0: Instant,
+    ) -> ApiResult<Sandbox> {
+        self.store.put_sandbox(&rt.snapshot())?;
+        self.store.put_sandbox_spec(&rt.id, &spec.to_stored())?;
+        let queued = Instant::now();
+        let _slot = self.slots.acquire().await?;
+        let queue_ms = queued.elapsed().as_secs_f64() * 1000.0;
+        let vmm = self.vmm_for(rt, template).await?;
+        rt.set_vmm(vmm.clone());
+        let t_taken = Instant::now();
+        let restored = vmm::control::restore(&vmm.control, &template.dir)
+            .await
+            .map_err(|e| ApiError::Internal(format!("restore: {e}")))?;
+        let t_running = Instant::now();
+        let restore_ms = restored.running_after_us as f64 / 1000.0;
+        let guest = self.greet(rt, &vmm, spec, t_running).await?;
+        let total_ms = t0.elapsed().as_secs_f64() * 1000.0;
+        // Reseeding and placing files wait on the guest too; a queued create waited for others.
+        let guest_ms = guest.ready_ms + guest.identity_ms;
+        let host_ms = total_ms - guest_ms - queue_ms;
+        let record = rt.update(|r| {
+            r.state = SandboxState::Running as i32;
+            r.create_ms = total_ms;
+            r.create_host_ms = host_ms;
+            r.create_guest_ms = guest_ms;
+            r.create_queue_ms = queue_ms;
+            r.restore_ms = restore_ms;
+            r.vmm_pid = vmm.pid;
+        });
+        self.store.put_sandbox(&record)?;
+        self.metrics
+            .observe_create(total_ms / 1000.0, host_ms / 1000.0, restore_ms / 1000.0);
+        info!(
+            sandbox = %rt.id,
+            tenant = %rt.tenant,
+            template = %template.record.name,
+            total_ms,
+            host_ms,
+            guest_ms,
+            restore_ms,
+            take_ms = (t_taken - t0).as_secs_f64() * 1000.0,
+            control_ms = (t_running - t_taken).as_secs_f64() * 1000.0,
+            identity_ms = guest.identity_ms,
+            "sandbox ready"
+        );
+        Ok(record)
+    }
+
+    /// A warm VMM of the template (or a new one), handed over to the sandbox.
+    async fn vmm_for(&self, rt: &SandboxRt, template: &TemplateRt) -> ApiResult<VmmProcess> {
+        let owner = Owner::Sandbox(rt.id.clone());
+        match self.pool.take(&template.record.id) {
+            Some(p) => {
+                self.host.supervisor.hand_over(&p, owner)?;
+                Ok(p)
+            }
+            None => {
+                info!(template = %template.record.name, "no warm VMM: starting one for this create");
+                let spec = template.pool_spec();
+                self.host
+                    .start_pool_vmm(&spec, template.record.memory_mib, owner)
+                    .await
+            }
+        }
+    }
+
+    /// Waits for the restored guest's agent, then gives the clone its identity (and its /tmp
+    /// its size: the sandbox's disk quota) and places the request's files.
+    async fn greet(
+        &self,
+        rt: &Arc<SandboxRt>,
+        vmm: &VmmProcess,
+        spec: &SandboxSpec,
+        running: Instant,
+    ) -> ApiResult<GuestTimes> {
+        let deadline = Instant::now() + Duration::from_millis(self.cfg.ready_timeout_ms);
+        let (rt, vmm, spec) = (rt.clone(), vmm.clone(), spec.clone());
+        tokio::task::spawn_blocking(move || {
+            let call = AgentCall {
+                sandbox: &rt.id,
+                path: "",
+                disk_limit: u64::from(spec.disk_mib) << 20,
+            };
+            let gone = || {
+                if rt.is_ending() {
+                    Some("the sandbox is ending".to_owned())
+                } else {
+                    vmm.is_gone().then(|| "its VMM ended".to_owned())
+                }
+            };
+            let mut client =
+                airlock_proto::vsock::wait_ready(&vmm.vsock, AGENT_VSOCK_PORT, deadline, gone)
+                    .map_err(|e| ApiError::AgentUnavailable {
+                        id: rt.id.clone(),
+                        message: crate::error::error_chain(&e),
+                    })?;
+            let ready_ms = running.elapsed().as_secs_f64() * 1000.0;
+            let t = Instant::now();
+            let tmp_bytes = u64::from(spec.disk_mib) << 20;
+            client
+                .within(CALL_TIMEOUT, |c| c.reseed_clone(&rt.id, tmp_bytes))
+                .map_err(|e| from_agent(e, call))?;
+            for f in &spec.files {
+                let mode = if f.mode == 0 { 0o644 } else { f.mode };
+                files::write_all(&mut client, &f.path, &f.content, mode).map_err(|e| {
+                    from_agent(
+                        e,
+                        AgentCall {
+                            path: &f.path,
+                            ..call
+                        },
+                    )
+                })?;
+            }
+            Ok(GuestTimes {
+                ready_ms,
+                identity_ms: t.elapsed().as_secs_f64() * 1000.0,
+            })
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("agent task: {e}")))?
+    }
+}

@@ -1,0 +1,336 @@
+//! Sandboxes: the live ones (a [`SandboxRt`] each, with its VMM) and their lifecycle: a
+//! request checked ([`spec`]), admitted ([`admission`]), started from a warm VMM ([`create`]),
+//! paused, resumed, snapshotted and destroyed ([`ops`]), and ended, whoever ends it ([`end`]).
+//! Records of ended sandboxes stay in the store.
+
+pub mod admission;
+mod create;
+mod end;
+mod ops;
+pub mod spec;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use airlock_api::v1::{FilePolicy, Sandbox, SandboxState};
+
+use crate::config::Config;
+use crate::error::{ApiError, ApiResult};
+use crate::exec::{ExecTarget, Executions};
+use crate::files::FileTarget;
+use crate::host::VmmHost;
+use crate::ids;
+use crate::metrics::{Metrics, SandboxUsage};
+use crate::pool::WarmPool;
+use crate::reason::{EndReason, state_name};
+use crate::store::Store;
+use crate::templates::Templates;
+use crate::vmm::VmmProcess;
+
+/// A live sandbox (starting, running or paused).
+#[derive(Debug)]
+pub struct SandboxRt {
+    pub id: String,
+    pub tenant: String,
+    record: Mutex<Sandbox>,
+    vmm: Mutex<Option<VmmProcess>>,
+    pub env: HashMap<String, String>,
+    pub policy: FilePolicy,
+    last_activity: Mutex<Instant>,
+    created: Instant,
+    /// Serialises pause, resume, snapshot and destroy.
+    pub ops: tokio::sync::Mutex<()>,
+    /// Set once its end has begun: its VMM's exit is then not a death.
+    ending: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl SandboxRt {
+    /// A live sandbox with `record`; `age` is how long ago it was created.
+    pub fn new(
+        record: Sandbox,
+        env: HashMap<String, String>,
+        policy: FilePolicy,
+        age: Duration,
+    ) -> Self {
+        let now = Instant::now();
+        Self {
+            id: record.id.clone(),
+            tenant: record.tenant.clone(),
+            record: Mutex::new(record),
+            vmm: Mutex::new(None),
+            env,
+            policy,
+            last_activity: Mutex::new(now),
+            created: now.checked_sub(age).unwrap_or(now),
+            ops: tokio::sync::Mutex::new(()),
+            ending: AtomicBool::new(false),
+        }
+    }
+
+    /// Its record, with the CPU and memory its cgroup counted.
+    pub fn snapshot(&self) -> Sandbox {
+        let mut r = lock(&self.record).clone();
+        if let Some(cg) = self.vmm().and_then(|v| v.cgroup) {
+            r.cpu_usage_us = cg.cpu_usage_us();
+            r.memory_peak_bytes = cg.memory_peak_bytes();
+        }
+        r
+    }
+
+    pub fn state(&self) -> SandboxState {
+        lock(&self.record).state()
+    }
+
+    /// Guest memory committed to it.
+    pub fn memory_mib(&self) -> u64 {
+        u64::from(lock(&self.record).memory_mib)
+    }
+
+    pub fn touch(&self) {
+        *lock(&self.last_activity) = Instant::now();
+    }
+
+    pub fn idle_for(&self) -> Duration {
+        lock(&self.last_activity).elapsed()
+    }
+
+    pub fn age(&self) -> Duration {
+        self.created.elapsed()
+    }
+
+    pub fn vmm(&self) -> Option<VmmProcess> {
+        lock(&self.vmm).clone()
+    }
+
+    pub fn set_vmm(&self, v: VmmProcess) {
+        *lock(&self.vmm) = Some(v);
+    }
+
+    pub fn is_ending(&self) -> bool {
+        self.ending.load(Ordering::SeqCst)
+    }
+
+    /// Marks its end as begun; whether it already had.
+    fn begin_end(&self) -> bool {
+        self.ending.swap(true, Ordering::SeqCst)
+    }
+
+    pub fn update(&self, f: impl FnOnce(&mut Sandbox)) -> Sandbox {
+        let mut r = lock(&self.record);
+        f(&mut r);
+        r.clone()
+    }
+
+    fn vmm_or_err(&self) -> ApiResult<VmmProcess> {
+        self.vmm()
+            .ok_or_else(|| ApiError::Internal(format!("sandbox {} has no VMM", self.id)))
+    }
+
+    /// Where its executions run.
+    pub fn exec_target(&self) -> ApiResult<ExecTarget> {
+        Ok(ExecTarget {
+            sandbox_id: self.id.clone(),
+            tenant: self.tenant.clone(),
+            template_id: lock(&self.record).template_id.clone(),
+            vsock: self.vmm_or_err()?.vsock,
+            env: self.env.clone(),
+        })
+    }
+
+    /// Its files, for transfers of at most `max_file_bytes`.
+    pub fn file_target(&self, max_file_bytes: u64) -> ApiResult<FileTarget> {
+        Ok(FileTarget {
+            sandbox_id: self.id.clone(),
+            vsock: self.vmm_or_err()?.vsock,
+            policy: self.policy.clone(),
+            disk_limit: u64::from(lock(&self.record).disk_mib) << 20,
+            max_file_bytes,
+        })
+    }
+}
+
+/// The sandboxes and what their lifecycle needs.
+#[derive(Debug)]
+pub struct Sandboxes {
+    cfg: Arc<Config>,
+    store: Arc<Store>,
+    metrics: Arc<Metrics>,
+    templates: Arc<Templates>,
+    pool: Arc<WarmPool>,
+    host: Arc<VmmHost>,
+    executions: Arc<Executions>,
+    live: Mutex<HashMap<String, Arc<SandboxRt>>>,
+    slots: admission::StartSlots,
+}
+
+impl Sandboxes {
+    pub fn new(
+        cfg: Arc<Config>,
+        store: Arc<Store>,
+        metrics: Arc<Metrics>,
+        templates: Arc<Templates>,
+        pool: Arc<WarmPool>,
+        host: Arc<VmmHost>,
+        executions: Arc<Executions>,
+    ) -> Self {
+        let slots = admission::StartSlots::new(cfg.concurrent_starts(), cfg.max_start_queue);
+        Self {
+            cfg,
+            store,
+            metrics,
+            templates,
+            pool,
+            host,
+            executions,
+            live: Mutex::new(HashMap::new()),
+            slots,
+        }
+    }
+
+    fn live_map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<SandboxRt>>> {
+        lock(&self.live)
+    }
+
+    /// Every live sandbox.
+    pub fn all(&self) -> Vec<Arc<SandboxRt>> {
+        self.live_map().values().cloned().collect()
+    }
+
+    /// A live sandbox by id, whoever's.
+    pub fn by_id(&self, id: &str) -> Option<Arc<SandboxRt>> {
+        self.live_map().get(id).cloned()
+    }
+
+    /// A live sandbox of `tenant` (others' are "not found").
+    pub fn live(&self, tenant: &str, id: &str) -> Option<Arc<SandboxRt>> {
+        self.by_id(id).filter(|s| s.tenant == tenant)
+    }
+
+    /// Registers an adopted sandbox (after a restart).
+    pub fn insert(&self, rt: Arc<SandboxRt>) {
+        self.live_map().insert(rt.id.clone(), rt);
+    }
+
+    /// A sandbox record of `tenant`, live or ended.
+    pub fn get(&self, tenant: &str, id: &str) -> ApiResult<Sandbox> {
+        if let Some(s) = self.live(tenant, id) {
+            s.touch();
+            return Ok(s.snapshot());
+        }
+        match self.store.sandbox(id)? {
+            Some(s) if s.tenant == tenant => Ok(s),
+            _ => Err(ApiError::SandboxNotFound(id.to_owned())),
+        }
+    }
+
+    /// `tenant`'s sandboxes with all of `labels`, in `states` (default: the live ones).
+    pub fn list(
+        &self,
+        tenant: &str,
+        labels: &HashMap<String, String>,
+        states: &[i32],
+    ) -> ApiResult<Vec<Sandbox>> {
+        let live: HashMap<String, Sandbox> = self
+            .live_map()
+            .values()
+            .filter(|s| s.tenant == tenant)
+            .map(|s| (s.id.clone(), s.snapshot()))
+            .collect();
+        let default_states = [
+            SandboxState::Starting as i32,
+            SandboxState::Running as i32,
+            SandboxState::Paused as i32,
+        ];
+        let states = if states.is_empty() {
+            &default_states[..]
+        } else {
+            states
+        };
+        Ok(self
+            .store
+            .sandboxes(Some(tenant))?
+            .into_iter()
+            .map(|s| live.get(&s.id).cloned().unwrap_or(s))
+            .filter(|s| states.contains(&s.state))
+            .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
+            .collect())
+    }
+
+    /// A live sandbox of `tenant` in `state` (errors say why not).
+    pub fn in_state(
+        &self,
+        tenant: &str,
+        id: &str,
+        state: SandboxState,
+    ) -> ApiResult<Arc<SandboxRt>> {
+        match self.live(tenant, id) {
+            Some(rt) if rt.state() == state => {
+                rt.touch();
+                Ok(rt)
+            }
+            Some(rt) => Err(ApiError::SandboxNotRunning {
+                id: id.to_owned(),
+                state: state_name(rt.state()).into(),
+            }),
+            None => match self.store.sandbox(id)? {
+                Some(s) if s.tenant == tenant => Err(ended_error(&s)),
+                _ => Err(ApiError::SandboxNotFound(id.to_owned())),
+            },
+        }
+    }
+
+    /// A live, running sandbox of `tenant` (errors say why not).
+    pub fn running(&self, tenant: &str, id: &str) -> ApiResult<Arc<SandboxRt>> {
+        self.in_state(tenant, id, SandboxState::Running)
+    }
+
+    /// Live sandboxes by state and per-sandbox usage, for the metrics endpoint.
+    pub fn usage(&self) -> (Vec<(SandboxState, u64)>, Vec<SandboxUsage>) {
+        let mut by_state = vec![
+            (SandboxState::Starting, 0),
+            (SandboxState::Running, 0),
+            (SandboxState::Paused, 0),
+        ];
+        let mut usage = Vec::new();
+        for rt in self.all() {
+            let r = rt.snapshot();
+            if let Some(n) = by_state.iter_mut().find(|(s, _)| *s == r.state()) {
+                n.1 += 1;
+            }
+            usage.push(SandboxUsage {
+                id: r.id,
+                tenant: r.tenant,
+                cpu_usage_us: r.cpu_usage_us,
+                memory_bytes: r.memory_peak_bytes,
+            });
+        }
+        (by_state, usage)
+    }
+}
+
+/// The error for a call on an ended sandbox.
+pub fn ended_error(s: &Sandbox) -> ApiError {
+    if s.state() == SandboxState::Dead {
+        ApiError::Dead {
+            id: s.id.clone(),
+            reason: EndReason::from_code(&s.end_reason),
+            message: s.end_message.clone(),
+        }
+    } else {
+        ApiError::SandboxNotRunning {
+            id: s.id.clone(),
+            state: "destroyed".into(),
+        }
+    }
+}
+
+/// A new sandbox id.
+fn new_sandbox_id() -> ApiResult<String> {
+    ids::new_id(ids::SANDBOX)
+}

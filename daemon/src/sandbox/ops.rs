@@ -1,0 +1,117 @@
+//! Calls on a live sandbox: pause, resume, snapshot into a template, destroy. Each takes the
+//! sandbox's operation lock, so they never interleave.
+
+use airlock_api::v1::{Sandbox, SandboxState, Template};
+
+use super::Sandboxes;
+use crate::error::{ApiError, ApiResult};
+use crate::ids;
+use crate::reason::{EndReason, state_name};
+use crate::templates::{TemplateRt, disk_bytes};
+use crate::vmm;
+
+fn control_error(what: &str) -> impl Fn(airlock_control::ControlError) -> ApiError + '_ {
+    move |e| ApiError::Internal(format!("{what}: {e}"))
+}
+
+impl Sandboxes {
+    pub async fn pause(&self, tenant: &str, id: &str) -> ApiResult<Sandbox> {
+        let rt = self.running(tenant, id)?;
+        let _op = rt.ops.lock().await;
+        let v = rt.vmm_or_err()?;
+        vmm::control::pause(&v.control)
+            .await
+            .map_err(control_error("pause"))?;
+        let r = rt.update(|r| r.state = SandboxState::Paused as i32);
+        self.store.put_sandbox(&r)?;
+        Ok(r)
+    }
+
+    pub async fn resume(&self, tenant: &str, id: &str) -> ApiResult<Sandbox> {
+        let rt = self.in_state(tenant, id, SandboxState::Paused)?;
+        let _op = rt.ops.lock().await;
+        let v = rt.vmm_or_err()?;
+        vmm::control::resume(&v.control)
+            .await
+            .map_err(control_error("resume"))?;
+        let r = rt.update(|r| r.state = SandboxState::Running as i32);
+        self.store.put_sandbox(&r)?;
+        Ok(r)
+    }
+
+    /// DestroySandbox: idempotent; `false` when there was nothing live to destroy.
+    pub async fn destroy(&self, tenant: &str, id: &str) -> ApiResult<bool> {
+        if !ids::well_formed(id, ids::SANDBOX) {
+            return Err(ApiError::InvalidArgument(format!(
+                "{id:?} is not a sandbox id"
+            )));
+        }
+        let Some(rt) = self.live(tenant, id) else {
+            return Ok(false);
+        };
+        let _op = rt.ops.lock().await;
+        self.end(&rt, EndReason::Destroyed, "destroyed by a call")
+            .await?;
+        Ok(true)
+    }
+
+    /// SnapshotSandbox: a new template of `tenant` from a running or paused sandbox.
+    pub async fn snapshot(&self, tenant: &str, id: &str, name: &str) -> ApiResult<TemplateRt> {
+        let rt = self
+            .live(tenant, id)
+            .ok_or_else(|| ApiError::SandboxNotFound(id.to_owned()))?;
+        let owner = self.templates.check_new(tenant, name)?;
+        let _op = rt.ops.lock().await;
+        let state = rt.state();
+        if !matches!(state, SandboxState::Running | SandboxState::Paused) {
+            return Err(ApiError::SandboxNotRunning {
+                id: id.to_owned(),
+                state: state_name(state).into(),
+            });
+        }
+        let v = rt.vmm_or_err()?;
+        let tid = ids::new_id(ids::TEMPLATE)?;
+        let dir = self.templates.dir_of(&tid);
+        if state == SandboxState::Running {
+            vmm::control::pause(&v.control)
+                .await
+                .map_err(control_error("pause"))?;
+        }
+        // The VMM writes into its run directory (the one place its jail can write); the
+        // snapshot then moves to the templates, owned by root.
+        let staging = v.run_dir.join(format!("snapshot-{tid}"));
+        let written = vmm::control::snapshot(&v.control, &staging).await;
+        if state == SandboxState::Running {
+            let _ = vmm::control::resume(&v.control).await;
+        }
+        let moved = written.map_err(control_error("snapshot")).and_then(|_| {
+            std::fs::rename(&staging, &dir)
+                .and_then(|()| crate::jail::take_ownership(&dir))
+                .map_err(|e| ApiError::Internal(format!("moving the snapshot: {e}")))
+        });
+        if let Err(e) = moved {
+            let _ = std::fs::remove_dir_all(&staging);
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
+        let sb = rt.snapshot();
+        let src = self.templates.by_id(&sb.template_id).map(|t| t.record);
+        let src = src.as_ref();
+        let from_src = |f: fn(&Template) -> &String| src.map(f).cloned().unwrap_or_default();
+        let record = Template {
+            name: name.to_owned(),
+            id: tid,
+            tenant: owner,
+            vcpus: sb.vcpus,
+            memory_mib: sb.memory_mib,
+            kernel_path: from_src(|t| &t.kernel_path),
+            kernel_version: from_src(|t| &t.kernel_version),
+            rootfs_path: from_src(|t| &t.rootfs_path),
+            rootfs_version: from_src(|t| &t.rootfs_version),
+            source_sandbox_id: id.to_owned(),
+            created_unix_ms: ids::now_ms(),
+            memory_file_bytes: disk_bytes(&dir.join("memory")),
+        };
+        self.templates.add(record, dir)
+    }
+}

@@ -1,0 +1,214 @@
+//! A CreateSandbox request checked against its template and the daemon's settings, before
+//! anything is started: pure, and table-tested.
+
+use std::collections::HashMap;
+
+use airlock_api::v1::{CreateSandboxRequest, FilePolicy, FileToPlace, Template};
+
+use crate::config::Config;
+use crate::error::{ApiError, ApiResult};
+use crate::files;
+
+/// What a new sandbox gets.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SandboxSpec {
+    pub disk_mib: u32,
+    pub idle_ttl_s: u32,
+    pub max_lifetime_s: u32,
+    pub policy: FilePolicy,
+    pub env: HashMap<String, String>,
+    pub labels: HashMap<String, String>,
+    pub files: Vec<FileToPlace>,
+}
+
+impl SandboxSpec {
+    /// Checks `req` for a sandbox of `template` under `cfg`.
+    pub fn check(req: &CreateSandboxRequest, template: &Template, cfg: &Config) -> ApiResult<Self> {
+        if req.vcpus != 0 && req.vcpus != template.vcpus
+            || req.memory_mib != 0 && req.memory_mib != template.memory_mib
+        {
+            return Err(ApiError::InvalidArgument(format!(
+                "template {} has {} vCPU(s) and {} MiB; a snapshot's shape is fixed (make a \
+                 template with CreateTemplate vcpus/memory_mib for another shape)",
+                template.name, template.vcpus, template.memory_mib
+            )));
+        }
+        let disk_mib = or_default(req.disk_mib, cfg.default_disk_mib);
+        if disk_mib > cfg.max_disk_mib {
+            return Err(ApiError::InvalidArgument(format!(
+                "disk_mib {disk_mib} is over the limit {}",
+                cfg.max_disk_mib
+            )));
+        }
+        let policy = normalise_policy(req.file_policy.clone(), cfg)?;
+        let mut placed_bytes = 0u64;
+        for f in &req.files {
+            files::check_path(&f.path, &policy.writable, "writable")?;
+            placed_bytes += f.content.len() as u64;
+        }
+        if placed_bytes > cfg.max_file_bytes {
+            return Err(ApiError::FileTooLarge {
+                size: placed_bytes,
+                limit: cfg.max_file_bytes,
+            });
+        }
+        for (k, v) in &req.env {
+            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+                return Err(ApiError::InvalidArgument(format!(
+                    "bad environment entry {k:?}"
+                )));
+            }
+        }
+        Ok(Self {
+            disk_mib,
+            idle_ttl_s: or_default(req.idle_ttl_s, cfg.default_idle_ttl_s).min(cfg.max_idle_ttl_s),
+            max_lifetime_s: or_default(req.max_lifetime_s, cfg.default_max_lifetime_s)
+                .min(cfg.max_lifetime_s),
+            policy,
+            env: req.env.clone(),
+            labels: req.labels.clone(),
+            files: req.files.clone(),
+        })
+    }
+
+    /// What a restarted daemon needs to serve the sandbox again (its environment and file
+    /// policy), as a request message to store.
+    pub fn to_stored(&self) -> CreateSandboxRequest {
+        CreateSandboxRequest {
+            env: self.env.clone(),
+            file_policy: Some(self.policy.clone()),
+            ..Default::default()
+        }
+    }
+}
+
+fn or_default(v: u32, default: u32) -> u32 {
+    if v == 0 { default } else { v }
+}
+
+/// Checks a request's file policy (absolute, normal prefixes) or gives the default.
+fn normalise_policy(p: Option<FilePolicy>, cfg: &Config) -> ApiResult<FilePolicy> {
+    let p = p.unwrap_or_default();
+    let pick = |given: Vec<String>, default: &Vec<String>| -> ApiResult<Vec<String>> {
+        let list = if given.is_empty() {
+            default.clone()
+        } else {
+            given
+        };
+        for prefix in &list {
+            files::check_absolute(prefix)?;
+        }
+        Ok(list)
+    };
+    Ok(FilePolicy {
+        writable: pick(p.writable, &cfg.writable_paths)?,
+        exportable: pick(p.exportable, &cfg.exportable_paths)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn template() -> Template {
+        Template {
+            name: "base".into(),
+            vcpus: 1,
+            memory_mib: 256,
+            ..Default::default()
+        }
+    }
+
+    fn file(path: &str, bytes: usize) -> FileToPlace {
+        FileToPlace {
+            path: path.into(),
+            content: vec![0; bytes],
+            mode: 0,
+        }
+    }
+
+    #[test]
+    fn requests_are_checked_against_the_template_and_the_settings() {
+        let cfg = Config {
+            max_file_bytes: 100,
+            max_disk_mib: 2048,
+            max_idle_ttl_s: 60,
+            ..Config::default()
+        };
+        let ok = |r: CreateSandboxRequest| SandboxSpec::check(&r, &template(), &cfg);
+        let reason = |r: CreateSandboxRequest| ok(r).unwrap_err().reason().to_owned();
+        let base = CreateSandboxRequest::default();
+        let spec = ok(base.clone()).unwrap();
+        assert_eq!(spec.disk_mib, cfg.default_disk_mib);
+        assert_eq!(spec.idle_ttl_s, 60, "the default is capped");
+        assert_eq!(spec.policy.writable, vec!["/tmp".to_owned()]);
+        let table: Vec<(CreateSandboxRequest, &str)> = vec![
+            (
+                CreateSandboxRequest {
+                    vcpus: 2,
+                    ..base.clone()
+                },
+                "INVALID_ARGUMENT",
+            ),
+            (
+                CreateSandboxRequest {
+                    memory_mib: 512,
+                    ..base.clone()
+                },
+                "INVALID_ARGUMENT",
+            ),
+            (
+                CreateSandboxRequest {
+                    disk_mib: 4096,
+                    ..base.clone()
+                },
+                "INVALID_ARGUMENT",
+            ),
+            (
+                CreateSandboxRequest {
+                    files: vec![file("/etc/x", 1)],
+                    ..base.clone()
+                },
+                "PATH_NOT_ALLOWED",
+            ),
+            (
+                CreateSandboxRequest {
+                    files: vec![file("/tmp/a", 60), file("/tmp/b", 60)],
+                    ..base.clone()
+                },
+                "FILE_TOO_LARGE",
+            ),
+            (
+                CreateSandboxRequest {
+                    env: HashMap::from([("A=B".to_owned(), String::new())]),
+                    ..base.clone()
+                },
+                "INVALID_ARGUMENT",
+            ),
+            (
+                CreateSandboxRequest {
+                    file_policy: Some(FilePolicy {
+                        writable: vec!["relative".into()],
+                        exportable: vec![],
+                    }),
+                    ..base.clone()
+                },
+                "INVALID_ARGUMENT",
+            ),
+        ];
+        for (req, want) in table {
+            assert_eq!(reason(req.clone()), want, "{req:?}");
+        }
+        let placed = ok(CreateSandboxRequest {
+            vcpus: 1,
+            files: vec![file("/tmp/a", 100)],
+            idle_ttl_s: 5,
+            ..base
+        })
+        .unwrap();
+        assert_eq!(placed.idle_ttl_s, 5);
+        assert_eq!(placed.files.len(), 1);
+        assert_eq!(placed.to_stored().file_policy.unwrap(), placed.policy);
+    }
+}

@@ -1,0 +1,313 @@
+//! Template builds: one cold boot of a kernel and an image in a jailed `airlock-vmm snapshot`,
+//! a warm-up command in the guest, a snapshot moved out of the VMM's run directory into the
+//! templates (owned by root), progress events all along. The build runs on a task of its own:
+//! a client that goes away leaves no VMM, cgroup or run directory behind.
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use airlock_api::v1::{CreateTemplateRequest, Template, TemplateEvent};
+use tokio::sync::mpsc::Sender;
+use tracing::info;
+
+use super::{TemplateRt, Templates, disk_bytes, file_version};
+use crate::config::Config;
+use crate::error::{ApiError, ApiResult};
+use crate::host::VmmHost;
+use crate::ids;
+use crate::jail::Launch;
+use crate::store::Owner;
+use crate::vmm::{self, VmmProcess};
+
+/// The shape and inputs of one build, checked.
+#[derive(Clone, Debug)]
+struct BuildSpec {
+    kernel: PathBuf,
+    rootfs: PathBuf,
+    vcpus: u32,
+    memory_mib: u32,
+    warmup: String,
+}
+
+/// Sends progress events of one build.
+#[derive(Clone, Debug)]
+struct Progress {
+    tx: Sender<TemplateEvent>,
+    started: Instant,
+}
+
+impl Progress {
+    async fn send(&self, phase: &str, message: String, template: Option<Template>) {
+        let ev = TemplateEvent {
+            phase: phase.into(),
+            elapsed_ms: self.started.elapsed().as_millis() as u64,
+            message,
+            template,
+        };
+        let _ = self.tx.send(ev).await;
+    }
+}
+
+/// Builds templates.
+#[derive(Debug)]
+pub struct Builder {
+    cfg: Arc<Config>,
+    host: Arc<VmmHost>,
+    templates: Arc<Templates>,
+}
+
+impl Builder {
+    pub fn new(cfg: Arc<Config>, host: Arc<VmmHost>, templates: Arc<Templates>) -> Self {
+        Self {
+            cfg,
+            host,
+            templates,
+        }
+    }
+
+    /// CreateTemplate: checks the request, boots, warms up and snapshots; the new template
+    /// is registered and returned. Progress goes to `progress`.
+    pub async fn create(
+        self: &Arc<Self>,
+        tenant: &str,
+        req: CreateTemplateRequest,
+        progress: Sender<TemplateEvent>,
+    ) -> ApiResult<TemplateRt> {
+        let owner = self.templates.check_new(tenant, &req.name)?;
+        let spec = self.spec(&req)?;
+        let id = ids::new_id(ids::TEMPLATE)?;
+        let dir = self.templates.dir_of(&id);
+        let progress = Progress {
+            tx: progress,
+            started: Instant::now(),
+        };
+        progress
+            .send(
+                "booting",
+                format!(
+                    "cold boot of {} with {} ({} vCPU, {} MiB)",
+                    spec.kernel.display(),
+                    spec.rootfs.display(),
+                    spec.vcpus,
+                    spec.memory_mib
+                ),
+                None,
+            )
+            .await;
+        let me = self.clone();
+        let (s, d, p, tid) = (spec.clone(), dir.clone(), progress.clone(), id.clone());
+        tokio::spawn(async move { me.snapshot(&s, &d, &p, &tid).await })
+            .await
+            .map_err(|e| ApiError::Internal(format!("template build task: {e}")))??;
+        let record = Template {
+            name: req.name.clone(),
+            id,
+            tenant: owner,
+            vcpus: spec.vcpus,
+            memory_mib: spec.memory_mib,
+            kernel_path: spec.kernel.display().to_string(),
+            kernel_version: file_version(&spec.kernel),
+            rootfs_path: spec.rootfs.display().to_string(),
+            rootfs_version: file_version(&spec.rootfs),
+            source_sandbox_id: String::new(),
+            created_unix_ms: ids::now_ms(),
+            memory_file_bytes: disk_bytes(&dir.join("memory")),
+        };
+        let t = self.templates.add(record, dir)?;
+        let secs = progress.started.elapsed().as_secs();
+        info!(template = %t.record.name, id = %t.record.id, secs, "template ready");
+        progress
+            .send(
+                "ready",
+                format!("ready after {secs} s"),
+                Some(t.record.clone()),
+            )
+            .await;
+        Ok(t)
+    }
+
+    /// The request's build, with the daemon's defaults.
+    fn spec(&self, req: &CreateTemplateRequest) -> ApiResult<BuildSpec> {
+        let pick = |given: &str, default: Option<PathBuf>, what: &str, script: &str| {
+            let p = if given.is_empty() {
+                default.ok_or_else(|| {
+                    ApiError::InvalidArgument(format!(
+                        "no {what} given and none built: run {script}"
+                    ))
+                })?
+            } else {
+                PathBuf::from(given)
+            };
+            if !p.is_file() {
+                return Err(ApiError::InvalidArgument(format!(
+                    "{what} {} is not a file on the daemon's host",
+                    p.display()
+                )));
+            }
+            // Canonical: the jails of the template's VMMs hold these files at these paths.
+            Ok(std::fs::canonicalize(&p)?)
+        };
+        let kernel = pick(
+            &req.kernel_path,
+            self.cfg.default_kernel(),
+            "kernel",
+            "kernel-config/build.sh",
+        )?;
+        let rootfs = pick(
+            &req.rootfs_path,
+            self.cfg.default_rootfs(),
+            "root filesystem",
+            "rootfs/build.sh",
+        )?;
+        let vcpus = if req.vcpus == 0 { 1 } else { req.vcpus };
+        let memory_mib = if req.memory_mib == 0 {
+            256
+        } else {
+            req.memory_mib
+        };
+        if !(1..=32).contains(&vcpus) || !(64..=1 << 20).contains(&memory_mib) {
+            return Err(ApiError::InvalidArgument(
+                "vcpus must be 1..32 and memory_mib 64..1048576".into(),
+            ));
+        }
+        let warmup = if req.no_warmup {
+            String::new()
+        } else if req.warmup.is_empty() {
+            self.cfg.template_warmup.clone()
+        } else {
+            req.warmup.clone()
+        };
+        Ok(BuildSpec {
+            kernel,
+            rootfs,
+            vcpus,
+            memory_mib,
+            warmup,
+        })
+    }
+
+    /// Boots `spec` once in a jailed `airlock-vmm snapshot`, runs the warm-up, and moves the
+    /// snapshot it wrote (in its run directory) to `dir`, owned by root. Sends "still booting"
+    /// every 5 s. The VMM, its cgroup and run directory are gone afterwards.
+    async fn snapshot(
+        &self,
+        spec: &BuildSpec,
+        dir: &Path,
+        progress: &Progress,
+        template_id: &str,
+    ) -> ApiResult<()> {
+        let (vm_id, run_dir) = self.host.new_vmm_id()?;
+        std::fs::create_dir_all(&run_dir)?;
+        let cgroup = match self.host.cgroup(&vm_id, spec.memory_mib, spec.vcpus) {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&run_dir);
+                return Err(ApiError::Internal(format!("VMM cgroup: {e}")));
+            }
+        };
+        let launched = match self.launch(spec, &run_dir, cgroup.clone()).await {
+            Ok(l) => l,
+            Err(e) => {
+                if let Some(cg) = &cgroup {
+                    let _ = cg.remove();
+                }
+                let _ = std::fs::remove_dir_all(&run_dir);
+                return Err(e);
+            }
+        };
+        let vmm = VmmProcess::new(vm_id, run_dir.clone(), cgroup, &launched);
+        let recorded = self
+            .host
+            .supervisor
+            .record(&vmm, &Owner::Build(template_id.to_owned()));
+        let status = wait_with_progress(launched.exit, progress).await;
+        self.host.supervisor.forget(&vmm);
+        let out_dir = run_dir.join("snapshot");
+        let result = match status {
+            Ok(Some(st)) if st.success() => std::fs::rename(&out_dir, dir)
+                .and_then(|()| crate::jail::take_ownership(dir))
+                .map_err(|e| ApiError::Internal(format!("moving the snapshot: {e}"))),
+            Ok(st) => Err(ApiError::Internal(format!(
+                "the template boot failed ({}): {}",
+                st.map_or("no status".into(), |s| s.to_string()),
+                vmm::log_tail(&vmm.log())
+            ))),
+            Err(e) => Err(ApiError::Internal(format!(
+                "waiting for the template VMM: {e}"
+            ))),
+        };
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        vmm.remove_leftovers();
+        recorded?;
+        result
+    }
+
+    /// Starts the build's VMM.
+    async fn launch(
+        &self,
+        spec: &BuildSpec,
+        run_dir: &Path,
+        cgroup: Option<crate::cgroup::Cgroup>,
+    ) -> ApiResult<vmm::Launched> {
+        let launcher = &self.host.launcher;
+        let mut args = launcher.vmm_flags();
+        args.extend(
+            [
+                "snapshot",
+                "--cpu-template",
+                vmm::cpu_template(),
+                "--vcpus",
+                &spec.vcpus.to_string(),
+                "--mem-mib",
+                &spec.memory_mib.to_string(),
+                "--warmup",
+                &spec.warmup,
+            ]
+            .map(OsString::from),
+        );
+        for (flag, path) in [
+            ("--kernel", spec.kernel.clone()),
+            ("--rootfs", spec.rootfs.clone()),
+            ("--out", run_dir.join("snapshot")),
+        ] {
+            args.push(flag.into());
+            args.push(path.into());
+        }
+        let launch = Launch {
+            args,
+            env: vmm::vmm_env(run_dir),
+            run_dir: run_dir.to_path_buf(),
+            read_only: vec![spec.kernel.clone(), spec.rootfs.clone()],
+            cgroup,
+            stdout: None,
+            stderr: File::create(run_dir.join("vmm.log"))?,
+        };
+        vmm::launch(launcher, launch).await.map_err(|e| {
+            ApiError::Internal(format!("spawning {}: {e}", launcher.binary().display()))
+        })
+    }
+}
+
+/// Waits for the build VMM's exit, sending "still booting" every 5 s.
+async fn wait_with_progress(
+    exit: crate::jail::ExitFuture,
+    progress: &Progress,
+) -> std::io::Result<Option<std::process::ExitStatus>> {
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    tick.tick().await;
+    tokio::pin!(exit);
+    loop {
+        tokio::select! {
+            st = &mut exit => return st,
+            _ = tick.tick() => {
+                let secs = progress.started.elapsed().as_secs();
+                progress.send("booting", format!("still booting ({secs} s)"), None).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! Templates: the registry of usable snapshots (its records live in the store, its files in
+//! `DATA_DIR/templates/ID`), who may see and delete which (a tenant's own, and the shared ones
+//! the operator made as the default tenant), and [`build`], which makes new ones.
+
+pub mod build;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use airlock_api::v1::Template;
+
+use crate::error::{ApiError, ApiResult};
+use crate::ids;
+use crate::store::Store;
+use crate::vmm::PoolSpec;
+
+/// A usable template: its record and snapshot directory.
+#[derive(Clone, Debug)]
+pub struct TemplateRt {
+    pub record: Template,
+    pub dir: PathBuf,
+}
+
+impl TemplateRt {
+    /// What a warm VMM of this template restores.
+    pub fn pool_spec(&self) -> PoolSpec {
+        PoolSpec {
+            vcpus: self.record.vcpus,
+            snapshot_dir: self.dir.clone(),
+            rootfs: PathBuf::from(&self.record.rootfs_path),
+        }
+    }
+}
+
+/// The templates.
+#[derive(Debug)]
+pub struct Templates {
+    all: Mutex<Vec<TemplateRt>>,
+    store: Arc<Store>,
+    default_tenant: String,
+    dir: PathBuf,
+}
+
+impl Templates {
+    /// The templates recorded in `store`, with their files under `dir`.
+    pub fn load(store: Arc<Store>, dir: PathBuf, default_tenant: &str) -> ApiResult<Self> {
+        let all = store
+            .templates()?
+            .into_iter()
+            .map(|(record, dir)| TemplateRt {
+                record,
+                dir: PathBuf::from(dir),
+            })
+            .collect();
+        Ok(Self {
+            all: Mutex::new(all),
+            store,
+            default_tenant: default_tenant.to_owned(),
+            dir,
+        })
+    }
+
+    fn all(&self) -> std::sync::MutexGuard<'_, Vec<TemplateRt>> {
+        self.all.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Where template `id`'s files go.
+    pub fn dir_of(&self, id: &str) -> PathBuf {
+        self.dir.join(id)
+    }
+
+    /// Every template.
+    pub fn list(&self) -> Vec<TemplateRt> {
+        self.all().clone()
+    }
+
+    /// Templates `tenant` can use: its own and the shared ones.
+    pub fn for_tenant(&self, tenant: &str) -> Vec<TemplateRt> {
+        self.all()
+            .iter()
+            .filter(|t| t.record.tenant.is_empty() || t.record.tenant == tenant)
+            .cloned()
+            .collect()
+    }
+
+    /// The template `name` as `tenant` sees it (its own first, then a shared one).
+    pub fn find(&self, tenant: &str, name: &str) -> ApiResult<TemplateRt> {
+        let all = self.for_tenant(tenant);
+        all.iter()
+            .find(|t| t.record.name == name && t.record.tenant == tenant)
+            .or_else(|| all.iter().find(|t| t.record.name == name))
+            .cloned()
+            .ok_or_else(|| ApiError::TemplateNotFound(name.to_owned()))
+    }
+
+    /// The template with id `id`, if it still exists.
+    pub fn by_id(&self, id: &str) -> Option<TemplateRt> {
+        self.all().iter().find(|t| t.record.id == id).cloned()
+    }
+
+    /// The tenant a template created by `tenant` belongs to: the default tenant's templates are
+    /// shared (the operator's), every other tenant's are its own.
+    pub fn owner_for(&self, tenant: &str) -> String {
+        if tenant == self.default_tenant {
+            String::new()
+        } else {
+            tenant.to_owned()
+        }
+    }
+
+    /// Checks a new template's name for `tenant`; returns the owner it will have.
+    pub fn check_new(&self, tenant: &str, name: &str) -> ApiResult<String> {
+        if !ids::valid_name(name) {
+            return Err(ApiError::InvalidArgument(format!(
+                "template name {name:?}: use [a-z0-9][a-z0-9._-]{{0,62}}"
+            )));
+        }
+        let owner = self.owner_for(tenant);
+        if self
+            .all()
+            .iter()
+            .any(|t| t.record.name == name && t.record.tenant == owner)
+        {
+            return Err(ApiError::TemplateExists(name.to_owned()));
+        }
+        Ok(owner)
+    }
+
+    /// Adds a built template whose files are in `dir` (removed if the name was taken
+    /// meanwhile).
+    pub fn add(&self, record: Template, dir: PathBuf) -> ApiResult<TemplateRt> {
+        let mut all = self.all();
+        if all
+            .iter()
+            .any(|t| t.record.name == record.name && t.record.tenant == record.tenant)
+        {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(ApiError::TemplateExists(record.name));
+        }
+        self.store
+            .put_template(&record, &dir.display().to_string())?;
+        let t = TemplateRt { record, dir };
+        all.push(t.clone());
+        Ok(t)
+    }
+
+    /// Takes `tenant`'s template `name` out of the registry (the default tenant deletes shared
+    /// ones); the caller removes its pool and files.
+    pub fn remove(&self, tenant: &str, name: &str) -> ApiResult<TemplateRt> {
+        let owner = self.owner_for(tenant);
+        let t = {
+            let mut all = self.all();
+            let i = all
+                .iter()
+                .position(|t| t.record.name == name && t.record.tenant == owner)
+                .ok_or_else(|| ApiError::TemplateNotFound(name.to_owned()))?;
+            all.remove(i)
+        };
+        self.store.delete_template(&t.record.id)?;
+        Ok(t)
+    }
+}
+
+/// A short version of a file: a hash of its name, size and modification time (hashing a
+/// gigabyte image per template would cost seconds; the base image's file name carries the hash
+/// of its inputs already).
+pub fn file_version(p: &Path) -> String {
+    use std::hash::{Hash, Hasher};
+    let meta = std::fs::metadata(p).ok();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    p.file_name().hash(&mut h);
+    meta.as_ref().map(|m| m.len()).hash(&mut h);
+    meta.and_then(|m| m.modified().ok()).hash(&mut h);
+    format!("{:016x}", h.finish())
+}
+
+/// Bytes a (sparse) file occupies on disk.
+pub fn disk_bytes(p: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).map(|m| m.blocks() * 512).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn registry(tag: &str) -> (Templates, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("airlock-tpl-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store = Arc::new(Store::open(&dir.join("db")).unwrap());
+        (
+            Templates::load(store, dir.join("t"), "default").unwrap(),
+            dir,
+        )
+    }
+
+    fn record(name: &str, tenant: &str, id: &str) -> Template {
+        Template {
+            name: name.into(),
+            tenant: tenant.into(),
+            id: id.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn tenants_see_their_own_and_the_shared_templates() {
+        let (t, dir) = registry("see");
+        t.add(record("base", "", "tpl-1"), dir.join("1")).unwrap();
+        t.add(record("base", "acme", "tpl-2"), dir.join("2"))
+            .unwrap();
+        t.add(record("mine", "other", "tpl-3"), dir.join("3"))
+            .unwrap();
+        assert_eq!(t.find("acme", "base").unwrap().record.id, "tpl-2");
+        assert_eq!(t.find("zed", "base").unwrap().record.id, "tpl-1");
+        assert!(t.find("acme", "mine").is_err());
+        assert_eq!(t.for_tenant("acme").len(), 2);
+        assert_eq!(t.owner_for("default"), "");
+        assert!(matches!(
+            t.check_new("default", "base"),
+            Err(ApiError::TemplateExists(_))
+        ));
+        assert_eq!(t.check_new("acme", "new").unwrap(), "acme");
+        assert!(t.check_new("acme", "Bad").is_err());
+        assert!(t.remove("acme", "mine").is_err(), "not acme's");
+        assert_eq!(t.remove("other", "mine").unwrap().record.id, "tpl-3");
+        assert!(t.by_id("tpl-3").is_none());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,87 @@
+//! A VMM's control socket, from the daemon's async runtime: the typed requests and replies of
+//! `airlock_control`, one request per connection, every call bounded in time.
+
+use std::path::Path;
+use std::time::Duration;
+
+use airlock_control::{
+    ControlError, MAX_REPLY, Request, RestoreReply, SnapshotReply, StateReply, StatusReply,
+    parse_reply,
+};
+use serde::de::DeserializeOwned;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+
+/// How long a call may take (a snapshot writes the guest's memory file).
+const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a VMM's control socket may take to answer `status` while it starts.
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Sends `request` and reads the answer as `T`.
+pub async fn call<T: DeserializeOwned>(path: &Path, request: &Request) -> Result<T, ControlError> {
+    call_within(path, request, CALL_TIMEOUT).await
+}
+
+async fn call_within<T: DeserializeOwned>(
+    path: &Path,
+    request: &Request,
+    timeout: Duration,
+) -> Result<T, ControlError> {
+    let exchange = async {
+        let mut s = UnixStream::connect(path).await?;
+        s.write_all(format!("{}\n", request.to_line()).as_bytes())
+            .await?;
+        let mut answer = String::new();
+        BufReader::new(s.take(MAX_REPLY))
+            .read_line(&mut answer)
+            .await?;
+        if answer.is_empty() {
+            return Err(ControlError::Closed);
+        }
+        parse_reply(&answer)
+    };
+    tokio::time::timeout(timeout, exchange).await.map_err(|_| {
+        ControlError::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the VMM did not answer `{request}` within {timeout:?}"),
+        ))
+    })?
+}
+
+pub async fn restore(path: &Path, snapshot: &Path) -> Result<RestoreReply, ControlError> {
+    call(path, &Request::Restore(snapshot.to_path_buf())).await
+}
+
+pub async fn pause(path: &Path) -> Result<StateReply, ControlError> {
+    call(path, &Request::Pause).await
+}
+
+pub async fn resume(path: &Path) -> Result<StateReply, ControlError> {
+    call(path, &Request::Resume).await
+}
+
+pub async fn snapshot(path: &Path, dir: &Path) -> Result<SnapshotReply, ControlError> {
+    call(path, &Request::Snapshot(dir.to_path_buf())).await
+}
+
+pub async fn status(path: &Path) -> Result<StatusReply, ControlError> {
+    call_within(path, &Request::Status, Duration::from_secs(10)).await
+}
+
+/// Waits until a starting VMM's control socket answers `status` (its KVM VM is prepared);
+/// `gone` says whether it has ended meanwhile (its log is then the error).
+pub async fn wait_ready(path: &Path, gone: impl Fn() -> Option<String>) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + START_TIMEOUT;
+    loop {
+        if status(path).await.is_ok() {
+            return Ok(());
+        }
+        if let Some(why) = gone() {
+            return Err(format!("the VMM exited before it was ready: {why}"));
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!("the VMM did not come up within {START_TIMEOUT:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

@@ -1,0 +1,339 @@
+//! `airlock-vmm` processes as the daemon sees them: how one is started (the [`Launcher`] seam:
+//! jailed for real, in-process fakes in unit tests), the handle the daemon keeps
+//! ([`VmmProcess`]), its control socket ([`control`]), what its exit means ([`exit`]), and
+//! facts about processes read from `/proc`.
+
+pub mod control;
+pub mod exit;
+
+use std::ffi::OsString;
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::cgroup::Cgroup;
+use crate::jail::{ExitFuture, Jailer, Launch};
+
+/// Kills one started VMM.
+pub trait Kill: Send + Sync + fmt::Debug {
+    /// SIGKILL (or the fake's equivalent); idempotent.
+    fn kill(&self);
+}
+
+impl Kill for crate::jail::ProcessHandle {
+    fn kill(&self) {
+        crate::jail::ProcessHandle::kill(self);
+    }
+}
+
+/// A started (or adopted) VMM process: who it is, how to kill it, and the future of its end.
+pub struct Launched {
+    pub pid: u32,
+    pub start_ticks: u64,
+    pub uid: Option<u32>,
+    pub handle: Arc<dyn Kill>,
+    pub exit: ExitFuture,
+}
+
+impl fmt::Debug for Launched {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Launched")
+            .field("pid", &self.pid)
+            .field("uid", &self.uid)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How VMM processes come to be: the seam between the daemon's logic and real processes.
+pub trait Launcher: Send + Sync + fmt::Debug {
+    /// Starts a VMM; blocks for its setup (about a millisecond) and returns once it has
+    /// exec'd.
+    fn launch(&self, launch: Launch) -> io::Result<Launched>;
+    /// Takes back a VMM a previous daemon started, if `pid` is still that process.
+    fn adopt(&self, pid: u32, start_ticks: u64, uid: Option<u32>) -> io::Result<Option<Launched>>;
+    /// The VMM binary.
+    fn binary(&self) -> &Path;
+    /// Flags every VMM gets (seccomp, test hooks).
+    fn vmm_flags(&self) -> Vec<OsString>;
+    /// Jail uids held by live VMMs.
+    fn uids_in_use(&self) -> usize;
+    /// Marks the jail uids that processes not started by this daemon use.
+    fn skip_uids_in_use(&self);
+    /// Whether VMMs run jailed.
+    fn jailed(&self) -> bool;
+}
+
+impl Launcher for Jailer {
+    fn launch(&self, launch: Launch) -> io::Result<Launched> {
+        let spawned = self.spawn(launch)?;
+        let pid = spawned.pid;
+        let uid = spawned.uid();
+        let start_ticks = start_ticks(pid).unwrap_or(0);
+        let (handle, exit) = spawned.split()?;
+        Ok(Launched {
+            pid,
+            start_ticks,
+            uid,
+            handle: Arc::new(handle),
+            exit,
+        })
+    }
+
+    fn adopt(&self, pid: u32, start_ticks: u64, uid: Option<u32>) -> io::Result<Option<Launched>> {
+        Ok(
+            Jailer::adopt(self, pid, start_ticks, uid)?.map(|(handle, exit)| Launched {
+                pid,
+                start_ticks,
+                uid,
+                handle: Arc::new(handle),
+                exit,
+            }),
+        )
+    }
+
+    fn binary(&self) -> &Path {
+        Jailer::binary(self)
+    }
+
+    fn vmm_flags(&self) -> Vec<OsString> {
+        Jailer::vmm_flags(self)
+    }
+
+    fn uids_in_use(&self) -> usize {
+        Jailer::uids_in_use(self)
+    }
+
+    fn skip_uids_in_use(&self) {
+        Jailer::skip_uids_in_use(self);
+    }
+
+    fn jailed(&self) -> bool {
+        self.enabled()
+    }
+}
+
+/// A VMM the daemon holds: its id (which names its run directory and cgroup), process,
+/// sockets and cgroup. Cloning it clones the handle, not the process.
+#[derive(Clone, Debug)]
+pub struct VmmProcess {
+    pub id: String,
+    pub pid: u32,
+    pub start_ticks: u64,
+    pub uid: Option<u32>,
+    pub run_dir: PathBuf,
+    pub control: PathBuf,
+    pub vsock: PathBuf,
+    pub cgroup: Option<Cgroup>,
+    handle: Arc<dyn Kill>,
+    /// Set once the process has ended (by the supervisor).
+    gone: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl VmmProcess {
+    /// The VMM `launched` with its sockets in `run_dir`.
+    pub fn new(id: String, run_dir: PathBuf, cgroup: Option<Cgroup>, launched: &Launched) -> Self {
+        Self {
+            id,
+            pid: launched.pid,
+            start_ticks: launched.start_ticks,
+            uid: launched.uid,
+            control: run_dir.join("control.sock"),
+            vsock: run_dir.join("vsock.sock"),
+            run_dir,
+            cgroup,
+            handle: launched.handle.clone(),
+            gone: Arc::new(tokio::sync::watch::Sender::new(false)),
+        }
+    }
+
+    /// Whether the process has ended.
+    pub fn is_gone(&self) -> bool {
+        *self.gone.borrow()
+    }
+
+    /// Marks the process ended (its exit was seen).
+    pub fn mark_gone(&self) {
+        self.gone.send_replace(true);
+    }
+
+    /// Waits up to `timeout` for the process to end; whether it did.
+    pub async fn wait_gone(&self, timeout: std::time::Duration) -> bool {
+        let mut rx = self.gone.subscribe();
+        tokio::time::timeout(timeout, rx.wait_for(|g| *g))
+            .await
+            .is_ok()
+    }
+
+    /// SIGKILL.
+    pub fn kill(&self) {
+        self.handle.kill();
+    }
+
+    /// Its log (the VMM's stderr).
+    pub fn log(&self) -> PathBuf {
+        self.run_dir.join("vmm.log")
+    }
+
+    /// Removes what it had on the host: its cgroup and run directory (call once it is gone).
+    pub fn remove_leftovers(&self) {
+        if let Some(cg) = &self.cgroup
+            && let Err(e) = cg.remove()
+        {
+            tracing::warn!(vmm = %self.id, "cgroup removal: {e}");
+        }
+        let _ = std::fs::remove_dir_all(&self.run_dir);
+    }
+}
+
+/// The CPU template of this host, as `airlock-vmm --cpu-template` names it (the jailed VMM
+/// cannot look at `/sys` itself).
+pub fn cpu_template() -> &'static str {
+    if Path::new("/sys/module/kvm_pvm").exists() {
+        "nested"
+    } else {
+        "host"
+    }
+}
+
+/// The environment of every VMM: log level, temporary files in its run directory, and the
+/// guest profiler for debugging (`AIRLOCK_PROFILE=PREFIX` on the daemon profiles every VMM into
+/// `PREFIX-<run dir name>.vcpuN`).
+pub fn vmm_env(run_dir: &Path) -> Vec<(String, String)> {
+    let mut env = vec![
+        ("AIRLOCK_LOG".to_owned(), "info".to_owned()),
+        ("TMPDIR".to_owned(), run_dir.display().to_string()),
+    ];
+    if let Some(prefix) = std::env::var_os("AIRLOCK_PROFILE").filter(|p| !p.is_empty()) {
+        let name = run_dir.file_name().unwrap_or_default().to_string_lossy();
+        env.push((
+            "AIRLOCK_PROFILE".to_owned(),
+            format!("{}-{name}", prefix.to_string_lossy()),
+        ));
+    }
+    env
+}
+
+/// What a warm pool process restores: the template's snapshot and the disk image it uses.
+#[derive(Clone, Debug)]
+pub struct PoolSpec {
+    pub vcpus: u32,
+    pub snapshot_dir: PathBuf,
+    pub rootfs: PathBuf,
+}
+
+/// The launch of `airlock-vmm pool` for `spec` with its sockets in `run_dir` (created), its
+/// stderr in `run_dir/vmm.log`.
+pub fn pool_launch(
+    launcher: &dyn Launcher,
+    run_dir: &Path,
+    spec: &PoolSpec,
+    cgroup: Option<Cgroup>,
+) -> io::Result<Launch> {
+    std::fs::create_dir_all(run_dir)?;
+    let log = std::fs::File::create(run_dir.join("vmm.log"))?;
+    let mut args: Vec<OsString> = launcher.vmm_flags();
+    args.extend(
+        [
+            "pool",
+            "--cpu-template",
+            cpu_template(),
+            "--vcpus",
+            &spec.vcpus.to_string(),
+        ]
+        .map(OsString::from),
+    );
+    for (flag, path) in [
+        ("--control", run_dir.join("control.sock")),
+        ("--vsock", run_dir.join("vsock.sock")),
+        ("--console", run_dir.join("console.log")),
+        ("--snapshot", spec.snapshot_dir.clone()),
+    ] {
+        args.push(flag.into());
+        args.push(path.into());
+    }
+    Ok(Launch {
+        args,
+        env: vmm_env(run_dir),
+        run_dir: run_dir.to_path_buf(),
+        read_only: vec![spec.snapshot_dir.clone(), spec.rootfs.clone()],
+        cgroup,
+        stdout: None,
+        stderr: log,
+    })
+}
+
+/// Starts a launch on a blocking thread.
+pub async fn launch(launcher: &Arc<dyn Launcher>, launch: Launch) -> io::Result<Launched> {
+    let l = launcher.clone();
+    tokio::task::spawn_blocking(move || l.launch(launch))
+        .await
+        .map_err(io::Error::other)?
+}
+
+/// The start time of `pid` in clock ticks since boot (`/proc/PID/stat` field 22).
+pub fn start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may contain anything.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// SIGKILLs `pid` if it is alive and started at `ticks` (for records of processes without a
+/// handle: an older daemon's). Returns whether a signal was sent.
+pub fn kill_verified(pid: u32, ticks: u64) -> bool {
+    if start_ticks(pid) != Some(ticks) {
+        return false;
+    }
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: kill(2) on a pid checked by its start time; no memory is involved.
+    unsafe { libc::kill(pid, libc::SIGKILL) == 0 }
+}
+
+/// The last lines of a log file, for error messages.
+pub fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().rev().take(5).collect();
+    lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
+}
+
+/// The last line of a log file that contains `needle`.
+pub fn log_line(path: &Path, needle: &str) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines()
+        .rev()
+        .find(|l| l.contains(needle))
+        .map(|l| l.trim().to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn start_ticks_of_this_process_is_stable() {
+        let me = std::process::id();
+        let a = start_ticks(me).expect("own stat");
+        assert_eq!(start_ticks(me), Some(a));
+        assert_eq!(start_ticks(u32::MAX), None);
+    }
+
+    #[test]
+    fn kill_verified_spares_a_process_with_another_start_time() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let ticks = start_ticks(pid).unwrap();
+        assert!(!kill_verified(pid, ticks + 1));
+        assert!(child.try_wait().unwrap().is_none());
+        assert!(kill_verified(pid, ticks));
+        let status = child.wait().unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(9));
+    }
+}
