@@ -103,7 +103,7 @@ impl Muxer {
             by_fd: HashMap::new(),
             rx_queue: VecDeque::new(),
             control: VecDeque::new(),
-            next_local_port: FIRST_LOCAL_PORT,
+            next_local_port: first_local_port(),
             changes: Vec::new(),
             interest: HashMap::new(),
             metrics: Arc::new(VsockMetrics::default()),
@@ -393,6 +393,15 @@ fn reset_for(hdr: &Header) -> Packet {
         },
         data: Vec::new(),
     }
+}
+
+/// Where this VMM's host-side ports start: at a random place above [`FIRST_LOCAL_PORT`]. A
+/// clone's guest may still hold a closing connection of the VM it was snapshotted from, on a
+/// port that VM's muxer handed out; a clone whose muxer counted from the same start would ask
+/// for that port pair again and be refused (seen: a ReadFile right after a SnapshotSandbox of a
+/// sandbox that had just written a file got `connection closed` in the handshake).
+fn first_local_port() -> u32 {
+    FIRST_LOCAL_PORT + vmm_sys_util::rand::xor_pseudo_rng_u32() % FIRST_LOCAL_PORT
 }
 
 /// Parses `CONNECT <port>`.
