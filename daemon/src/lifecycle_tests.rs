@@ -231,36 +231,31 @@ async fn a_flood_of_directory_entries_is_refused() {
     assert!(err.to_string().contains("entries"), "{err}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restarted_daemon_adopts_a_running_sandbox_and_follows_its_execution() {
-    let dir = std::env::temp_dir().join(format!("airlock-lc-adopt-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = config(&dir);
-    let launcher = Arc::new(FakeLauncher::default());
-    // What a killed daemon leaves: a VMM recorded as a running sandbox's, its records, and an
-    // execution running in its guest with 6 bytes of output stored.
-    let store = crate::store::Store::open(&{
-        std::fs::create_dir_all(&cfg.data_dir).unwrap();
-        cfg.data_dir.join("airlock.db")
-    })
-    .unwrap();
+/// What a killed daemon leaves in `cfg`'s data directory: a VMM recorded as a running
+/// sandbox's, its records, and an execution running in its guest with 6 of its 12 bytes of
+/// output stored. Returns the VM, the sandbox's and the execution's ids.
+fn leave_behind(
+    cfg: &Config,
+    launcher: &FakeLauncher,
+) -> (Arc<crate::fake::FakeVm>, String, String) {
+    std::fs::create_dir_all(cfg.data_dir.join("output")).unwrap();
+    let store = crate::store::Store::open(&cfg.data_dir.join("airlock.db")).unwrap();
     let run_dir = cfg.data_dir.join("run/vm-00000000000000aa");
     let vm = launcher.running_vm(&run_dir);
     vm.start_exec(77, b"before after");
-    store
-        .put_vmm(&VmmRecord {
-            id: "vm-00000000000000aa".into(),
-            pid: vm.pid,
-            start_ticks: 0,
-            uid: None,
-            run_dir: run_dir.display().to_string(),
-            cgroup: false,
-            owner: Owner::Sandbox("sb-00000000000000aa".into()),
-        })
-        .unwrap();
+    let (sb, ex) = ("sb-00000000000000aa", "ex-00000000000000aa");
+    let vmm = VmmRecord {
+        id: "vm-00000000000000aa".into(),
+        pid: vm.pid,
+        start_ticks: 0,
+        uid: None,
+        run_dir: run_dir.display().to_string(),
+        cgroup: false,
+        owner: Owner::Sandbox(sb.into()),
+    };
+    store.put_vmm(&vmm).unwrap();
     let sandbox = Sandbox {
-        id: "sb-00000000000000aa".into(),
+        id: sb.into(),
         tenant: "default".into(),
         state: SandboxState::Running as i32,
         max_lifetime_s: 3600,
@@ -269,14 +264,14 @@ async fn a_restarted_daemon_adopts_a_running_sandbox_and_follows_its_execution()
         ..Default::default()
     };
     store.put_sandbox(&sandbox).unwrap();
-    let env = CreateSandboxRequest {
+    let spec = CreateSandboxRequest {
         env: [("K".to_owned(), "V".to_owned())].into(),
         ..Default::default()
     };
-    store.put_sandbox_spec(&sandbox.id, &env).unwrap();
+    store.put_sandbox_spec(sb, &spec).unwrap();
     let execution = Execution {
-        id: "ex-00000000000000aa".into(),
-        sandbox_id: sandbox.id.clone(),
+        id: ex.into(),
+        sandbox_id: sb.into(),
         tenant: "default".into(),
         state: ExecutionState::Running as i32,
         started_unix_ms: crate::ids::now_ms(),
@@ -284,31 +279,30 @@ async fn a_restarted_daemon_adopts_a_running_sandbox_and_follows_its_execution()
         ..Default::default()
     };
     store.put_execution(&execution).unwrap();
-    store.set_execution_agent(&execution.id, 77).unwrap();
-    std::fs::create_dir_all(cfg.data_dir.join("output")).unwrap();
-    std::fs::write(
-        cfg.data_dir.join("output/ex-00000000000000aa.stdout"),
-        b"before",
-    )
-    .unwrap();
-    std::fs::write(cfg.data_dir.join("output/ex-00000000000000aa.stderr"), b"").unwrap();
-    drop(store);
+    store.set_execution_agent(ex, 77).unwrap();
+    std::fs::write(cfg.data_dir.join(format!("output/{ex}.stdout")), b"before").unwrap();
+    std::fs::write(cfg.data_dir.join(format!("output/{ex}.stderr")), b"").unwrap();
+    (vm, sb.into(), ex.into())
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_daemon_adopts_a_running_sandbox_and_follows_its_execution() {
+    let dir = std::env::temp_dir().join(format!("airlock-lc-adopt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = config(&dir);
+    let launcher = Arc::new(FakeLauncher::default());
+    let (vm, sb, ex) = leave_behind(&cfg, &launcher);
     let t = start(cfg, &dir, launcher).await;
-    let rt = t.daemon.sandboxes.running("default", &sandbox.id).unwrap();
+    let rt = t.daemon.sandboxes.running("default", &sb).unwrap();
     assert_eq!(rt.env["K"], "V", "the environment is kept");
     assert_eq!(rt.vmm().unwrap().pid, vm.pid);
-    let (_, live) = t.daemon.executions.get("default", &execution.id).unwrap();
+    let (_, live) = t.daemon.executions.get("default", &ex).unwrap();
     assert!(live.is_some(), "the execution is followed again");
-    assert!(
-        t.daemon
-            .executions
-            .kill("default", &execution.id, 0)
-            .unwrap()
-    );
-    let rec = finished(&t, &execution.id).await;
+    assert!(t.daemon.executions.kill("default", &ex, 0).unwrap());
+    let rec = finished(&t, &ex).await;
     assert_eq!(rec.state(), ExecutionState::Killed, "{rec:?}");
-    let out = crate::stream::read_output(&t.daemon.executions, &execution.id, 1 << 20)
+    let out = crate::stream::read_output(&t.daemon.executions, &ex, 1 << 20)
         .await
         .unwrap();
     assert_eq!(

@@ -26,17 +26,25 @@
 //!
 //! The system calls are in [`sys`]; this module decides what goes in.
 
+mod layout;
+mod process;
 mod sys;
+mod uids;
 
-use std::collections::{BTreeSet, HashSet};
+pub use process::{ExitFuture, ProcessHandle, Spawned};
+
+use layout::{JailLayout, shared_libraries};
+use process::wait_exit;
+use uids::{UidLease, UidPool, process_uids};
+
+use std::collections::HashSet;
 use std::ffi::{CString, OsString};
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::{Component, Path, PathBuf};
-use std::process::ExitStatus;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use serde::Deserialize;
@@ -79,54 +87,6 @@ impl Default for JailConfig {
     }
 }
 
-/// The uids handed to VMMs.
-#[derive(Debug)]
-struct UidPool {
-    base: u32,
-    count: u32,
-    next: u32,
-    used: HashSet<u32>,
-    /// Uids in the range found in use by processes the daemon did not start.
-    foreign: HashSet<u32>,
-}
-
-impl UidPool {
-    /// The next free uid after the last one handed out (so a uid is reused as late as possible).
-    fn allocate(&mut self) -> Option<u32> {
-        for i in 0..self.count {
-            let slot = (self.next + i) % self.count;
-            let uid = self.base + slot;
-            if !self.used.contains(&uid) && !self.foreign.contains(&uid) {
-                self.used.insert(uid);
-                self.next = (slot + 1) % self.count;
-                return Some(uid);
-            }
-        }
-        None
-    }
-
-    fn contains(&self, uid: u32) -> bool {
-        (self.base..self.base.saturating_add(self.count)).contains(&uid)
-    }
-}
-
-/// A uid taken from the pool; dropping it gives it back.
-#[derive(Debug)]
-pub struct UidLease {
-    pool: Arc<Mutex<UidPool>>,
-    pub uid: u32,
-}
-
-impl Drop for UidLease {
-    fn drop(&mut self) {
-        self.pool
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .used
-            .remove(&self.uid);
-    }
-}
-
 /// What to start, and what its jail holds.
 #[derive(Debug)]
 pub struct Launch {
@@ -143,100 +103,6 @@ pub struct Launch {
     /// Standard output (default `/dev/null`) and standard error.
     pub stdout: Option<File>,
     pub stderr: File,
-}
-
-/// A started VMM. Its uid is given back only once the process has been reaped: by
-/// [`Spawned::wait`], or, if it is dropped unwaited, by a thread that kills and reaps it.
-#[derive(Debug)]
-pub struct Spawned {
-    pub pid: u32,
-    pidfd: Option<OwnedFd>,
-    lease: Option<UidLease>,
-}
-
-/// The end of a VMM: resolves when it has exited (and, if it is our child, been reaped, its
-/// uid given back); the status is known only for our own children.
-pub type ExitFuture =
-    std::pin::Pin<Box<dyn std::future::Future<Output = io::Result<Option<ExitStatus>>> + Send>>;
-
-/// Kills one process through its pidfd (never a recycled pid).
-#[derive(Debug)]
-pub struct ProcessHandle {
-    pidfd: OwnedFd,
-}
-
-impl ProcessHandle {
-    /// SIGKILL; a process that has already ended is no error.
-    pub fn kill(&self) {
-        let _ = sys::send_signal(&self.pidfd, libc::SIGKILL);
-    }
-}
-
-impl Spawned {
-    /// The uid it runs as in its jail (`None` unjailed).
-    pub fn uid(&self) -> Option<u32> {
-        self.lease.as_ref().map(|l| l.uid)
-    }
-
-    /// Splits the process into a handle that kills it and the future of its exit, which reaps
-    /// it and gives its uid back.
-    pub fn split(mut self) -> io::Result<(ProcessHandle, ExitFuture)> {
-        let pidfd = self
-            .pidfd
-            .take()
-            .ok_or_else(|| io::Error::other("already reaped"))?;
-        let lease = self.lease.take();
-        let handle = ProcessHandle {
-            pidfd: pidfd.try_clone()?,
-        };
-        let exit = async move {
-            let status = wait_exit(pidfd, true).await;
-            drop(lease);
-            status
-        };
-        Ok((handle, Box::pin(exit)))
-    }
-}
-
-/// Waits until the process behind `pidfd` has exited; reaps it (`child`) and returns its
-/// status, or, for a process that is not our child, returns `None` once it is gone.
-async fn wait_exit(pidfd: OwnedFd, child: bool) -> io::Result<Option<ExitStatus>> {
-    use tokio::io::Interest;
-    use tokio::io::unix::AsyncFd;
-    // SAFETY: the OwnedFd owns the pidfd, so it stays open and names the same process for as
-    // long as the AsyncFd holds it, and its raw value never changes.
-    let fd = unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
-        .map_err(|e| e.into_parts().1)?;
-    loop {
-        let mut ready = fd.readable().await?;
-        if !child {
-            // A pidfd polls readable once its process has exited.
-            return Ok(None);
-        }
-        if let Some(status) = sys::wait_pidfd(fd.get_ref(), false)? {
-            return Ok(Some(status));
-        }
-        ready.clear_ready();
-    }
-}
-
-impl Drop for Spawned {
-    fn drop(&mut self) {
-        let Some(pidfd) = self.pidfd.take() else {
-            return;
-        };
-        let _ = sys::send_signal(&pidfd, libc::SIGKILL);
-        let lease = self.lease.take();
-        let reaper = std::thread::Builder::new()
-            .name("vmm-reaper".into())
-            .spawn(move || {
-                let _ = sys::wait_blocking(&pidfd);
-                drop(lease);
-            });
-        if let Err(e) = reaper {
-            warn!("reaping VMM {}: {e}", self.pid);
-        }
-    }
 }
 
 /// Starts VMM processes in their jails.
@@ -541,82 +407,6 @@ impl Jailer {
     }
 }
 
-/// Where each host path goes in the jail: the directories and mount-point files to create in
-/// the tmpfs, and the bind mounts (source, target, remount flags).
-#[derive(Debug, Default)]
-struct JailLayout {
-    dirs: BTreeSet<PathBuf>,
-    files: BTreeSet<PathBuf>,
-    binds: Vec<(PathBuf, PathBuf, libc::c_ulong)>,
-}
-
-impl JailLayout {
-    fn new(root: &Path, mounts: &[(&Path, libc::c_ulong)]) -> io::Result<Self> {
-        let mut layout = Self::default();
-        let mut targets: Vec<PathBuf> = Vec::new();
-        for (host, flags) in mounts {
-            let rel = jail_relative(host)?;
-            let target = root.join(&rel);
-            if targets.contains(&target) {
-                continue;
-            }
-            let source = std::fs::canonicalize(host)
-                .map_err(|e| io::Error::new(e.kind(), format!("jail: {}: {e}", host.display())))?;
-            let mut parent = target.parent();
-            while let Some(p) = parent.filter(|p| *p != root) {
-                layout.dirs.insert(p.to_path_buf());
-                parent = p.parent();
-            }
-            if source.is_dir() {
-                layout.dirs.insert(target.clone());
-            } else {
-                layout.files.insert(target.clone());
-            }
-            layout.binds.push((source, target.clone(), *flags));
-            targets.push(target);
-        }
-        // A mount point inside another bind would be created in the host's directory.
-        for a in &targets {
-            if let Some(b) = targets.iter().find(|b| *b != a && b.starts_with(a)) {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!(
-                        "jail: {} lies inside {}; give the VMM paths that do not nest",
-                        b.display(),
-                        a.display()
-                    ),
-                ));
-            }
-        }
-        Ok(layout)
-    }
-}
-
-/// `host` (absolute, without `.` or `..`) relative to `/`.
-fn jail_relative(host: &Path) -> io::Result<PathBuf> {
-    let bad = || {
-        io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("jail: {} is not a plain absolute path", host.display()),
-        )
-    };
-    let mut rel = PathBuf::new();
-    let mut comps = host.components();
-    if comps.next() != Some(Component::RootDir) {
-        return Err(bad());
-    }
-    for c in comps {
-        match c {
-            Component::Normal(n) => rel.push(n),
-            _ => return Err(bad()),
-        }
-    }
-    if rel.as_os_str().is_empty() {
-        return Err(bad());
-    }
-    Ok(rel)
-}
-
 fn cstring(bytes: &[u8]) -> io::Result<CString> {
     CString::new(bytes).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte"))
 }
@@ -649,139 +439,4 @@ pub fn take_ownership(dir: &Path) -> io::Result<()> {
         }
     }
     Ok(())
-}
-
-/// The shared libraries `binary` loads (with the dynamic loader), from `ldd`; none for a static
-/// binary.
-fn shared_libraries(binary: &Path) -> Vec<PathBuf> {
-    let out = match std::process::Command::new("ldd").arg(binary).output() {
-        Ok(o) if o.status.success() => o,
-        Ok(_) => return Vec::new(), // "not a dynamic executable"
-        Err(e) => {
-            warn!(
-                "ldd {}: {e}; the jail holds no shared libraries",
-                binary.display()
-            );
-            return Vec::new();
-        }
-    };
-    parse_ldd(&String::from_utf8_lossy(&out.stdout))
-}
-
-fn parse_ldd(text: &str) -> Vec<PathBuf> {
-    text.lines()
-        .filter_map(|l| {
-            let l = l.trim();
-            let path = match l.split_once("=>") {
-                Some((_, rest)) => rest.trim().split(' ').next()?,
-                None => l.split(' ').next()?,
-            };
-            path.starts_with('/').then(|| PathBuf::from(path))
-        })
-        .collect()
-}
-
-/// The real uids of all live processes on the host.
-fn process_uids() -> Vec<u32> {
-    let Ok(rd) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    rd.flatten()
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-        })
-        .filter_map(|e| std::fs::read_to_string(e.path().join("status")).ok())
-        // A zombie (a killed VMM not reaped yet) holds nothing.
-        .filter(|s| {
-            !s.lines()
-                .any(|l| l.starts_with("State:") && l.contains("zombie"))
-        })
-        .filter_map(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        })
-        .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn pool(base: u32, count: u32) -> Arc<Mutex<UidPool>> {
-        Arc::new(Mutex::new(UidPool {
-            base,
-            count,
-            next: 0,
-            used: HashSet::new(),
-            foreign: HashSet::new(),
-        }))
-    }
-
-    #[test]
-    fn uids_are_handed_out_round_robin_and_come_back_when_the_lease_ends() {
-        let p = pool(1000, 3);
-        let take = |p: &Arc<Mutex<UidPool>>| p.lock().unwrap().allocate();
-        assert_eq!(take(&p), Some(1000));
-        assert_eq!(take(&p), Some(1001));
-        let lease = UidLease {
-            pool: p.clone(),
-            uid: 1001,
-        };
-        drop(lease);
-        // 1001 is free again but the cursor moves on first.
-        assert_eq!(take(&p), Some(1002));
-        assert_eq!(take(&p), Some(1001));
-        assert_eq!(take(&p), None, "all three in use");
-        p.lock().unwrap().foreign.insert(1000);
-        p.lock().unwrap().used.remove(&1000);
-        assert_eq!(take(&p), None, "a foreign uid is never handed out");
-    }
-
-    #[test]
-    fn ldd_output_gives_the_library_paths() {
-        let text = "\tlinux-vdso.so.1 (0x00007ffc)\n\
-                    \tlibgcc_s.so.1 => /lib/x86_64-linux-gnu/libgcc_s.so.1 (0x00007f)\n\
-                    \tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f)\n\
-                    \t/lib64/ld-linux-x86-64.so.2 (0x00007f)\n\
-                    \tlibmissing.so => not found\n";
-        assert_eq!(
-            parse_ldd(text),
-            vec![
-                PathBuf::from("/lib/x86_64-linux-gnu/libgcc_s.so.1"),
-                PathBuf::from("/lib/x86_64-linux-gnu/libc.so.6"),
-                PathBuf::from("/lib64/ld-linux-x86-64.so.2"),
-            ]
-        );
-    }
-
-    #[test]
-    fn paths_in_the_jail_mirror_the_host_and_must_not_nest() {
-        let dir = std::env::temp_dir().join(format!("airlock-jail-layout-{}", std::process::id()));
-        let run = dir.join("run/vm-1");
-        let tpl = dir.join("templates/tpl-1");
-        std::fs::create_dir_all(&run).unwrap();
-        std::fs::create_dir_all(&tpl).unwrap();
-        std::fs::write(dir.join("image.ext4"), b"x").unwrap();
-        let root = Path::new("/jail");
-        let img = dir.join("image.ext4");
-        let layout =
-            JailLayout::new(root, &[(&run, 0), (&tpl, libc::MS_RDONLY), (&img, 0)]).unwrap();
-        let inside = |p: &Path| root.join(p.strip_prefix("/").unwrap());
-        assert!(layout.dirs.contains(&inside(&run)));
-        assert!(layout.dirs.contains(&inside(&dir.join("run"))));
-        assert!(layout.files.contains(&inside(&img)));
-        assert_eq!(layout.binds.len(), 3);
-        assert_eq!(layout.binds[1].1, inside(&tpl));
-        assert_eq!(layout.binds[1].2, libc::MS_RDONLY);
-        let nested = JailLayout::new(root, &[(&dir, 0), (&run, 0)]);
-        assert!(nested.is_err(), "a bind inside another bind is refused");
-        assert!(jail_relative(Path::new("relative/path")).is_err());
-        assert!(jail_relative(Path::new("/a/../etc")).is_err());
-        assert!(jail_relative(Path::new("/")).is_err());
-        let _ = std::fs::remove_dir_all(&dir);
-    }
 }

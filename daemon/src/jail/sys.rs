@@ -364,6 +364,11 @@ fn child_main(plan: &Plan, go: RawFd, errors: RawFd) -> ! {
 }
 
 /// The jail steps of [`child_main`]: the mount tree, then limits and credentials.
+///
+/// Longer than the daemon's other functions on purpose (a documented exception): it is one
+/// ordered list of system calls, each numbered for the error report, run in the cloned child
+/// where nothing may allocate; split into helpers, the order and the step numbers would be
+/// harder to follow, not easier.
 fn enter_jail(j: &JailPlan, errors: RawFd, step: &mut usize) {
     macro_rules! try_step {
         ($call:expr) => {{

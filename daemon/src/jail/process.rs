@@ -1,0 +1,106 @@
+//! A started (or adopted) VMM process: a pidfd to kill it with (never a recycled pid) and the
+//! future of its end, which reaps it and gives its uid back.
+
+use std::io;
+use std::os::fd::OwnedFd;
+use std::process::ExitStatus;
+
+use tracing::warn;
+
+use super::sys;
+use super::uids::UidLease;
+
+/// A started VMM. Its uid is given back only once the process has been reaped: by
+/// the exit future of [`Spawned::split`], or, if it is dropped unsplit, by a thread that kills
+/// and reaps it.
+#[derive(Debug)]
+pub struct Spawned {
+    pub pid: u32,
+    pub(super) pidfd: Option<OwnedFd>,
+    pub(super) lease: Option<UidLease>,
+}
+
+/// The end of a VMM: resolves when it has exited (and, if it is our child, been reaped, its
+/// uid given back); the status is known only for our own children.
+pub type ExitFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = io::Result<Option<ExitStatus>>> + Send>>;
+
+/// Kills one process through its pidfd (never a recycled pid).
+#[derive(Debug)]
+pub struct ProcessHandle {
+    pub(super) pidfd: OwnedFd,
+}
+
+impl ProcessHandle {
+    /// SIGKILL; a process that has already ended is no error.
+    pub fn kill(&self) {
+        let _ = sys::send_signal(&self.pidfd, libc::SIGKILL);
+    }
+}
+
+impl Spawned {
+    /// The uid it runs as in its jail (`None` unjailed).
+    pub fn uid(&self) -> Option<u32> {
+        self.lease.as_ref().map(|l| l.uid)
+    }
+
+    /// Splits the process into a handle that kills it and the future of its exit, which reaps
+    /// it and gives its uid back.
+    pub fn split(mut self) -> io::Result<(ProcessHandle, ExitFuture)> {
+        let pidfd = self
+            .pidfd
+            .take()
+            .ok_or_else(|| io::Error::other("already reaped"))?;
+        let lease = self.lease.take();
+        let handle = ProcessHandle {
+            pidfd: pidfd.try_clone()?,
+        };
+        let exit = async move {
+            let status = wait_exit(pidfd, true).await;
+            drop(lease);
+            status
+        };
+        Ok((handle, Box::pin(exit)))
+    }
+}
+
+/// Waits until the process behind `pidfd` has exited; reaps it (`child`) and returns its
+/// status, or, for a process that is not our child, returns `None` once it is gone.
+pub(super) async fn wait_exit(pidfd: OwnedFd, child: bool) -> io::Result<Option<ExitStatus>> {
+    use tokio::io::Interest;
+    use tokio::io::unix::AsyncFd;
+    // SAFETY: the OwnedFd owns the pidfd, so it stays open and names the same process for as
+    // long as the AsyncFd holds it, and its raw value never changes.
+    let fd = unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
+        .map_err(|e| e.into_parts().1)?;
+    loop {
+        let mut ready = fd.readable().await?;
+        if !child {
+            // A pidfd polls readable once its process has exited.
+            return Ok(None);
+        }
+        if let Some(status) = sys::wait_pidfd(fd.get_ref(), false)? {
+            return Ok(Some(status));
+        }
+        ready.clear_ready();
+    }
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        let Some(pidfd) = self.pidfd.take() else {
+            return;
+        };
+        let _ = sys::send_signal(&pidfd, libc::SIGKILL);
+        let lease = self.lease.take();
+        let reaper = std::thread::Builder::new()
+            .name("vmm-reaper".into())
+            .spawn(move || {
+                let _ = sys::wait_blocking(&pidfd);
+                drop(lease);
+            });
+        if let Err(e) = reaper {
+            warn!("reaping VMM {}: {e}", self.pid);
+        }
+    }
+}
