@@ -243,6 +243,11 @@ impl Daemon {
             p.remove_leftovers();
         }
         if self.cfg.adopt_on_restart {
+            // Executions being started get their agent ids recorded, so the next daemon
+            // follows them.
+            self.executions
+                .settle(std::time::Duration::from_secs(10))
+                .await;
             for rt in self.sandboxes.all() {
                 if rt.state() == airlock_api::v1::SandboxState::Starting {
                     let _ = self

@@ -239,6 +239,18 @@ impl Executions {
         Ok(true)
     }
 
+    /// Waits (at most `timeout` in all) until every execution being started has started in
+    /// its agent, so that its id is recorded and the next daemon can follow it (a stop that
+    /// keeps sandboxes for the next daemon).
+    pub async fn settle(&self, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let live: Vec<_> = self.ledger.live().values().cloned().collect();
+        for rt in live {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            rt.settle(left).await;
+        }
+    }
+
     /// Ends every execution of sandbox `sandbox_id` with `end` (the sandbox ended).
     pub fn end_all_of(&self, sandbox_id: &str, end: &ExecEnd) {
         let of_sandbox: Vec<_> = self

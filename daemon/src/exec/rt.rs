@@ -157,6 +157,19 @@ impl ExecRt {
         if lock(&self.ended_by).is_some() {
             let _ = self.signal(libc::SIGKILL);
         }
+        self.bump();
+    }
+
+    /// Whether the agent has started the process (and its id is recorded).
+    pub fn is_started(&self) -> bool {
+        lock(&self.conn).agent_id.is_some()
+    }
+
+    /// Waits up to `timeout` until the process has started or the execution has ended.
+    pub async fn settle(&self, timeout: Duration) {
+        let mut rx = self.changed.subscribe();
+        let settled = rx.wait_for(|_| self.is_started() || self.is_finished());
+        let _ = tokio::time::timeout(timeout, settled).await;
     }
 
     /// Sends `signal` to the execution's process tree; before the agent has started the
