@@ -1,24 +1,15 @@
-//! System test of `airlockd` through a real gRPC client, with real VMs: a template made by a
-//! cold boot, concurrent sandboxes that each see only their own files, capacity errors with
-//! details, a timeout enforced without a client, a killed VMM reported as dead, idempotent
-//! destroy, tenant isolation, and a daemon restart that keeps the records and leaves no
-//! process, cgroup or run directory behind.
-//!
-//! One daemon and one template serve every phase (the cold boot costs tens of seconds on
-//! nested-KVM machines), so the phases run in order inside one test.
+//! System test of `airlockd` through a real gRPC client, with real VMs: one scenario per test,
+//! all sharing one daemon and one template per test process (`airlock_system_tests::shared`),
+//! run one at a time. What a daemon restart does is in `restart.rs`.
 #![allow(clippy::unwrap_used)] // a failed step is a failed test
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use airlock_api::v1::*;
-use airlock_system_tests::harness::{
-    Client, alive, cgroups_left, client, http_get, processes_mentioning, reason,
-    remove_parent_cgroups, run, start_daemon, tail,
-};
-use airlock_system_tests::{require_kvm, step};
+use airlock_system_tests::harness::{Client, alive, http_get, reason, run};
+use airlock_system_tests::shared::{Shared, scenario};
 use tonic::Code;
 
 const TENANT_TOKEN: &str = "token-of-acme";
@@ -26,12 +17,36 @@ const TENANT_TOKEN: &str = "token-of-acme";
 const CONCURRENT: usize = 20;
 const CAPACITY: usize = CONCURRENT + 1;
 
-/// This test's daemon settings (over `start_daemon`'s).
-fn daemon_config(metrics_port: u16) -> String {
+/// The shared daemon's settings (over the shared defaults).
+fn config() -> String {
     format!(
-        "pool_size = 2\nmax_sandboxes = {CAPACITY}\nmetrics_listen = \"127.0.0.1:{metrics_port}\"\n\
-         [tenants.acme]\ntokens = [\"{TENANT_TOKEN}\"]\n"
+        "pool_size = 2\nmax_sandboxes = {CAPACITY}\n[tenants.acme]\ntokens = [\"{TENANT_TOKEN}\"]\n"
     )
+}
+
+/// The shared daemon, with nothing left live by an earlier scenario that failed.
+async fn shared() -> (tokio::sync::MutexGuard<'static, ()>, &'static Shared) {
+    let (guard, s) = scenario(&config()).await;
+    s.clean(&[TENANT_TOKEN]).await;
+    (guard, s)
+}
+
+/// A sandbox of the default tenant from `base`.
+async fn create(c: &mut Client, s: &Shared) -> Sandbox {
+    c.create_sandbox(CreateSandboxRequest::default())
+        .await
+        .unwrap_or_else(|e| panic!("create: {e:?}\n{}", s.log_tail()))
+        .into_inner()
+}
+
+async fn destroy(c: &mut Client, id: &str) -> bool {
+    c.destroy_sandbox(DestroySandboxRequest {
+        sandbox_id: id.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .destroyed
 }
 
 /// Reads a whole file out of a sandbox.
@@ -51,8 +66,40 @@ async fn read_all(c: &mut Client, sandbox: &str, path: &str) -> Vec<u8> {
     out
 }
 
-/// Executions run at once in the concurrency phase: `AIRLOCK_TEST_EXEC_PARALLEL`, else all of
-/// them on bare-metal KVM and 5 on nested KVM (`kvm_pvm`), where 20 emulated guest kernels
+/// An execution's record once it has ended.
+async fn ended(c: &mut Client, execution: &str, within: Duration) -> GetExecutionResponse {
+    let started = Instant::now();
+    loop {
+        let r = c
+            .get_execution(GetExecutionRequest {
+                execution_id: execution.into(),
+                include_output: true,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        if r.execution.as_ref().unwrap().state != ExecutionState::Running as i32 {
+            return r;
+        }
+        assert!(
+            started.elapsed() < within,
+            "{execution} still runs after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn shell(sandbox: &str, script: &str, timeout_ms: u64) -> ExecRequest {
+    ExecRequest {
+        sandbox_id: sandbox.into(),
+        command: Some(exec_request::Command::Shell(script.into())),
+        timeout_ms,
+        ..Default::default()
+    }
+}
+
+/// Executions run at once in the concurrency scenario: `AIRLOCK_TEST_EXEC_PARALLEL`, else all
+/// of them on bare-metal KVM and 5 on nested KVM (`kvm_pvm`), where 20 emulated guest kernels
 /// forking at once on 2 cores take minutes each.
 fn exec_parallelism() -> usize {
     if let Some(n) = std::env::var("AIRLOCK_TEST_EXEC_PARALLEL")
@@ -70,90 +117,51 @@ fn exec_parallelism() -> usize {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn daemon_serves_the_sandbox_lifecycle() {
-    require_kvm();
-    let dir = std::env::temp_dir().join(format!("airlock-daemon-test-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let cgroup_parent = format!("airlock-test-{}", std::process::id());
-    let mut t = Instant::now();
-    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port();
-    let mut daemon = start_daemon(&dir, &cgroup_parent, &daemon_config(metrics_port));
-    let mut c = client(&daemon, None).await;
-    let mut acme = client(&daemon, Some(TENANT_TOKEN)).await;
-
-    // A template: one cold boot and a snapshot, with progress events.
-    let mut events = c
-        .create_template(CreateTemplateRequest {
-            name: "base".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut template = None;
-    while let Some(ev) = events
-        .message()
-        .await
-        .unwrap_or_else(|e| panic!("template: {e:?}\n{}", tail(&daemon.log)))
-    {
-        if let Some(tpl) = ev.template {
-            template = Some(tpl);
-        }
-    }
-    let template = template.expect("the last event carries the template");
-    assert_eq!(template.name, "base");
-    assert!(!template.kernel_version.is_empty());
-    step("template built", &mut t);
+async fn template_names_are_unique() {
+    let (_serial, s) = shared().await;
+    assert_eq!(s.template.name, "base");
+    assert!(!s.template.kernel_version.is_empty());
+    let mut c = s.client(None).await;
     let dup = c
         .create_template(CreateTemplateRequest {
             name: "base".into(),
             ..Default::default()
         })
         .await;
-    let dup_err = match dup {
+    let err = match dup {
         Err(e) => e,
-        Ok(s) => s
-            .into_inner()
-            .message()
-            .await
-            .expect_err("a second `base` must be refused"),
+        Ok(st) => st.into_inner().message().await.expect_err("a second base"),
     };
-    assert_eq!(reason(&dup_err).0, "TEMPLATE_EXISTS");
+    assert_eq!(reason(&err).0, "TEMPLATE_EXISTS");
+}
 
-    // 20 concurrent sandboxes, each with its own file, each running an exec. All 20 are created
-    // at once and stay alive together; their executions run at most `exec_parallelism()` at a
-    // time (all 20 at once on bare-metal KVM; fewer on the nested build machines, where a
-    // command costs seconds of emulated guest kernel each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn twenty_sandboxes_each_see_only_their_own_files() {
+    let (_serial, s) = shared().await;
+    let c = s.client(None).await;
+    // All 20 are created at once and stay alive together; their executions run at most
+    // `exec_parallelism()` at a time.
     let execs = Arc::new(tokio::sync::Semaphore::new(exec_parallelism()));
     let mut tasks = Vec::new();
     for i in 0..CONCURRENT {
-        let mut c = c.clone();
-        let execs = execs.clone();
+        let (mut c, execs) = (c.clone(), execs.clone());
         tasks.push(tokio::spawn(async move {
-            let s = c
+            let sb = c
                 .create_sandbox(CreateSandboxRequest {
                     files: vec![FileToPlace {
                         path: format!("/tmp/own-{i}"),
                         content: format!("sandbox-{i}").into_bytes(),
                         mode: 0,
                     }],
-                    labels: HashMap::from([
-                        ("test".into(), "daemon".into()),
-                        ("n".into(), i.to_string()),
-                    ]),
+                    labels: HashMap::from([("test".into(), "concurrent".into())]),
                     ..Default::default()
                 })
                 .await
                 .unwrap_or_else(|e| panic!("create {i}: {e:?}"))
                 .into_inner();
-            assert_eq!(s.state, SandboxState::Running as i32);
             let listing: Vec<String> = c
                 .list_files(ListFilesRequest {
-                    sandbox_id: s.id.clone(),
+                    sandbox_id: sb.id.clone(),
                     path: "/tmp".into(),
                 })
                 .await
@@ -164,41 +172,30 @@ async fn daemon_serves_the_sandbox_lifecycle() {
                 .map(|e| e.name)
                 .collect();
             let permit = execs.acquire().await.unwrap();
-            let own = format!("/tmp/own-{i}");
-            let (out, _, rec) = run(&mut c, &s.id, &["cat", &own]).await;
+            let (out, _, rec) = run(&mut c, &sb.id, &["cat", &format!("/tmp/own-{i}")]).await;
             drop(permit);
-            (i, s, out, rec, listing)
+            (i, sb, out, rec, listing)
         }));
     }
-    let mut sandboxes = Vec::new();
-    let mut first_exec = None;
+    let mut ids = Vec::new();
     for task in tasks {
-        let (i, s, out, rec, listing) = task.await.unwrap();
-        if i == 0 {
-            first_exec = Some((rec.id.clone(), out.clone()));
-        }
+        let (i, sb, out, rec, listing) = task.await.unwrap();
+        assert_eq!(sb.state, SandboxState::Running as i32);
         assert_eq!(rec.state, ExecutionState::Exited as i32, "{rec:?}");
-        assert_eq!(rec.exit_code, 0);
         assert_eq!(out, format!("sandbox-{i}"), "sandbox {i} read {out:?}");
-        assert!(
-            listing.contains(&format!("own-{i}")),
-            "sandbox {i}: {listing:?}"
-        );
+        assert!(listing.contains(&format!("own-{i}")), "{i}: {listing:?}");
         for j in (0..CONCURRENT).filter(|j| *j != i) {
             assert!(
                 !listing.contains(&format!("own-{j}")),
                 "sandbox {i} sees sandbox {j}'s file: {listing:?}"
             );
         }
-        sandboxes.push(s);
+        ids.push(sb.id);
     }
-    let ids: std::collections::HashSet<_> = sandboxes.iter().map(|s| s.id.clone()).collect();
-    assert_eq!(ids.len(), CONCURRENT);
-    step("concurrent sandboxes ran their own execs", &mut t);
-
+    let mut c = c;
     let listed = c
         .list_sandboxes(ListSandboxesRequest {
-            labels: HashMap::from([("test".into(), "daemon".into())]),
+            labels: HashMap::from([("test".into(), "concurrent".into())]),
             states: vec![],
         })
         .await
@@ -206,13 +203,26 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         .into_inner()
         .sandboxes;
     assert_eq!(listed.len(), CONCURRENT);
+    for id in &ids {
+        assert!(destroy(&mut c, id).await);
+    }
+}
 
-    // Capacity: 21 allowed, the 22nd is refused with details (never a hang).
-    let extra = c
-        .create_sandbox(CreateSandboxRequest::default())
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_over_capacity_is_refused_with_details() {
+    let (_serial, s) = shared().await;
+    let mut c = s.client(None).await;
+    let live = c
+        .list_sandboxes(ListSandboxesRequest::default())
         .await
         .unwrap()
-        .into_inner();
+        .into_inner()
+        .sandboxes
+        .len();
+    let mut made = Vec::new();
+    for _ in live..CAPACITY {
+        made.push(create(&mut c, s).await.id);
+    }
     let over = c
         .create_sandbox(CreateSandboxRequest::default())
         .await
@@ -220,69 +230,58 @@ async fn daemon_serves_the_sandbox_lifecycle() {
     assert_eq!(over.code(), Code::ResourceExhausted);
     let (r, meta) = reason(&over);
     assert_eq!(r, "CAPACITY_EXHAUSTED");
+    assert_eq!(meta["resource"], "sandboxes");
     assert_eq!(meta["limit"], CAPACITY.to_string());
     assert_eq!(meta["current"], CAPACITY.to_string());
-    step("capacity + 1 refused with RESOURCE_EXHAUSTED", &mut t);
-
-    // Free all but two.
-    let a = sandboxes[0].clone();
-    let b = sandboxes[1].clone();
-    for s in sandboxes.iter().skip(2).chain([&extra]) {
-        let r = c
-            .destroy_sandbox(DestroySandboxRequest {
-                sandbox_id: s.id.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert!(r.destroyed);
+    for id in &made {
+        assert!(destroy(&mut c, id).await);
     }
+}
 
-    // Tenants: acme sees nothing of the default tenant's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tenants_see_nothing_of_each_other() {
+    let (_serial, s) = shared().await;
+    let mut c = s.client(None).await;
+    let mut acme = s.client(Some(TENANT_TOKEN)).await;
+    let a = create(&mut c, s).await;
     let hidden = acme
         .get_sandbox(GetSandboxRequest {
             sandbox_id: a.id.clone(),
         })
         .await
-        .expect_err("other tenant");
+        .expect_err("another tenant's sandbox");
     assert_eq!(hidden.code(), Code::NotFound);
-    assert!(
-        acme.list_sandboxes(ListSandboxesRequest::default())
-            .await
-            .unwrap()
-            .into_inner()
-            .sandboxes
-            .is_empty()
-    );
-    let not_mine = acme
-        .destroy_sandbox(DestroySandboxRequest {
+    let listed = acme
+        .list_sandboxes(ListSandboxesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .sandboxes;
+    assert!(listed.is_empty(), "{listed:?}");
+    assert!(!destroy(&mut acme, &a.id).await, "acme cannot destroy it");
+    let bad = s
+        .client(Some("wrong"))
+        .await
+        .list_sandboxes(ListSandboxesRequest::default())
+        .await
+        .expect_err("an unknown token");
+    assert_eq!(bad.code(), Code::Unauthenticated);
+    let still = c
+        .get_sandbox(GetSandboxRequest {
             sandbox_id: a.id.clone(),
         })
         .await
         .unwrap()
         .into_inner();
-    assert!(!not_mine.destroyed);
-    let bad_token = client(&daemon, Some("wrong"))
-        .await
-        .list_sandboxes(ListSandboxesRequest::default())
-        .await;
-    assert_eq!(
-        bad_token.expect_err("unknown token").code(),
-        Code::Unauthenticated
-    );
-    assert_eq!(
-        c.get_sandbox(GetSandboxRequest {
-            sandbox_id: a.id.clone()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .state,
-        SandboxState::Running as i32
-    );
-    step("tenant isolation", &mut t);
+    assert_eq!(still.state, SandboxState::Running as i32);
+    assert!(destroy(&mut c, &a.id).await);
+}
 
-    // Files under the policy, and outside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn files_move_under_the_policy_and_not_outside_it() {
+    let (_serial, s) = shared().await;
+    let mut c = s.client(None).await;
+    let a = create(&mut c, s).await;
     let data: Vec<u8> = (0..3 << 20).map(|i: u32| (i % 251) as u8).collect();
     let mut msgs = vec![WriteFileRequest {
         part: Some(write_file_request::Part::Header(WriteFileHeader {
@@ -291,8 +290,8 @@ async fn daemon_serves_the_sandbox_lifecycle() {
             mode: 0o600,
         })),
     }];
-    msgs.extend(data.chunks(700_000).map(|c| WriteFileRequest {
-        part: Some(write_file_request::Part::Data(c.to_vec())),
+    msgs.extend(data.chunks(700_000).map(|ch| WriteFileRequest {
+        part: Some(write_file_request::Part::Data(ch.to_vec())),
     }));
     let written = c
         .write_file(tokio_stream::iter(msgs))
@@ -303,7 +302,7 @@ async fn daemon_serves_the_sandbox_lifecycle() {
     let back = read_all(&mut c, &a.id, "/tmp/work/data.bin").await;
     assert!(
         back == data,
-        "read back {} bytes, wrote {}",
+        "read back {} bytes of {}",
         back.len(),
         data.len()
     );
@@ -319,7 +318,8 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         listing
             .entries
             .iter()
-            .any(|e| e.name == "data.bin" && e.size == data.len() as u64)
+            .any(|e| e.name == "data.bin" && e.size == data.len() as u64),
+        "{listing:?}"
     );
     let forbidden = c
         .read_file(ReadFileRequest {
@@ -330,9 +330,26 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         .expect_err("outside the policy");
     assert_eq!(forbidden.code(), Code::PermissionDenied);
     assert_eq!(reason(&forbidden).0, "PATH_NOT_ALLOWED");
-    step("files", &mut t);
+    let missing = c
+        .read_file(ReadFileRequest {
+            sandbox_id: a.id.clone(),
+            path: "/tmp/nothing-here".into(),
+        })
+        .await;
+    let missing = match missing {
+        Err(e) => e,
+        Ok(st) => st.into_inner().message().await.expect_err("a missing file"),
+    };
+    assert_eq!(missing.code(), Code::NotFound);
+    assert_eq!(reason(&missing).0, "FILE_NOT_FOUND");
+    assert!(destroy(&mut c, &a.id).await);
+}
 
-    // Pause and resume; a stream replayed from an offset; a kill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pause_resume_replay_and_kill() {
+    let (_serial, s) = shared().await;
+    let mut c = s.client(None).await;
+    let a = create(&mut c, s).await;
     let paused = c
         .pause_sandbox(PauseSandboxRequest {
             sandbox_id: a.id.clone(),
@@ -342,11 +359,7 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         .into_inner();
     assert_eq!(paused.state, SandboxState::Paused as i32);
     let refused = c
-        .exec(ExecRequest {
-            sandbox_id: a.id.clone(),
-            command: Some(exec_request::Command::Shell("true".into())),
-            ..Default::default()
-        })
+        .exec(shell(&a.id, "true", 0))
         .await
         .expect_err("exec while paused");
     assert_eq!(reason(&refused).0, "SANDBOX_NOT_RUNNING");
@@ -375,11 +388,7 @@ async fn daemon_serves_the_sandbox_lifecycle() {
     }
     assert_eq!(String::from_utf8_lossy(&tail_out), "456789\n");
     let long = c
-        .exec(ExecRequest {
-            sandbox_id: a.id.clone(),
-            command: Some(exec_request::Command::Shell("sleep 600".into())),
-            ..Default::default()
-        })
+        .exec(shell(&a.id, "sleep 600", 0))
         .await
         .unwrap()
         .into_inner();
@@ -393,26 +402,32 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         .unwrap()
         .into_inner();
     assert!(killed.signalled);
-    let rec = loop {
-        let r = c
-            .get_execution(GetExecutionRequest {
-                execution_id: long.execution_id.clone(),
-                include_output: false,
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .execution
-            .unwrap();
-        if r.state != ExecutionState::Running as i32 {
-            break r;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let rec = ended(&mut c, &long.execution_id, Duration::from_secs(60)).await;
+    let rec = rec.execution.unwrap();
     assert_eq!(rec.state, ExecutionState::Killed as i32, "{rec:?}");
-    step("pause/resume, stream replay, kill", &mut t);
+    assert!(destroy(&mut c, &a.id).await);
+}
 
-    // A snapshot of a sandbox becomes the caller's template; a new sandbox has its file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_snapshot_becomes_a_template_whose_clones_have_its_files() {
+    let (_serial, s) = shared().await;
+    let mut c = s.client(None).await;
+    let a = create(&mut c, s).await;
+    let msgs = vec![
+        WriteFileRequest {
+            part: Some(write_file_request::Part::Header(WriteFileHeader {
+                sandbox_id: a.id.clone(),
+                path: "/tmp/kept.txt".into(),
+                mode: 0,
+            })),
+        },
+        WriteFileRequest {
+            part: Some(write_file_request::Part::Data(
+                b"kept in the snapshot".to_vec(),
+            )),
+        },
+    ];
+    c.write_file(tokio_stream::iter(msgs)).await.unwrap();
     let snap = c
         .snapshot_sandbox(SnapshotSandboxRequest {
             sandbox_id: a.id.clone(),
@@ -422,7 +437,7 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         .unwrap()
         .into_inner();
     assert_eq!(snap.source_sandbox_id, a.id);
-    let from_snap = c
+    let clone = c
         .create_sandbox(CreateSandboxRequest {
             template: "with-data".into(),
             ..Default::default()
@@ -430,76 +445,58 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(from_snap.template_id, snap.id);
-    let copy = read_all(&mut c, &from_snap.id, "/tmp/work/data.bin").await;
-    assert!(copy == data, "the snapshot's clone lacks the file");
-    assert!(
-        c.destroy_sandbox(DestroySandboxRequest {
-            sandbox_id: from_snap.id.clone()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .destroyed
-    );
-    step("snapshot to a template, clone from it", &mut t);
+    assert_eq!(clone.template_id, snap.id);
+    let copy = read_all(&mut c, &clone.id, "/tmp/kept.txt").await;
+    assert_eq!(copy, b"kept in the snapshot");
+    assert!(destroy(&mut c, &clone.id).await);
+    assert!(destroy(&mut c, &a.id).await);
+    c.delete_template(DeleteTemplateRequest {
+        name: "with-data".into(),
+    })
+    .await
+    .unwrap();
+}
 
-    // Metrics.
-    let text = http_get(metrics_port, "/metrics").await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn metrics_count_sandboxes_creates_and_executions() {
+    let (_serial, s) = shared().await;
+    let mut c = s.client(None).await;
+    let a = create(&mut c, s).await;
+    let (_, _, rec) = run(&mut c, &a.id, &["true"]).await;
+    assert_eq!(rec.state, ExecutionState::Exited as i32);
+    let text = http_get(s.metrics_port, "/metrics").await;
+    let value = |prefix: &str| {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
+    };
+    assert!(value("airlock_sandboxes{state=\"running\"}") >= 1);
+    assert!(value("airlock_create_seconds_count") >= 1);
+    assert!(value("airlock_executions_total{outcome=\"exited\"}") >= 1);
     assert!(
-        text.contains("airlock_sandboxes{state=\"running\"} 2"),
+        text.contains(&format!(
+            "airlock_sandbox_memory_bytes{{sandbox=\"{}\"",
+            a.id
+        )),
         "{text}"
     );
-    let creates = text
-        .lines()
-        .find(|l| l.starts_with("airlock_create_seconds_count"))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0);
-    assert!(creates >= CONCURRENT as u64 + 2, "{text}");
-    assert!(
-        text.contains("airlock_executions_total{outcome=\"killed\"} 1"),
-        "{text}"
-    );
-    assert!(
-        text.contains("airlock_sandbox_memory_bytes{sandbox="),
-        "{text}"
-    );
+    assert!(destroy(&mut c, &a.id).await);
+}
 
-    // A 2 s timeout holds without any client following the execution.
-    let started = Instant::now();
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_timeout_holds_without_a_client() {
+    let (_serial, s) = shared().await;
+    let mut c = s.client(None).await;
+    let a = create(&mut c, s).await;
     let ex = c
-        .exec(ExecRequest {
-            sandbox_id: a.id.clone(),
-            command: Some(exec_request::Command::Shell(
-                "echo before; sleep 600".into(),
-            )),
-            timeout_ms: 2000,
-            ..Default::default()
-        })
+        .exec(shell(&a.id, "echo before; sleep 600", 2000))
         .await
         .unwrap()
         .into_inner();
-    let timed_out = loop {
-        let r = c
-            .get_execution(GetExecutionRequest {
-                execution_id: ex.execution_id.clone(),
-                include_output: true,
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let e = r.execution.clone().unwrap();
-        if e.state != ExecutionState::Running as i32 {
-            break r;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "timeout not enforced"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    let rec = timed_out.execution.unwrap();
+    let r = ended(&mut c, &ex.execution_id, Duration::from_secs(30)).await;
+    let rec = r.execution.unwrap();
     assert_eq!(rec.state, ExecutionState::TimedOut as i32, "{rec:?}");
     assert_eq!(rec.error_reason, "EXEC_TIMEOUT");
     let ran = rec.ended_unix_ms - rec.started_unix_ms;
@@ -507,29 +504,28 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         (2000..2000 + 3000 + 2000).contains(&ran),
         "ended after {ran} ms"
     );
-    step("exec timeout enforced without a client", &mut t);
+    assert!(destroy(&mut c, &a.id).await);
+}
 
-    // kill -9 of a sandbox's VMM: the sandbox is dead with a reason; the daemon goes on.
-    let b_now = c
-        .get_sandbox(GetSandboxRequest {
-            sandbox_id: b.id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(b_now.vmm_pid > 0);
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_vmm_is_reported_dead() {
+    let (_serial, s) = shared().await;
+    let mut c = s.client(None).await;
+    let b = create(&mut c, s).await;
+    assert!(b.vmm_pid > 0);
     // SAFETY: kill(2) on the VMM pid the daemon reported; no memory is involved.
-    assert_eq!(unsafe { libc::kill(b_now.vmm_pid as i32, 9) }, 0);
+    assert_eq!(unsafe { libc::kill(b.vmm_pid as i32, 9) }, 0);
+    let started = Instant::now();
     let dead = loop {
-        let s = c
+        let r = c
             .get_sandbox(GetSandboxRequest {
                 sandbox_id: b.id.clone(),
             })
             .await
             .unwrap()
             .into_inner();
-        if s.state == SandboxState::Dead as i32 {
-            break s;
+        if r.state == SandboxState::Dead as i32 {
+            break r;
         }
         assert!(
             started.elapsed() < Duration::from_secs(60),
@@ -543,185 +539,41 @@ async fn daemon_serves_the_sandbox_lifecycle() {
         "{}",
         dead.end_message
     );
+    assert!(!alive(b.vmm_pid));
     let on_dead = c
-        .exec(ExecRequest {
-            sandbox_id: b.id.clone(),
-            command: Some(exec_request::Command::Shell("true".into())),
-            ..Default::default()
-        })
+        .exec(shell(&b.id, "true", 0))
         .await
         .expect_err("exec on a dead sandbox");
     assert_eq!(on_dead.code(), Code::Unavailable);
     assert_eq!(reason(&on_dead).0, "SANDBOX_DEAD");
-    step("killed VMM reported dead", &mut t);
+    assert!(
+        !destroy(&mut c, &b.id).await,
+        "a dead sandbox has nothing to destroy"
+    );
+}
 
-    // Destroy is idempotent.
-    assert!(
-        c.destroy_sandbox(DestroySandboxRequest {
-            sandbox_id: a.id.clone()
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn destroy_is_idempotent() {
+    let (_serial, s) = shared().await;
+    let mut c = s.client(None).await;
+    let a = create(&mut c, s).await;
+    assert!(destroy(&mut c, &a.id).await);
+    assert!(!destroy(&mut c, &a.id).await);
+    assert!(!destroy(&mut c, "sb-0123456789abcdef").await);
+    let bad = c
+        .destroy_sandbox(DestroySandboxRequest {
+            sandbox_id: "../etc".into(),
         })
         .await
-        .unwrap()
-        .into_inner()
-        .destroyed
-    );
-    assert!(
-        !c.destroy_sandbox(DestroySandboxRequest {
-            sandbox_id: a.id.clone()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .destroyed
-    );
-    assert!(
-        !c.destroy_sandbox(DestroySandboxRequest {
-            sandbox_id: b.id.clone()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .destroyed
-    );
-    assert!(
-        !c.destroy_sandbox(DestroySandboxRequest {
-            sandbox_id: "sb-0123456789abcdef".into()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .destroyed
-    );
-
-    // The daemon dies mid-way (SIGKILL) with a sandbox and an execution running.
-    let d = c
-        .create_sandbox(CreateSandboxRequest::default())
-        .await
-        .expect("the daemon still serves")
-        .into_inner();
-    let running = c
-        .exec(ExecRequest {
-            sandbox_id: d.id.clone(),
-            command: Some(exec_request::Command::Shell("sleep 600".into())),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let data_dir = daemon.data_dir.display().to_string();
-    let vmms_before = processes_mentioning(&data_dir);
-    assert!(
-        vmms_before.contains(&d.vmm_pid),
-        "{vmms_before:?} lacks {}",
-        d.vmm_pid
-    );
-    daemon.child.0.as_mut().unwrap().kill().unwrap();
-    daemon.child.0.take().unwrap().wait().unwrap();
-    step("daemon killed", &mut t);
-
-    daemon = start_daemon(&dir, &cgroup_parent, &daemon_config(metrics_port));
-    c = client(&daemon, None).await;
-    for pid in &vmms_before {
-        assert!(
-            !alive(*pid),
-            "VMM {pid} of the old daemon survived the restart"
-        );
-    }
-    let d_after = c
+        .expect_err("not an id");
+    assert_eq!(bad.code(), Code::InvalidArgument);
+    let rec = c
         .get_sandbox(GetSandboxRequest {
-            sandbox_id: d.id.clone(),
+            sandbox_id: a.id.clone(),
         })
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(d_after.state, SandboxState::Dead as i32);
-    assert_eq!(d_after.end_reason, "DAEMON_RESTARTED");
-    let lost = c
-        .get_execution(GetExecutionRequest {
-            execution_id: running.execution_id.clone(),
-            include_output: false,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .execution
-        .unwrap();
-    assert_eq!(lost.state, ExecutionState::Failed as i32);
-    assert_eq!(lost.error_reason, "DAEMON_RESTARTED");
-    let old = c
-        .get_execution(GetExecutionRequest {
-            execution_id: ex.execution_id.clone(),
-            include_output: true,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(
-        old.execution.unwrap().state,
-        ExecutionState::TimedOut as i32
-    );
-    // Output stored before the restart is still there.
-    let (first_id, first_out) = first_exec.expect("sandbox 0 ran an exec");
-    let stored = c
-        .get_execution(GetExecutionRequest {
-            execution_id: first_id,
-            include_output: true,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(String::from_utf8_lossy(&stored.stdout), first_out);
-    let records = c
-        .list_sandboxes(ListSandboxesRequest {
-            labels: HashMap::from([("test".into(), "daemon".into())]),
-            states: vec![SandboxState::Destroyed as i32, SandboxState::Dead as i32],
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .sandboxes;
-    assert_eq!(
-        records.len(),
-        CONCURRENT,
-        "every record survives the restart"
-    );
-    // The template survived too, and the restarted daemon creates from it.
-    let e = c
-        .create_sandbox(CreateSandboxRequest::default())
-        .await
-        .expect("create after restart")
-        .into_inner();
-    let (out, _, _) = run(&mut c, &e.id, &["python3", "-c", "print(6 * 7)"]).await;
-    assert_eq!(out, "42\n");
-    step("restart kept records, reaped old VMMs", &mut t);
-
-    // A clean stop ends every sandbox and warm VMM and leaves nothing behind.
-    let daemon_pid = daemon.child.0.as_ref().unwrap().id() as i32;
-    // SAFETY: kill(2) on our own child.
-    let sent = unsafe { libc::kill(daemon_pid, 15) };
-    assert_eq!(sent, 0);
-    let status = daemon.child.0.take().unwrap().wait().unwrap();
-    assert!(
-        status.success(),
-        "airlockd exit: {status:?}\n{}",
-        tail(&daemon.log)
-    );
-    assert_eq!(
-        processes_mentioning(&data_dir),
-        Vec::<u32>::new(),
-        "VMM processes left"
-    );
-    assert_eq!(
-        cgroups_left(&cgroup_parent),
-        Vec::<PathBuf>::new(),
-        "cgroups left"
-    );
-    let run_left: Vec<_> = std::fs::read_dir(daemon.data_dir.join("run"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .collect();
-    assert!(run_left.is_empty(), "run directories left: {run_left:?}");
-    remove_parent_cgroups(&cgroup_parent);
-    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(rec.state, SandboxState::Destroyed as i32);
+    assert_eq!(rec.end_reason, "DESTROYED");
 }

@@ -36,10 +36,16 @@ pub fn start_daemon(dir: &Path, cgroup_parent: &str, extra: &str) -> Daemon {
         format!(
             "cgroup_parent = \"{cgroup_parent}\"\n\
              kernel = \"{}\"\nrootfs = \"{}\"\nvmm_binary = \"{}\"\nready_timeout_ms = 120000\n\
-             {extra}",
+             {}{extra}",
             kernel().display(),
             rootfs().display(),
-            binary("airlock-vmm").display()
+            binary("airlock-vmm").display(),
+            // A stopped test daemon leaves nothing running, unless the test asks otherwise.
+            if extra.contains("adopt_on_restart") {
+                ""
+            } else {
+                "adopt_on_restart = false\n"
+            }
         ),
     )
     .unwrap();
@@ -135,6 +141,30 @@ pub async fn client(d: &Daemon, token: Option<&str>) -> Client {
     airlock_api::client(Some(&format!("unix://{}", d.socket.display())), token)
         .await
         .expect("connect to airlockd")
+}
+
+/// Builds the template `name` (one cold boot, the default warm-up, a snapshot) and returns it;
+/// a failure shows the daemon's log at `log`.
+pub async fn build_template(c: &mut Client, name: &str, log: &Path) -> Template {
+    let mut events = c
+        .create_template(CreateTemplateRequest {
+            name: name.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("template {name}: {e:?}\n{}", tail(log)))
+        .into_inner();
+    let mut template = None;
+    while let Some(ev) = events
+        .message()
+        .await
+        .unwrap_or_else(|e| panic!("template {name}: {e:?}\n{}", tail(log)))
+    {
+        if let Some(t) = ev.template {
+            template = Some(t);
+        }
+    }
+    template.expect("the last event carries the template")
 }
 
 /// The ErrorInfo reason and metadata of a failed call.

@@ -13,6 +13,7 @@ use airlock_proto::pb::{self, StreamKind, exec_exit};
 use airlock_proto::{AGENT_VSOCK_PORT, AgentClient, ClientError};
 
 pub mod harness;
+pub mod shared;
 
 /// The one command that builds every artifact and runs every test.
 pub const RUN_ALL: &str = "./tests/run.sh";

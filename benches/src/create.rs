@@ -276,7 +276,8 @@ async fn start_daemon(
         format!(
             "cgroup_parent = \"{cgroup_parent}\"\n\
              kernel = \"{}\"\nrootfs = \"{}\"\nvmm_binary = \"{}\"\nready_timeout_ms = 180000\n\
-             metrics_listen = \"{metrics}\"\nmax_committed_mib = 1048576\n{config}",
+             metrics_listen = \"{metrics}\"\nmax_committed_mib = 1048576\n\
+             adopt_on_restart = false\n{config}",
             a.kernel.display(),
             a.rootfs.display(),
             a.vmm.display()

@@ -110,6 +110,8 @@ max_sandboxes = {MAX_SANDBOXES}
 max_file_bytes = {MAX_FILE_BYTES}
 cgroup_parent = "{cgroup_parent}"
 default_idle_ttl_s = 900
+# A stopped daemon ends its sandboxes (the leftover check below relies on it).
+adopt_on_restart = false
 
 [tenants.acme]
 tokens = ["{ACME_TOKEN}"]

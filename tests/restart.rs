@@ -1,0 +1,338 @@
+//! System test of a daemon restart: a daemon killed with SIGKILL mid-execution and mid-create,
+//! or stopped with SIGTERM for an upgrade, leaves its running and paused sandboxes running, and
+//! the next one adopts them (same VMM processes, files, state) and follows their executions
+//! with no gap in the output; a create in flight ends as failed and leaves nothing running. With
+//! `adopt_on_restart = false` the next daemon reaps them, and a stop leaves nothing behind.
+//!
+//! The scenarios share one data directory whose template is built once per test process; each
+//! starts its own daemons on it, one scenario at a time.
+#![allow(clippy::unwrap_used)] // a failed step is a failed test
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use airlock_api::v1::*;
+use airlock_system_tests::harness::{
+    self, Client, Daemon, alive, cgroups_left, client, processes_mentioning, remove_parent_cgroups,
+    run, start_daemon, tail,
+};
+use airlock_system_tests::require_kvm;
+
+/// The data directory with its template, made once.
+#[derive(Debug)]
+struct Prepared {
+    dir: PathBuf,
+    cgroup_parent: String,
+}
+
+static PREPARED: OnceLock<Prepared> = OnceLock::new();
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const ADOPT: &str = "pool_size = 1\nadopt_on_restart = true\n";
+const REAP: &str = "pool_size = 1\nadopt_on_restart = false\n";
+
+async fn prepared() -> (tokio::sync::MutexGuard<'static, ()>, &'static Prepared) {
+    let guard = SERIAL.lock().await;
+    if let Some(p) = PREPARED.get() {
+        return (guard, p);
+    }
+    require_kvm();
+    let dir = std::env::temp_dir().join(format!("airlock-restart-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cgroup_parent = format!("airlock-restart-{}", std::process::id());
+    let d = start_daemon(&dir, &cgroup_parent, REAP);
+    let mut c = client(&d, None).await;
+    harness::build_template(&mut c, "base", &d.log).await;
+    drop(d);
+    (
+        guard,
+        PREPARED.get_or_init(|| Prepared { dir, cgroup_parent }),
+    )
+}
+
+fn start(p: &Prepared, config: &str) -> Daemon {
+    start_daemon(&p.dir, &p.cgroup_parent, config)
+}
+
+/// Kills the daemon process itself (SIGKILL), not its VMMs.
+fn kill_daemon(d: &mut Daemon) {
+    d.child.0.as_mut().unwrap().kill().unwrap();
+    d.child.0.take().unwrap().wait().unwrap();
+}
+
+/// Stops the daemon with SIGTERM and waits for it.
+fn stop_daemon(d: &mut Daemon) {
+    let pid = d.child.0.as_ref().unwrap().id() as i32;
+    // SAFETY: kill(2) on our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let status = d.child.0.take().unwrap().wait().unwrap();
+    assert!(
+        status.success(),
+        "airlockd exit: {status:?}\n{}",
+        tail(&d.log)
+    );
+}
+
+async fn sandbox(c: &mut Client, id: &str) -> Sandbox {
+    c.get_sandbox(GetSandboxRequest {
+        sandbox_id: id.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+}
+
+async fn create(c: &mut Client, d: &Daemon) -> Sandbox {
+    c.create_sandbox(CreateSandboxRequest::default())
+        .await
+        .unwrap_or_else(|e| panic!("create: {e:?}\n{}", tail(&d.log)))
+        .into_inner()
+}
+
+async fn output(c: &mut Client, execution: &str) -> (Execution, String) {
+    let r = c
+        .get_execution(GetExecutionRequest {
+            execution_id: execution.into(),
+            include_output: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    (
+        r.execution.unwrap(),
+        String::from_utf8_lossy(&r.stdout).into_owned(),
+    )
+}
+
+fn shell(sandbox: &str, script: &str) -> ExecRequest {
+    ExecRequest {
+        sandbox_id: sandbox.into(),
+        command: Some(exec_request::Command::Shell(script.into())),
+        timeout_ms: 300_000,
+        ..Default::default()
+    }
+}
+
+/// Follows an execution's stream from the start to its exit: (stdout, record).
+async fn follow(c: &mut Client, execution: &str) -> (String, Execution) {
+    let mut s = c
+        .stream_execution(StreamExecutionRequest {
+            execution_id: execution.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut out = Vec::new();
+    let mut expected = 0;
+    while let Some(ev) = s.message().await.unwrap() {
+        match ev.event {
+            Some(execution_event::Event::Output(o)) if o.stream == StreamKind::Stdout as i32 => {
+                assert_eq!(o.offset, expected, "the stream has a gap or an overlap");
+                expected += o.data.len() as u64;
+                out.extend(o.data);
+            }
+            Some(execution_event::Event::Exit(e)) => {
+                return (String::from_utf8_lossy(&out).into_owned(), e);
+            }
+            _ => {}
+        }
+    }
+    panic!("the stream of {execution} ended without an exit");
+}
+
+/// The VMM processes running from the test's data directory (not the daemon).
+fn vmms(p: &Prepared) -> HashSet<u32> {
+    let data = p.dir.join("data").display().to_string();
+    processes_mentioning(&data)
+        .into_iter()
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| !String::from_utf8_lossy(&c).contains("airlockd"))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_daemon_mid_execution_and_mid_create_is_adopted_by_the_next() {
+    let (_serial, p) = prepared().await;
+    let mut d = start(p, ADOPT);
+    let mut c = client(&d, None).await;
+    let a = create(&mut c, &d).await;
+    let script = "i=0; while [ $i -lt 12 ]; do echo line-$i; i=$((i+1)); sleep 1; done";
+    let ex = c.exec(shell(&a.id, script)).await.unwrap().into_inner();
+    let b = create(&mut c, &d).await;
+    let (_, _, rec) = run(&mut c, &b.id, &["sh", "-c", "echo kept > /tmp/kept.txt"]).await;
+    assert_eq!(rec.exit_code, 0);
+    c.pause_sandbox(PauseSandboxRequest {
+        sandbox_id: b.id.clone(),
+    })
+    .await
+    .unwrap();
+    // Some output is stored before the daemon dies.
+    let t = Instant::now();
+    while !output(&mut c, &ex.execution_id).await.1.contains("line-1") {
+        assert!(t.elapsed() < Duration::from_secs(120), "no output");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A create in flight when the daemon dies.
+    let mut c2 = c.clone();
+    let in_flight = tokio::spawn(async move {
+        c2.create_sandbox(CreateSandboxRequest {
+            labels: [("in".to_owned(), "flight".to_owned())].into(),
+            ..Default::default()
+        })
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    kill_daemon(&mut d);
+    let _ = in_flight.await;
+    assert!(
+        alive(a.vmm_pid) && alive(b.vmm_pid),
+        "the VMMs outlive their daemon"
+    );
+
+    let d = start(p, ADOPT);
+    let mut c = client(&d, None).await;
+    let a2 = sandbox(&mut c, &a.id).await;
+    assert_eq!(
+        a2.state,
+        SandboxState::Running as i32,
+        "{a2:?}\n{}",
+        tail(&d.log)
+    );
+    assert_eq!(a2.vmm_pid, a.vmm_pid, "the same VMM");
+    let b2 = sandbox(&mut c, &b.id).await;
+    assert_eq!(b2.state, SandboxState::Paused as i32, "{b2:?}");
+    assert_eq!(b2.vmm_pid, b.vmm_pid);
+    // The execution goes on, its output without a gap.
+    let (out, rec) = follow(&mut c, &ex.execution_id).await;
+    let want: String = (0..12).map(|i| format!("line-{i}\n")).collect();
+    assert_eq!(out, want);
+    assert_eq!(rec.state, ExecutionState::Exited as i32, "{rec:?}");
+    assert_eq!(rec.exit_code, 0);
+    // The paused one resumes with its files.
+    c.resume_sandbox(ResumeSandboxRequest {
+        sandbox_id: b.id.clone(),
+    })
+    .await
+    .unwrap();
+    let (kept, _, _) = run(&mut c, &b.id, &["cat", "/tmp/kept.txt"]).await;
+    assert_eq!(kept, "kept\n");
+    // The create in flight: either it finished before the kill (and was adopted) or it ended
+    // as failed; nothing is left starting, and no VMM runs without a live sandbox or a pool.
+    let all = c
+        .list_sandboxes(ListSandboxesRequest {
+            labels: [("in".to_owned(), "flight".to_owned())].into(),
+            states: (1..=5).collect(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .sandboxes;
+    for s in &all {
+        assert_ne!(s.state, SandboxState::Starting as i32, "{s:?}");
+        if s.state == SandboxState::Dead as i32 {
+            assert_eq!(s.end_reason, "DAEMON_RESTARTED", "{s:?}");
+        }
+    }
+    let live: Vec<Sandbox> = c
+        .list_sandboxes(ListSandboxesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .sandboxes;
+    let live_pids: HashSet<u32> = live.iter().map(|s| s.vmm_pid).collect();
+    let stray: Vec<u32> = vmms(p).difference(&live_pids).copied().collect();
+    assert!(
+        stray.len() <= 1,
+        "VMMs that are neither a sandbox's nor the pool's: {stray:?}"
+    );
+    // New work goes on as usual.
+    let (echo, _, _) = run(&mut c, &a.id, &["echo", "after"]).await;
+    assert_eq!(echo, "after\n");
+    for s in &live {
+        c.destroy_sandbox(DestroySandboxRequest {
+            sandbox_id: s.id.clone(),
+        })
+        .await
+        .unwrap();
+    }
+    drop(d);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_keeps_sandboxes_for_the_next_daemon_and_adopt_off_reaps_them() {
+    let (_serial, p) = prepared().await;
+    let mut d = start(p, ADOPT);
+    let mut c = client(&d, None).await;
+    let a = create(&mut c, &d).await;
+    let ex = c
+        .exec(shell(&a.id, "sleep 600"))
+        .await
+        .unwrap()
+        .into_inner();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop_daemon(&mut d);
+    assert!(alive(a.vmm_pid), "an upgrade leaves the sandbox running");
+
+    let mut d = start(p, ADOPT);
+    let mut c = client(&d, None).await;
+    assert_eq!(
+        sandbox(&mut c, &a.id).await.state,
+        SandboxState::Running as i32
+    );
+    let (rec, _) = output(&mut c, &ex.execution_id).await;
+    assert_eq!(rec.state, ExecutionState::Running as i32, "{rec:?}");
+    let killed = c
+        .kill_execution(KillExecutionRequest {
+            execution_id: ex.execution_id.clone(),
+            signal: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(killed.signalled, "the adopted execution takes signals");
+    let t = Instant::now();
+    let rec = loop {
+        let (rec, _) = output(&mut c, &ex.execution_id).await;
+        if rec.state != ExecutionState::Running as i32 {
+            break rec;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the kill did not end it"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(rec.state, ExecutionState::Killed as i32, "{rec:?}");
+    stop_daemon(&mut d);
+    assert!(alive(a.vmm_pid));
+
+    // With adoption off, the next daemon reaps what it finds, and its stop leaves nothing.
+    let mut d = start(p, REAP);
+    let mut c = client(&d, None).await;
+    let reaped = sandbox(&mut c, &a.id).await;
+    assert_eq!(reaped.state, SandboxState::Dead as i32, "{reaped:?}");
+    assert_eq!(reaped.end_reason, "DAEMON_RESTARTED");
+    assert!(!alive(a.vmm_pid), "the old VMM was reaped");
+    let b = create(&mut c, &d).await;
+    assert!(alive(b.vmm_pid));
+    stop_daemon(&mut d);
+    assert_eq!(vmms(p), HashSet::new(), "VMM processes left");
+    assert_eq!(
+        cgroups_left(&p.cgroup_parent),
+        Vec::<PathBuf>::new(),
+        "cgroups left"
+    );
+    let run_left: Vec<_> = std::fs::read_dir(p.dir.join("data/run"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(run_left.is_empty(), "run directories left: {run_left:?}");
+    remove_parent_cgroups(&p.cgroup_parent);
+}

@@ -1,0 +1,209 @@
+//! One `airlockd` and one template per test process, shared by its scenarios: the template's
+//! cold boot costs tens of seconds on nested-KVM machines, so a test binary builds it once,
+//! and each scenario is its own `#[test]`, failing alone. Scenarios run one at a time
+//! ([`scenario`] hands out a lock), so each may count what it sees on the host. The daemon
+//! stops when the test process exits (an `atexit` handler sends SIGTERM and waits; the daemon
+//! also gets SIGTERM from the kernel if the process dies without exiting).
+#![allow(clippy::unwrap_used)] // a failed step is a failed test
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use airlock_api::v1::Template;
+
+use crate::harness::{self, Client, remove_parent_cgroups, tail};
+use crate::{binary, kernel, rootfs};
+
+/// The shared daemon of this test process.
+#[derive(Debug)]
+pub struct Shared {
+    pub dir: PathBuf,
+    pub socket: PathBuf,
+    pub data_dir: PathBuf,
+    pub log: PathBuf,
+    pub cgroup_parent: String,
+    pub metrics_port: u16,
+    pub pid: i32,
+    /// The template `base`, built once.
+    pub template: Template,
+}
+
+static SHARED: OnceLock<Shared> = OnceLock::new();
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The shared daemon (started with `config` appended to its settings by the first caller) and
+/// the lock that keeps scenarios one at a time.
+pub async fn scenario(config: &str) -> (tokio::sync::MutexGuard<'static, ()>, &'static Shared) {
+    let guard = SERIAL.lock().await;
+    let config = config.to_owned();
+    // Started on a thread of its own: the template build blocks on a runtime of its own.
+    let shared = match SHARED.get() {
+        Some(s) => s,
+        None => tokio::task::spawn_blocking(move || SHARED.get_or_init(|| start(&config)))
+            .await
+            .unwrap(),
+    };
+    (guard, shared)
+}
+
+impl Shared {
+    /// A client of the default tenant (or of `token`'s).
+    pub async fn client(&self, token: Option<&str>) -> Client {
+        airlock_api::client(Some(&format!("unix://{}", self.socket.display())), token)
+            .await
+            .expect("connect to the shared airlockd")
+    }
+
+    /// Destroys every live sandbox of the default tenant and of `tokens`' tenants: what a
+    /// failed scenario left, so that the next one starts clean.
+    pub async fn clean(&self, tokens: &[&str]) {
+        use airlock_api::v1::{DestroySandboxRequest, ListSandboxesRequest};
+        let tokens = std::iter::once(None).chain(tokens.iter().map(|t| Some(*t)));
+        for token in tokens {
+            let mut c = self.client(token).await;
+            let live = c
+                .list_sandboxes(ListSandboxesRequest::default())
+                .await
+                .unwrap()
+                .into_inner()
+                .sandboxes;
+            for s in live {
+                c.destroy_sandbox(DestroySandboxRequest { sandbox_id: s.id })
+                    .await
+                    .unwrap();
+            }
+        }
+    }
+
+    /// The last lines of the daemon's log (for failure messages).
+    pub fn log_tail(&self) -> String {
+        tail(&self.log)
+    }
+}
+
+fn start(config: &str) -> Shared {
+    crate::require_kvm();
+    let dir = std::env::temp_dir().join(format!("airlock-shared-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cgroup_parent = format!("airlock-test-{}", std::process::id());
+    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    let socket = dir.join("airlockd.sock");
+    let data_dir = dir.join("data");
+    let log = dir.join("airlockd.log");
+    std::fs::write(
+        dir.join("airlockd.toml"),
+        format!(
+            "cgroup_parent = \"{cgroup_parent}\"\nkernel = \"{}\"\nrootfs = \"{}\"\n\
+             vmm_binary = \"{}\"\nready_timeout_ms = 120000\nadopt_on_restart = false\n\
+             metrics_listen = \"127.0.0.1:{metrics_port}\"\n{config}",
+            kernel().display(),
+            rootfs().display(),
+            binary("airlock-vmm").display()
+        ),
+    )
+    .unwrap();
+    let mut cmd = Command::new(binary("airlockd"));
+    cmd.arg("--config")
+        .arg(dir.join("airlockd.toml"))
+        .arg("--listen")
+        .arg(format!("unix://{}", socket.display()))
+        .arg("--data-dir")
+        .arg(&data_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+    let pid = spawn_kept(cmd);
+    // SAFETY: registers a plain `extern "C"` function that runs at exit.
+    unsafe { libc::atexit(stop_at_exit) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !socket.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "airlockd did not listen: {}",
+            tail(&log)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut shared = Shared {
+        dir,
+        socket,
+        data_dir,
+        log,
+        cgroup_parent,
+        metrics_port,
+        pid,
+        template: Template::default(),
+    };
+    shared.template = build_template(&shared);
+    shared
+}
+
+/// Spawns `cmd` from a thread that lives as long as the process, so that the child's
+/// parent-death signal (SIGTERM) comes only when the process dies.
+fn spawn_kept(mut cmd: Command) -> i32 {
+    use std::os::unix::process::CommandExt;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // SAFETY: prctl is async-signal-safe; it only sets this child's parent-death signal.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().expect("spawn airlockd");
+        tx.send(child.id() as i32).unwrap();
+        loop {
+            std::thread::park();
+        }
+    });
+    rx.recv().unwrap()
+}
+
+fn build_template(s: &Shared) -> Template {
+    let socket = s.socket.clone();
+    let log = s.log.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let mut c = airlock_api::client(Some(&format!("unix://{}", socket.display())), None)
+                .await
+                .unwrap();
+            harness::build_template(&mut c, "base", &log).await
+        })
+    })
+    .join()
+    .unwrap()
+}
+
+/// Stops the shared daemon (SIGTERM, then SIGKILL after 60 s) and removes what it had.
+extern "C" fn stop_at_exit() {
+    let Some(s) = SHARED.get() else { return };
+    // SAFETY: kill(2) and waitpid(2) on our own child; no memory is shared.
+    unsafe { libc::kill(s.pid, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut status = 0;
+        // SAFETY: as above; `status` is a live local.
+        let r = unsafe { libc::waitpid(s.pid, &mut status, libc::WNOHANG) };
+        if r != 0 {
+            break;
+        }
+        if Instant::now() > deadline {
+            // SAFETY: as above.
+            unsafe { libc::kill(s.pid, libc::SIGKILL) };
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    remove_parent_cgroups(&s.cgroup_parent);
+    let _ = std::fs::remove_dir_all(&s.dir);
+}
