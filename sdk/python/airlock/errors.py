@@ -27,6 +27,7 @@ __all__ = [
     "SandboxNotFound",
     "ExecutionNotFound",
     "TemplateNotFound",
+    "FileNotFound",
     "TemplateExists",
     "SandboxNotRunning",
     "ResourceExhausted",
@@ -104,6 +105,12 @@ class ExecutionNotFound(NotFound):
 
 class TemplateNotFound(NotFound):
     reason_codes = ("TEMPLATE_NOT_FOUND",)
+
+
+class FileNotFound(NotFound):
+    """A file or directory the call names does not exist in the sandbox."""
+
+    reason_codes = ("FILE_NOT_FOUND",)
 
 
 class TemplateExists(AirlockError):
@@ -211,6 +218,7 @@ _BY_REASON = {
         SandboxNotFound,
         ExecutionNotFound,
         TemplateNotFound,
+        FileNotFound,
         TemplateExists,
         SandboxNotRunning,
         CapacityExhausted,
