@@ -24,10 +24,19 @@ pub struct Daemon {
     pub log: PathBuf,
 }
 
-/// Starts `airlockd` on a Unix socket in `dir`, with its data in `dir/data`, sandbox cgroups
-/// under `cgroup_parent`, the built kernel, image and VMM, and `extra` appended to its config
-/// (top-level keys first, then tables).
-pub fn start_daemon(dir: &Path, cgroup_parent: &str, extra: &str) -> Daemon {
+/// Where a test daemon in `dir` listens, keeps its data and logs, and how it is started.
+#[derive(Debug)]
+pub struct DaemonSetup {
+    pub command: Command,
+    pub socket: PathBuf,
+    pub data_dir: PathBuf,
+    pub log: PathBuf,
+}
+
+/// The `airlockd` of a test, on a Unix socket in `dir`, with its data in `dir/data`, sandbox
+/// cgroups under `cgroup_parent`, the built kernel, image and VMM, and `extra` appended to its
+/// config (top-level keys first, then tables). Not started yet.
+pub fn daemon_setup(dir: &Path, cgroup_parent: &str, extra: &str) -> DaemonSetup {
     let socket = dir.join("airlockd.sock");
     let data_dir = dir.join("data");
     let config = dir.join("airlockd.toml");
@@ -56,8 +65,9 @@ pub fn start_daemon(dir: &Path, cgroup_parent: &str, extra: &str) -> Daemon {
             .unwrap()
             .as_millis()
     ));
-    let mut cmd = Command::new(binary("airlockd"));
-    cmd.arg("--config")
+    let mut command = Command::new(binary("airlockd"));
+    command
+        .arg("--config")
         .arg(&config)
         .arg("--listen")
         .arg(format!("unix://{}", socket.display()))
@@ -67,22 +77,38 @@ pub fn start_daemon(dir: &Path, cgroup_parent: &str, extra: &str) -> Daemon {
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap());
     let _ = std::fs::remove_file(&socket);
-    let child = ChildGuard::spawn(&mut cmd);
+    DaemonSetup {
+        command,
+        socket,
+        data_dir,
+        log,
+    }
+}
+
+/// Waits (up to 30 s) until a daemon listens on `socket`.
+pub fn wait_listening(socket: &Path, log: &Path) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !socket.exists() {
         assert!(
             Instant::now() < deadline,
             "airlockd did not listen: {}",
-            tail(&log)
+            tail(log)
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Starts `airlockd` as [`daemon_setup`] describes it and waits until it listens.
+pub fn start_daemon(dir: &Path, cgroup_parent: &str, extra: &str) -> Daemon {
+    let mut setup = daemon_setup(dir, cgroup_parent, extra);
+    let child = ChildGuard::spawn(&mut setup.command);
+    wait_listening(&setup.socket, &setup.log);
     Daemon {
         cgroup_parent: cgroup_parent.to_owned(),
         child,
-        socket,
-        data_dir,
-        log,
+        socket: setup.socket,
+        data_dir: setup.data_dir,
+        log: setup.log,
     }
 }
 

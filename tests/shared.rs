@@ -7,14 +7,13 @@
 #![allow(clippy::unwrap_used)] // a failed step is a failed test
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use airlock_api::v1::Template;
 
 use crate::harness::{self, Client, remove_parent_cgroups, tail};
-use crate::{binary, kernel, rootfs};
 
 /// The shared daemon of this test process.
 #[derive(Debug)]
@@ -93,43 +92,13 @@ fn start(config: &str) -> Shared {
         .and_then(|l| l.local_addr())
         .unwrap()
         .port();
-    let socket = dir.join("airlockd.sock");
-    let data_dir = dir.join("data");
-    let log = dir.join("airlockd.log");
-    std::fs::write(
-        dir.join("airlockd.toml"),
-        format!(
-            "cgroup_parent = \"{cgroup_parent}\"\nkernel = \"{}\"\nrootfs = \"{}\"\n\
-             vmm_binary = \"{}\"\nready_timeout_ms = 120000\nadopt_on_restart = false\n\
-             metrics_listen = \"127.0.0.1:{metrics_port}\"\n{config}",
-            kernel().display(),
-            rootfs().display(),
-            binary("airlock-vmm").display()
-        ),
-    )
-    .unwrap();
-    let mut cmd = Command::new(binary("airlockd"));
-    cmd.arg("--config")
-        .arg(dir.join("airlockd.toml"))
-        .arg("--listen")
-        .arg(format!("unix://{}", socket.display()))
-        .arg("--data-dir")
-        .arg(&data_dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap());
-    let pid = spawn_kept(cmd);
+    let extra = format!("metrics_listen = \"127.0.0.1:{metrics_port}\"\n{config}");
+    let setup = harness::daemon_setup(&dir, &cgroup_parent, &extra);
+    let (socket, data_dir, log) = (setup.socket, setup.data_dir, setup.log);
+    let pid = spawn_kept(setup.command);
     // SAFETY: registers a plain `extern "C"` function that runs at exit.
     unsafe { libc::atexit(stop_at_exit) };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !socket.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "airlockd did not listen: {}",
-            tail(&log)
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    harness::wait_listening(&socket, &log);
     let mut shared = Shared {
         dir,
         socket,

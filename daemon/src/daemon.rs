@@ -237,9 +237,11 @@ impl Daemon {
     /// Stops: no new VMMs, warm ones killed; live sandboxes keep running for the next daemon
     /// (`adopt_on_restart`) or end as DAEMON_STOPPED. Creates in flight end either way.
     pub async fn shutdown(&self) {
+        let wait = std::time::Duration::from_secs(5);
         self.host.stop();
+        self.host.wait_starts(wait).await;
         for p in self.pool.drain() {
-            p.wait_gone(std::time::Duration::from_secs(5)).await;
+            p.wait_gone(wait).await;
             p.remove_leftovers();
         }
         if self.cfg.adopt_on_restart {
@@ -264,6 +266,15 @@ impl Daemon {
             self.sandboxes
                 .end_all(EndReason::DaemonStopped, "the daemon stopped")
                 .await;
+        }
+        // What is left but kept sandboxes' VMMs: warm VMMs that were starting.
+        let kept = |o: &Owner| {
+            self.cfg.adopt_on_restart
+                && matches!(o, Owner::Sandbox(id) if self.sandboxes.by_id(id).is_some())
+        };
+        for v in self.host.supervisor.kill_all_but(kept) {
+            v.wait_gone(wait).await;
+            v.remove_leftovers();
         }
     }
 }

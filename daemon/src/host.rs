@@ -29,6 +29,8 @@ pub struct VmmHost {
     pids_max: u64,
     /// Set at shutdown: no new VMM processes.
     stopping: AtomicBool,
+    /// Warm VMMs being started now.
+    starting: tokio::sync::watch::Sender<usize>,
 }
 
 impl VmmHost {
@@ -50,6 +52,7 @@ impl VmmHost {
             overhead_mib,
             pids_max,
             stopping: AtomicBool::new(false),
+            starting: tokio::sync::watch::Sender::new(0),
         }
     }
 
@@ -91,6 +94,13 @@ impl VmmHost {
         self.stopping.load(Ordering::SeqCst)
     }
 
+    /// Waits (at most `timeout`) until no warm VMM is being started (after [`stop`](Self::stop):
+    /// every VMM is then watched, or killed).
+    pub async fn wait_starts(&self, timeout: std::time::Duration) {
+        let mut rx = self.starting.subscribe();
+        let _ = tokio::time::timeout(timeout, rx.wait_for(|n| *n == 0)).await;
+    }
+
     /// Starts a warm `airlock-vmm pool` process for `spec` (a guest of `memory_mib`) as
     /// `owner`'s, in its cgroup from its first instruction, watched and recorded; returns once
     /// its control socket answers (its KVM VM is prepared).
@@ -100,8 +110,21 @@ impl VmmHost {
         memory_mib: u32,
         owner: Owner,
     ) -> ApiResult<VmmProcess> {
+        self.starting.send_modify(|n| *n += 1);
+        let started = self.start_pool_vmm_counted(spec, memory_mib, owner).await;
+        self.starting.send_modify(|n| *n -= 1);
+        started
+    }
+
+    async fn start_pool_vmm_counted(
+        &self,
+        spec: &PoolSpec,
+        memory_mib: u32,
+        owner: Owner,
+    ) -> ApiResult<VmmProcess> {
+        let stopping = || ApiError::Internal("the daemon is stopping".into());
         if self.stopping() {
-            return Err(ApiError::Internal("the daemon is stopping".into()));
+            return Err(stopping());
         }
         let (id, run_dir) = self.new_vmm_id()?;
         let cgroup = self
@@ -130,6 +153,10 @@ impl VmmHost {
         let p = VmmProcess::new(id, run_dir, cgroup, &launched);
         // Watched at once: whatever fails from here on, its exit cleans up after it.
         self.supervisor.watch(&p, launched.exit, owner)?;
+        if self.stopping() {
+            p.kill();
+            return Err(stopping());
+        }
         let log = p.log();
         let ready =
             vmm::control::wait_ready(&p.control, || p.is_gone().then(|| vmm::log_tail(&log))).await;

@@ -86,6 +86,8 @@ impl WarmPool {
                 .start_pool_vmm(&t.pool_spec(), t.record.memory_mib, Owner::Pool(id.clone()))
                 .await;
             match started {
+                // A daemon that stopped meanwhile has drained the pool already.
+                Ok(p) if self.host.stopping() => p.kill(),
                 Ok(p) => self.warm().entry(id.clone()).or_default().push(p),
                 Err(e) => {
                     warn!(template = %t.record.name, "warm pool: {e}");

@@ -29,7 +29,8 @@ pub struct VmmExited {
 #[derive(Debug)]
 pub struct Supervisor {
     store: Arc<Store>,
-    owners: Mutex<HashMap<String, Owner>>,
+    /// Every watched VMM and its owner, by VMM id.
+    watched: Mutex<HashMap<String, (Owner, VmmProcess)>>,
     events: UnboundedSender<VmmExited>,
 }
 
@@ -39,18 +40,21 @@ impl Supervisor {
         let (events, rx) = unbounded_channel();
         let me = Self {
             store,
-            owners: Mutex::new(HashMap::new()),
+            watched: Mutex::new(HashMap::new()),
             events,
         };
         (Arc::new(me), rx)
     }
 
-    fn owners(&self) -> std::sync::MutexGuard<'_, HashMap<String, Owner>> {
-        self.owners.lock().unwrap_or_else(|e| e.into_inner())
+    fn watched(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Owner, VmmProcess)>> {
+        self.watched.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Records `vmm` as `owner`'s, so that a restarted daemon finds it.
+    /// Records `vmm` as `owner`'s, so that a restarted daemon finds it and a stopping one can
+    /// kill it.
     pub fn record(&self, vmm: &VmmProcess, owner: &Owner) -> ApiResult<()> {
+        self.watched()
+            .insert(vmm.id.clone(), (owner.clone(), vmm.clone()));
         self.store.put_vmm(&VmmRecord {
             id: vmm.id.clone(),
             pid: vmm.pid,
@@ -64,22 +68,22 @@ impl Supervisor {
 
     /// Forgets a recorded VMM (it is gone).
     pub fn forget(&self, vmm: &VmmProcess) {
-        self.owners().remove(&vmm.id);
+        self.watched().remove(&vmm.id);
         if let Err(e) = self.store.remove_vmm(&vmm.id) {
             warn!(vmm = %vmm.id, "forgetting the VMM's record: {e}");
         }
     }
 
     /// Records `vmm` as `owner`'s and watches it: when `exit` resolves, the VMM is marked
-    /// gone, forgotten, and a [`VmmExited`] event goes out. Watched before it is recorded, so
-    /// that whatever fails, its exit still cleans up after it.
+    /// gone, forgotten, and a [`VmmExited`] event goes out. Watched even if recording fails
+    /// (it is killed then), so that its exit still cleans up after it.
     pub fn watch(
         self: &Arc<Self>,
         vmm: &VmmProcess,
         exit: ExitFuture,
         owner: Owner,
     ) -> ApiResult<()> {
-        self.owners().insert(vmm.id.clone(), owner.clone());
+        let recorded = self.record(vmm, &owner);
         let me = self.clone();
         let v = vmm.clone();
         tokio::spawn(async move {
@@ -91,7 +95,7 @@ impl Supervisor {
                 }
             };
             v.mark_gone();
-            let owner = me.owners().remove(&v.id);
+            let owner = me.watched().remove(&v.id).map(|(o, _)| o);
             if let Err(e) = me.store.remove_vmm(&v.id) {
                 warn!(vmm = %v.id, "forgetting the VMM's record: {e}");
             }
@@ -101,12 +105,27 @@ impl Supervisor {
                 status,
             });
         });
-        self.record(vmm, &owner).inspect_err(|_| vmm.kill())
+        recorded.inspect_err(|_| vmm.kill())
     }
 
     /// Hands a watched VMM to a new owner (a pool process becomes a sandbox's).
     pub fn hand_over(&self, vmm: &VmmProcess, owner: Owner) -> ApiResult<()> {
-        self.owners().insert(vmm.id.clone(), owner.clone());
+        self.watched()
+            .insert(vmm.id.clone(), (owner.clone(), vmm.clone()));
         self.store.set_vmm_owner(&vmm.id, &owner)
+    }
+
+    /// Kills every watched VMM whose owner `keep` does not keep; returns them (to wait for).
+    pub fn kill_all_but(&self, keep: impl Fn(&Owner) -> bool) -> Vec<VmmProcess> {
+        let doomed: Vec<VmmProcess> = self
+            .watched()
+            .values()
+            .filter(|(owner, _)| !keep(owner))
+            .map(|(_, v)| v.clone())
+            .collect();
+        for v in &doomed {
+            v.kill();
+        }
+        doomed
     }
 }
