@@ -47,10 +47,21 @@ async fn prepared() -> (tokio::sync::MutexGuard<'static, ()>, &'static Prepared)
     let mut c = client(&d, None).await;
     harness::build_template(&mut c, "base", &d.log).await;
     drop(d);
+    // SAFETY: registers a plain `extern "C"` function that runs at exit.
+    unsafe { libc::atexit(remove_prepared) };
     (
         guard,
         PREPARED.get_or_init(|| Prepared { dir, cgroup_parent }),
     )
+}
+
+/// Removes the shared data directory and cgroup parent at exit (every daemon is stopped by
+/// then: each scenario's are dropped with it).
+extern "C" fn remove_prepared() {
+    if let Some(p) = PREPARED.get() {
+        let _ = std::fs::remove_dir_all(&p.dir);
+        remove_parent_cgroups(&p.cgroup_parent);
+    }
 }
 
 fn start(p: &Prepared, config: &str) -> Daemon {
