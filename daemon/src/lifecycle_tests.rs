@@ -251,7 +251,7 @@ fn leave_behind(
         uid: None,
         run_dir: run_dir.display().to_string(),
         cgroup: false,
-        owner: Owner::Sandbox(sb.into()),
+        owner: Owner::Pool("tpl-1".into()),
     };
     store.put_vmm(&vmm).unwrap();
     let sandbox = Sandbox {
@@ -263,12 +263,11 @@ fn leave_behind(
         created_unix_ms: crate::ids::now_ms(),
         ..Default::default()
     };
-    store.put_sandbox(&sandbox).unwrap();
     let spec = CreateSandboxRequest {
         env: [("K".to_owned(), "V".to_owned())].into(),
         ..Default::default()
     };
-    store.put_sandbox_spec(sb, &spec).unwrap();
+    store.put_running(&sandbox, &spec, &vmm.id).unwrap();
     let execution = Execution {
         id: ex.into(),
         sandbox_id: sb.into(),

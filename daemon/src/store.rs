@@ -56,6 +56,11 @@ impl Owner {
         }
     }
 
+    fn kind_owned(&self) -> (&'static str, String) {
+        let (k, id) = self.kind();
+        (k, id.to_owned())
+    }
+
     fn from_kind(kind: &str, id: String) -> Self {
         match kind {
             "sandbox" => Self::Sandbox(id),
@@ -147,6 +152,34 @@ impl Store {
         Ok(())
     }
 
+    /// A create's end, in one transaction: the sandbox's running record, what a restarted
+    /// daemon needs to serve it (`spec`), and its VMM recorded as its own (until then the VMM
+    /// is a warm pool process's, which a restarted daemon reaps).
+    pub fn put_running(
+        &self,
+        s: &Sandbox,
+        spec: &CreateSandboxRequest,
+        vmm_id: &str,
+    ) -> ApiResult<()> {
+        let mut db = self.db();
+        let tx = db.transaction()?;
+        tx.execute(
+            "INSERT OR REPLACE INTO sandboxes (id, tenant, state, record) VALUES (?1, ?2, ?3, ?4)",
+            params![s.id, s.tenant, s.state, s.encode_to_vec()],
+        )?;
+        tx.execute(
+            "INSERT OR REPLACE INTO sandbox_specs (id, spec) VALUES (?1, ?2)",
+            params![s.id, spec.encode_to_vec()],
+        )?;
+        let (kind, owner) = Owner::Sandbox(s.id.clone()).kind_owned();
+        tx.execute(
+            "UPDATE vmms SET owner_kind = ?2, owner_id = ?3 WHERE id = ?1",
+            params![vmm_id, kind, owner],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
     pub fn sandbox(&self, id: &str) -> ApiResult<Option<Sandbox>> {
         let db = self.db();
         let bytes: Option<Vec<u8>> = db
@@ -198,14 +231,6 @@ impl Store {
 
     /// What a restarted daemon needs to serve a live sandbox again (environment, file
     /// policy); removed when the sandbox ends.
-    pub fn put_sandbox_spec(&self, id: &str, spec: &CreateSandboxRequest) -> ApiResult<()> {
-        self.db().execute(
-            "INSERT OR REPLACE INTO sandbox_specs (id, spec) VALUES (?1, ?2)",
-            params![id, spec.encode_to_vec()],
-        )?;
-        Ok(())
-    }
-
     pub fn sandbox_spec(&self, id: &str) -> ApiResult<Option<CreateSandboxRequest>> {
         let db = self.db();
         let bytes: Option<Vec<u8>> = db
@@ -240,15 +265,6 @@ impl Store {
                 kind,
                 owner
             ],
-        )?;
-        Ok(())
-    }
-
-    pub fn set_vmm_owner(&self, id: &str, owner: &Owner) -> ApiResult<()> {
-        let (kind, owner) = owner.kind();
-        self.db().execute(
-            "UPDATE vmms SET owner_kind = ?2, owner_id = ?3 WHERE id = ?1",
-            params![id, kind, owner],
         )?;
         Ok(())
     }
@@ -371,8 +387,15 @@ mod tests {
                 owner: Owner::Pool("tpl-1".into()),
             })
             .unwrap();
-            s.set_vmm_owner("vm-1", &Owner::Sandbox("sb-1".into()))
+            let running = Sandbox {
+                id: "sb-1".into(),
+                tenant: "a".into(),
+                state: 2,
+                ..Default::default()
+            };
+            s.put_running(&running, &CreateSandboxRequest::default(), "vm-1")
                 .unwrap();
+            assert!(s.sandbox_spec("sb-1").unwrap().is_some());
             s.set_execution_agent("ex-1", 5).unwrap();
         }
         let s = Store::open(&path).unwrap();

@@ -108,11 +108,11 @@ impl Supervisor {
         recorded.inspect_err(|_| vmm.kill())
     }
 
-    /// Hands a watched VMM to a new owner (a pool process becomes a sandbox's).
-    pub fn hand_over(&self, vmm: &VmmProcess, owner: Owner) -> ApiResult<()> {
-        self.watched()
-            .insert(vmm.id.clone(), (owner.clone(), vmm.clone()));
-        self.store.set_vmm_owner(&vmm.id, &owner)
+    /// Hands a watched VMM to a new owner (a pool process becomes a sandbox's): its exit goes
+    /// to the new owner from now on. The store learns of it with the owner's own record
+    /// ([`Store::put_running`]): a daemon that dies before then reaps it as a pool process.
+    pub fn hand_over(&self, vmm: &VmmProcess, owner: Owner) {
+        self.watched().insert(vmm.id.clone(), (owner, vmm.clone()));
     }
 
     /// Kills every watched VMM whose owner `keep` does not keep; returns them (to wait for).

@@ -112,7 +112,6 @@ impl Sandboxes {
         t0: Instant,
     ) -> ApiResult<Sandbox> {
         self.store.put_sandbox(&rt.snapshot())?;
-        self.store.put_sandbox_spec(&rt.id, &spec.to_stored())?;
         let queued = Instant::now();
         let _slot = self.slots.acquire().await?;
         let queue_ms = queued.elapsed().as_secs_f64() * 1000.0;
@@ -138,7 +137,8 @@ impl Sandboxes {
             r.restore_ms = restore_ms;
             r.vmm_pid = vmm.pid;
         });
-        self.store.put_sandbox(&record)?;
+        self.store
+            .put_running(&record, &spec.to_stored(), &vmm.id)?;
         self.metrics
             .observe_create(total_ms / 1000.0, host_ms / 1000.0, restore_ms / 1000.0);
         info!(
@@ -162,7 +162,7 @@ impl Sandboxes {
         let owner = Owner::Sandbox(rt.id.clone());
         match self.pool.take(&template.record.id) {
             Some(p) => {
-                self.host.supervisor.hand_over(&p, owner)?;
+                self.host.supervisor.hand_over(&p, owner);
                 Ok(p)
             }
             None => {
