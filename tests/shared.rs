@@ -119,13 +119,15 @@ fn spawn_kept(mut cmd: Command) -> i32 {
     use std::os::unix::process::CommandExt;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        // SAFETY: prctl is async-signal-safe; it only sets this child's parent-death signal.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-                Ok(())
-            });
-        }
+        let set_death_signal = || {
+            // SAFETY: prctl(2) is async-signal-safe; it only sets this child's parent-death
+            // signal.
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) };
+            Ok(())
+        };
+        // SAFETY: the closure runs between fork and exec and only calls prctl (above).
+        unsafe { cmd.pre_exec(set_death_signal) };
+        #[expect(clippy::zombie_processes, reason = "reaped by waitpid in stop_at_exit")]
         let child = cmd.spawn().expect("spawn airlockd");
         tx.send(child.id() as i32).unwrap();
         loop {
