@@ -277,7 +277,8 @@ async fn start_daemon(
             "cgroup_parent = \"{cgroup_parent}\"\n\
              kernel = \"{}\"\nrootfs = \"{}\"\nvmm_binary = \"{}\"\nready_timeout_ms = 180000\n\
              metrics_listen = \"{metrics}\"\nmax_committed_mib = 1048576\n\
-             adopt_on_restart = false\n{config}",
+             adopt_on_restart = false\n{config}\n\
+             [default_quota]\nmax_sandboxes = 0\nmax_memory_mib = 0\n",
             a.kernel.display(),
             a.rootfs.display(),
             a.vmm.display()

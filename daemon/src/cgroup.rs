@@ -115,8 +115,13 @@ impl Cgroups {
         }
     }
 
-    /// Creates sandbox `name`'s cgroup with `limits`.
+    /// Creates sandbox `name`'s cgroup with `limits`, swap included (see [`limit_swap`]).
     pub fn create(&self, name: &str, limits: Limits) -> io::Result<Cgroup> {
+        self.create_with(name, limits, host_has_swap())
+    }
+
+    /// [`create`](Self::create) on a host that has swap (`host_swap`) or not.
+    fn create_with(&self, name: &str, limits: Limits, host_swap: bool) -> io::Result<Cgroup> {
         let cg = self.cgroup(name);
         for d in &cg.dirs {
             fs::create_dir_all(d)?;
@@ -125,16 +130,15 @@ impl Cgroups {
         if cg.version == 2 {
             let d = &cg.dirs[0];
             write(d, "memory.max", &limits.memory_bytes.to_string())?;
-            // No swap: the limit is the limit.
-            let _ = write(d, "memory.swap.max", "0");
+            limit_swap(&d.join("memory.swap.max"), "0", host_swap)?;
             write(d, "cpu.max", &format!("{quota} {PERIOD_US}"))?;
             write(d, "pids.max", &limits.pids.to_string())?;
         } else {
-            write(
-                &cg.dirs[0],
-                "memory.limit_in_bytes",
-                &limits.memory_bytes.to_string(),
-            )?;
+            let memory = limits.memory_bytes.to_string();
+            write(&cg.dirs[0], "memory.limit_in_bytes", &memory)?;
+            // Memory plus swap at most the memory limit: no swap.
+            let memsw = cg.dirs[0].join("memory.memsw.limit_in_bytes");
+            limit_swap(&memsw, &memory, host_swap)?;
             write(&cg.dirs[1], "cpu.cfs_period_us", &PERIOD_US.to_string())?;
             write(&cg.dirs[1], "cpu.cfs_quota_us", &quota.to_string())?;
             write(&cg.dirs[2], "pids.max", &limits.pids.to_string())?;
@@ -157,6 +161,39 @@ impl Cgroups {
             })
             .unwrap_or_default()
     }
+}
+
+/// No swap for a sandbox: the memory limit is the limit. Where the kernel cannot limit a
+/// cgroup's swap (no `file`: swap accounting is off), that is fine only on a host without
+/// swap; otherwise the cgroup is refused rather than left to swap without bound.
+fn limit_swap(file: &Path, value: &str, host_swap: bool) -> io::Result<()> {
+    if file.exists() {
+        return fs::write(file, value)
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", file.display())));
+    }
+    if host_swap {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!(
+                "the host has swap and the kernel cannot limit a cgroup's ({} is missing: \
+                 enable swap accounting, e.g. swapaccount=1, or turn swap off)",
+                file.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether the host has swap (`SwapTotal` in /proc/meminfo).
+fn host_has_swap() -> bool {
+    keyed_kb(Path::new("/proc/meminfo"), "SwapTotal:").is_some_and(|kb| kb > 0)
+}
+
+/// A `Key: N kB` line of a file like /proc/meminfo.
+fn keyed_kb(path: &Path, key: &str) -> Option<u64> {
+    let text = fs::read_to_string(path).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.split_whitespace().next()?.parse().ok())
 }
 
 fn write(dir: &Path, file: &str, value: &str) -> io::Result<()> {
@@ -256,6 +293,7 @@ impl Cgroup {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]
@@ -271,6 +309,48 @@ mod tests {
         assert_eq!(keyed(&dir.join("memory.events"), "oom"), Some(1));
         assert_eq!(keyed(&dir.join("memory.events"), "missing"), None);
         let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// A fake v1 hierarchy (memory, cpu, pids) under a temporary directory.
+    fn fake_v1(tag: &str) -> (PathBuf, Cgroups) {
+        let root = std::env::temp_dir().join(format!("airlock-cgv1-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        for c in ["memory", "cpu", "pids"] {
+            fs::create_dir_all(root.join(c)).unwrap();
+            fs::write(root.join(c).join("tasks"), "").unwrap();
+        }
+        let cgs = Cgroups::detect(&root, "airlock").unwrap();
+        (root, cgs)
+    }
+
+    #[test]
+    fn swap_is_limited_or_the_cgroup_is_refused_on_a_host_that_swaps() {
+        let limits = Limits {
+            memory_bytes: 384 << 20,
+            cpus: 1,
+            pids: 64,
+        };
+        let (root, cgs) = fake_v1("swap");
+        // A kernel that accounts swap: memory + swap at most the memory limit.
+        let vm = root.join("memory/airlock/vm-1");
+        fs::create_dir_all(&vm).unwrap();
+        fs::write(vm.join("memory.memsw.limit_in_bytes"), "").unwrap();
+        cgs.create_with("vm-1", limits, true).unwrap();
+        let memsw = fs::read_to_string(vm.join("memory.memsw.limit_in_bytes")).unwrap();
+        assert_eq!(memsw, (384u64 << 20).to_string());
+        // One that cannot: refused on a host with swap, fine on one without.
+        let err = cgs.create_with("vm-2", limits, true).unwrap_err();
+        assert!(err.to_string().contains("swap"), "{err}");
+        cgs.create_with("vm-3", limits, false).unwrap();
+        // A swap limit the kernel refuses is an error, not a warning.
+        let v2 = root.join("v2");
+        fs::create_dir_all(v2.join("memory.swap.max")).unwrap();
+        assert!(limit_swap(&v2.join("memory.swap.max"), "0", false).is_err());
+        assert_eq!(
+            keyed_kb(Path::new("/proc/meminfo"), "MemTotal:").map(|k| k > 0),
+            Some(true)
+        );
+        let _ = fs::remove_dir_all(&root);
     }
 
     #[test]

@@ -18,11 +18,18 @@ pub struct Config {
     pub data_dir: PathBuf,
     /// The `airlock-vmm` binary (default: next to `airlockd`).
     pub vmm_binary: Option<PathBuf>,
-    /// Default kernel and root filesystem for CreateTemplate (default: `$AIRLOCK_KERNEL` /
+    /// The `default` image's kernel and root filesystem (default: `$AIRLOCK_KERNEL` /
     /// `$AIRLOCK_ROOTFS`, else the newest outputs of `kernel-config/build.sh` and
     /// `rootfs/build.sh` under `/var/cache/airlock`).
     pub kernel: Option<PathBuf>,
     pub rootfs: Option<PathBuf>,
+    /// More images CreateTemplate may boot, by name (`[images.NAME] kernel = ..., rootfs =
+    /// ...`); tenants name images, never host files.
+    pub images: BTreeMap<String, ImageConfig>,
+    /// Tenants that may name host files in CreateTemplate (`kernel_path`, `rootfs_path`) and
+    /// see them in template records: the operator's (default: the default tenant, which is the
+    /// Unix socket's token-less caller).
+    pub operators: Vec<String>,
     /// Warm `airlock-vmm` processes kept per template.
     pub pool_size: usize,
     /// Host capacity: sandboxes at once, and guest memory committed to them (MiB; 0: 80% of
@@ -62,6 +69,10 @@ pub struct Config {
     pub vmm_pids_max: u64,
     /// Parent cgroup name for sandbox cgroups.
     pub cgroup_parent: String,
+    /// `required` (the default): the daemon does not start without a usable cgroup hierarchy,
+    /// since sandboxes would run without memory, CPU and pid limits. `off`: it starts anyway
+    /// and sandboxes run unlimited (development machines only).
+    pub cgroups: CgroupMode,
     /// Prometheus endpoint (`HOST:PORT`, HTTP `GET /metrics`); empty: off.
     pub metrics_listen: String,
     /// How long a sandbox may take from restore to the agent's answer.
@@ -80,14 +91,41 @@ pub struct Config {
     pub jail: crate::jail::JailConfig,
 }
 
-/// Limits of one tenant.
-#[derive(Clone, Debug, Default, Deserialize)]
+/// A registered image: a kernel and a root filesystem on the daemon's host.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageConfig {
+    pub kernel: PathBuf,
+    pub rootfs: PathBuf,
+}
+
+/// Whether sandboxes need cgroups.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CgroupMode {
+    #[default]
+    Required,
+    Off,
+}
+
+/// Limits of one tenant. The defaults are finite, so that no tenant takes the whole host by
+/// default; 0 means no limit beyond the host's (an operator's explicit choice).
+#[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Quota {
-    /// Sandboxes at once (0: no limit beyond the host's).
+    /// Sandboxes at once.
     pub max_sandboxes: usize,
-    /// Guest memory at once, MiB (0: no limit beyond the host's).
+    /// Guest memory at once, MiB.
     pub max_memory_mib: u64,
+}
+
+impl Default for Quota {
+    fn default() -> Self {
+        Self {
+            max_sandboxes: 64,
+            max_memory_mib: 32 << 10,
+        }
+    }
 }
 
 /// One tenant: its tokens and quota.
@@ -106,6 +144,8 @@ impl Default for Config {
             vmm_binary: None,
             kernel: None,
             rootfs: None,
+            images: BTreeMap::new(),
+            operators: vec!["default".into()],
             pool_size: 2,
             max_sandboxes: 256,
             max_committed_mib: 0,
@@ -132,6 +172,7 @@ impl Default for Config {
             vmm_overhead_mib: 128,
             vmm_pids_max: 64,
             cgroup_parent: "airlock".into(),
+            cgroups: CgroupMode::Required,
             metrics_listen: String::new(),
             ready_timeout_ms: 30_000,
             max_concurrent_starts: 0,
@@ -174,6 +215,20 @@ impl Config {
                 .and_then(|p| p.parent().map(|d| d.join("airlock-vmm")))
                 .unwrap_or_else(|| PathBuf::from("airlock-vmm"))
         })
+    }
+
+    /// Whether `tenant` is the operator's (may name host files).
+    pub fn is_operator(&self, tenant: &str) -> bool {
+        self.operators.iter().any(|o| o == tenant)
+    }
+
+    /// The kernel and root filesystem of image `name` (`default`: the built ones, unless
+    /// `[images.default]` says otherwise); `None` if no such image is registered or built.
+    pub fn image(&self, name: &str) -> Option<(PathBuf, PathBuf)> {
+        if let Some(i) = self.images.get(name) {
+            return Some((i.kernel.clone(), i.rootfs.clone()));
+        }
+        (name == "default").then(|| self.default_kernel().zip(self.default_rootfs()))?
     }
 
     /// The default kernel for templates.
@@ -259,6 +314,7 @@ pub fn host_memory_mib() -> u64 {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]
@@ -279,7 +335,29 @@ mod tests {
         assert_eq!(c.tenant_of("t1"), Some("acme"));
         assert_eq!(c.tenant_of("t2"), None);
         assert_eq!(c.quota_of("acme").max_sandboxes, 2);
-        assert_eq!(c.quota_of("other").max_sandboxes, 0);
+        assert_eq!(
+            c.quota_of("acme").max_memory_mib,
+            32 << 10,
+            "unset fields keep defaults"
+        );
+        let other = c.quota_of("other");
+        assert!(
+            other.max_sandboxes > 0 && other.max_sandboxes < Config::default().max_sandboxes,
+            "a tenant without a quota cannot take every sandbox: {other:?}"
+        );
+        assert!(other.max_memory_mib > 0);
+        assert_eq!(c.cgroups, CgroupMode::Required);
+        assert!(c.is_operator("default") && !c.is_operator("acme"));
+        let imgs: Config = toml::from_str(
+            "kernel = \"/k\"\nrootfs = \"/r\"\n[images.py]\nkernel = \"/k2\"\nrootfs = \"/r2\"\n",
+        )
+        .unwrap();
+        assert_eq!(imgs.image("py"), Some(("/k2".into(), "/r2".into())));
+        assert_eq!(imgs.image("default"), Some(("/k".into(), "/r".into())));
+        assert_eq!(imgs.image("other"), None);
+        let off: Config = toml::from_str("cgroups = \"off\"").unwrap();
+        assert_eq!(off.cgroups, CgroupMode::Off);
+        assert!(toml::from_str::<Config>("cgroups = \"maybe\"").is_err());
         assert!(toml::from_str::<Config>("pool_sise = 1").is_err());
     }
 }

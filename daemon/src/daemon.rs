@@ -10,7 +10,7 @@ use tokio::sync::mpsc::{Sender, UnboundedReceiver};
 use tracing::{info, warn};
 
 use crate::cgroup::Cgroups;
-use crate::config::Config;
+use crate::config::{CgroupMode, Config};
 use crate::error::ApiResult;
 use crate::exec::{ExecLimits, Executions};
 use crate::host::VmmHost;
@@ -41,9 +41,40 @@ pub struct Daemon {
     pub data_dir: PathBuf,
 }
 
+/// Sets `p`'s permission bits to `mode`.
+fn private(p: &Path, mode: u32) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| format!("{}: {e}", p.display()))
+}
+
 /// Makes `d` (and its parents) if missing.
 fn make_dir(d: &Path) -> Result<(), String> {
     std::fs::create_dir_all(d).map_err(|e| format!("creating {}: {e}", d.display()))
+}
+
+/// The cgroups sandboxes get: a hierarchy that is not usable stops the daemon unless the
+/// settings allow sandboxes without limits (fail closed).
+fn sandbox_cgroups(
+    mode: CgroupMode,
+    detected: std::io::Result<Cgroups>,
+) -> Result<Option<Cgroups>, String> {
+    match (detected, mode) {
+        (Ok(c), _) => {
+            info!(version = c.version(), "sandbox cgroups");
+            Ok(Some(c))
+        }
+        (Err(e), CgroupMode::Off) => {
+            warn!(
+                "no cgroups (cgroups = \"off\"): sandboxes run without CPU/memory/pid limits: {e}"
+            );
+            Ok(None)
+        }
+        (Err(e), CgroupMode::Required) => Err(format!(
+            "no usable cgroup hierarchy ({e}): sandboxes would run without memory, CPU and pid \
+             limits; set cgroups = \"off\" to allow that"
+        )),
+    }
 }
 
 impl Daemon {
@@ -54,16 +85,8 @@ impl Daemon {
             .map_err(|e| format!("data directory {}: {e}", cfg.data_dir.display()))?;
         let jailer = Jailer::new(cfg.jail.clone(), &cfg.vmm_binary(), &data_dir.join("jail"))
             .map_err(|e| format!("jail: {e}"))?;
-        let cgroups = match Cgroups::detect(Path::new("/sys/fs/cgroup"), &cfg.cgroup_parent) {
-            Ok(c) => {
-                info!(version = c.version(), "sandbox cgroups");
-                Some(c)
-            }
-            Err(e) => {
-                warn!("no cgroups, sandboxes run without CPU/memory/pid limits: {e}");
-                None
-            }
-        };
+        let detected = Cgroups::detect(Path::new("/sys/fs/cgroup"), &cfg.cgroup_parent);
+        let cgroups = sandbox_cgroups(cfg.cgroups, detected)?;
         Self::build(cfg, data_dir, Arc::new(jailer), cgroups)
     }
 
@@ -82,8 +105,13 @@ impl Daemon {
         for d in [&data_dir, &run_dir, &templates_dir, &output_dir] {
             make_dir(d)?;
         }
+        // Records, output and snapshots are the daemon's: nobody else on the host reads them
+        // (a VMM reads its template's files through the bind mounts of its jail).
+        private(&data_dir, 0o700)?;
         let cfg = Arc::new(cfg);
-        let store = Arc::new(Store::open(&data_dir.join("airlock.db")).map_err(|e| e.to_string())?);
+        let db = data_dir.join("airlock.db");
+        let store = Arc::new(Store::open(&db).map_err(|e| e.to_string())?);
+        private(&db, 0o600)?;
         let metrics = Arc::new(Metrics::default());
         let (supervisor, events) = Supervisor::new(store.clone());
         let host = Arc::new(VmmHost::new(
@@ -276,5 +304,21 @@ impl Daemon {
             v.wait_gone(wait).await;
             v.remove_leftovers();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_usable_cgroups_the_daemon_fails_closed() {
+        let missing = || Err(std::io::Error::other("no hierarchy"));
+        let err = sandbox_cgroups(CgroupMode::Required, missing()).unwrap_err();
+        assert!(err.contains("cgroups = \"off\""), "{err}");
+        assert!(matches!(
+            sandbox_cgroups(CgroupMode::Off, missing()),
+            Ok(None)
+        ));
     }
 }
