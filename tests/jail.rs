@@ -203,6 +203,9 @@ fn assert_confined(pid: u32, data_dir: &Path, log: &Path, cgroup_parent: &str) {
     assert_eq!(limit("Max open files"), "1024 1024");
     assert_eq!(limit("Max processes"), "128 128");
     assert_eq!(limit("Max core file size"), "0 0");
+    // A snapshot of its 256 MiB guest and logs, no more (RLIMIT_FSIZE).
+    let max_file = (256u64 + 128) << 20;
+    assert_eq!(limit("Max file size"), format!("{max_file} {max_file}"));
     let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
     for var in environ.split(|b| *b == 0).filter(|v| !v.is_empty()) {
         let var = String::from_utf8_lossy(var);

@@ -123,10 +123,13 @@ pub struct TemplateCreateArgs {
     /// Guest memory of its sandboxes in MiB [daemon's default: 256]
     #[arg(long, value_name = "MIB")]
     pub memory_mib: Option<u32>,
-    /// Guest kernel (vmlinux) on the daemon's host [default: the daemon's]
+    /// An image the operator registered (kernel and root filesystem) [default: default]
+    #[arg(long, value_name = "NAME")]
+    pub image: Option<String>,
+    /// Guest kernel (vmlinux) on the daemon's host, for operators [default: the image's]
     #[arg(long, value_name = "PATH")]
     pub kernel: Option<String>,
-    /// Root filesystem image (ext4) on the daemon's host [default: the daemon's]
+    /// Root filesystem image (ext4) on the daemon's host, for operators [default: the image's]
     #[arg(long, value_name = "PATH")]
     pub rootfs: Option<String>,
     /// A /bin/sh command run in the guest before the snapshot, to warm the page cache

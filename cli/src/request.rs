@@ -105,6 +105,7 @@ pub fn exec_request(args: &ExecArgs, read: Read) -> Result<ExecRequest, String> 
 pub fn template_request(args: &TemplateCreateArgs) -> CreateTemplateRequest {
     CreateTemplateRequest {
         name: args.name.clone(),
+        image: args.image.clone().unwrap_or_default(),
         kernel_path: args.kernel.clone().unwrap_or_default(),
         rootfs_path: args.rootfs.clone().unwrap_or_default(),
         vcpus: args.vcpus.unwrap_or(0),

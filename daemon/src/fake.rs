@@ -34,6 +34,8 @@ pub enum Guest {
     StallBeforeReady,
     /// A listing answers far more entries than the protocol allows.
     FloodListing,
+    /// Template builds fail: the "VMM" logs a console line and exits with code 64 (a panic).
+    FailBuilds,
 }
 
 /// One execution in a fake agent.
@@ -168,10 +170,19 @@ impl FakeLauncher {
 impl Launcher for FakeLauncher {
     fn launch(&self, launch: Launch) -> std::io::Result<Launched> {
         if let Some(out) = arg_after(&launch.args, "--out") {
-            // A template build: a snapshot appears and the "VMM" exits cleanly.
-            std::fs::create_dir_all(&out)?;
-            std::fs::write(out.join("memory"), b"memory")?;
-            std::fs::write(out.join("state"), b"state")?;
+            // A template build: a snapshot appears and the "VMM" exits cleanly, or it fails
+            // with the guest's console in its log.
+            let fails = *self.guest.lock().unwrap() == Guest::FailBuilds;
+            let code = if fails {
+                let mut log = &launch.stderr;
+                writeln!(log, "console: the guest said something secret")?;
+                64
+            } else {
+                std::fs::create_dir_all(&out)?;
+                std::fs::write(out.join("memory"), b"memory")?;
+                std::fs::write(out.join("state"), b"state")?;
+                0
+            };
             let (tx, rx) = tokio::sync::oneshot::channel::<()>();
             let _ = tx.send(());
             return Ok(Launched {
@@ -181,7 +192,7 @@ impl Launcher for FakeLauncher {
                 handle: Arc::new(NoKill),
                 exit: Box::pin(async move {
                     let _ = rx.await;
-                    Ok(Some(ExitStatus::from_raw(0)))
+                    Ok(Some(ExitStatus::from_raw(code << 8)))
                 }),
             });
         }

@@ -101,34 +101,24 @@ impl VmmHost {
         let _ = tokio::time::timeout(timeout, rx.wait_for(|n| *n == 0)).await;
     }
 
-    /// Starts a warm `airlock-vmm pool` process for `spec` (a guest of `memory_mib`) as
+    /// Starts a warm `airlock-vmm pool` process for `spec` as
     /// `owner`'s, in its cgroup from its first instruction, watched and recorded; returns once
     /// its control socket answers (its KVM VM is prepared).
-    pub async fn start_pool_vmm(
-        &self,
-        spec: &PoolSpec,
-        memory_mib: u32,
-        owner: Owner,
-    ) -> ApiResult<VmmProcess> {
+    pub async fn start_pool_vmm(&self, spec: &PoolSpec, owner: Owner) -> ApiResult<VmmProcess> {
         self.starting.send_modify(|n| *n += 1);
-        let started = self.start_pool_vmm_counted(spec, memory_mib, owner).await;
+        let started = self.start_pool_vmm_counted(spec, owner).await;
         self.starting.send_modify(|n| *n -= 1);
         started
     }
 
-    async fn start_pool_vmm_counted(
-        &self,
-        spec: &PoolSpec,
-        memory_mib: u32,
-        owner: Owner,
-    ) -> ApiResult<VmmProcess> {
+    async fn start_pool_vmm_counted(&self, spec: &PoolSpec, owner: Owner) -> ApiResult<VmmProcess> {
         let stopping = || ApiError::Internal("the daemon is stopping".into());
         if self.stopping() {
             return Err(stopping());
         }
         let (id, run_dir) = self.new_vmm_id()?;
         let cgroup = self
-            .cgroup(&id, memory_mib, spec.vcpus)
+            .cgroup(&id, spec.memory_mib, spec.vcpus)
             .map_err(|e| ApiError::Internal(format!("VMM cgroup: {e}")))?;
         let t0 = Instant::now();
         let started = match vmm::pool_launch(self.launcher.as_ref(), &run_dir, spec, cgroup.clone())

@@ -126,6 +126,17 @@ async fn a_sandbox_is_created_runs_pauses_snapshots_and_is_destroyed() {
         .unwrap();
     let rec = finished(&t, &ex).await;
     assert_eq!(rec.state(), ExecutionState::Exited, "{rec:?}");
+    let mode = |p: &std::path::Path| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+    };
+    assert_eq!(
+        mode(&t.daemon.data_dir),
+        0o700,
+        "the data directory is the daemon's"
+    );
+    assert_eq!(mode(&t.daemon.data_dir.join("airlock.db")), 0o600);
+    assert_eq!(mode(&t.daemon.executions.output_paths(&ex)[0]), 0o600);
     let out = crate::stream::read_output(&t.daemon.executions, &ex, 1 << 20)
         .await
         .unwrap();
@@ -152,6 +163,66 @@ async fn a_sandbox_is_created_runs_pauses_snapshots_and_is_destroyed() {
         .unwrap()
         .count();
     assert_eq!(run_dirs, 2, "only the two warm pools' VMMs are left");
+}
+
+async fn build_as(
+    t: &TestDaemon,
+    tenant: &str,
+    req: CreateTemplateRequest,
+) -> Result<Template, String> {
+    let (tx, _rx) = tokio::sync::mpsc::channel(64);
+    t.daemon
+        .create_template(tenant, req, tx)
+        .await
+        .map(|t| t.record)
+        .map_err(|e| format!("{} {e}", e.reason()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_name_images_never_host_files_and_see_no_host_paths() {
+    let t = daemon("images").await;
+    let named = |name: &str, kernel: &str, image: &str| CreateTemplateRequest {
+        name: name.into(),
+        kernel_path: kernel.into(),
+        image: image.into(),
+        ..Default::default()
+    };
+    let err = build_as(&t, "acme", named("a", "/etc/shadow", ""))
+        .await
+        .unwrap_err();
+    assert!(err.starts_with("INVALID_ARGUMENT"), "{err}");
+    assert!(!err.contains("/etc/shadow"), "{err}");
+    let err = build_as(&t, "acme", named("b", "", "nope"))
+        .await
+        .unwrap_err();
+    assert!(err.contains("no image \"nope\""), "{err}");
+    let ok = build_as(&t, "acme", named("c", "", "default"))
+        .await
+        .unwrap();
+    assert_eq!(ok.image, "default");
+    let seen = crate::templates::as_seen_by(ok.clone(), false);
+    assert!(seen.kernel_path.is_empty() && seen.rootfs_path.is_empty());
+    assert!(
+        !crate::templates::as_seen_by(ok, true)
+            .kernel_path
+            .is_empty()
+    );
+    // An operator may name host files, and is told what is wrong with them.
+    let err = build_as(&t, "default", named("d", "/nonexistent/vmlinux", ""))
+        .await
+        .unwrap_err();
+    assert!(err.contains("/nonexistent/vmlinux"), "{err}");
+    // A failed build tells a tenant that it failed, not what the guest's console said.
+    t.launcher.set_guest(Guest::FailBuilds);
+    let err = build_as(&t, "acme", named("e", "", "")).await.unwrap_err();
+    assert!(
+        err.starts_with("INTERNAL") && !err.contains("secret"),
+        "{err}"
+    );
+    let err = build_as(&t, "default", named("f", "", ""))
+        .await
+        .unwrap_err();
+    assert!(err.contains("secret"), "the operator sees the log: {err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -78,6 +78,10 @@ fn settings(args: Args) -> Result<config::Config, String> {
 }
 
 fn main() -> ExitCode {
+    // What the daemon creates (records, output, snapshots, logs) is its own unless it says
+    // otherwise (the API socket, 0660; the jails' roots, 0755).
+    // SAFETY: umask(2) only sets this process's file-creation mask.
+    unsafe { libc::umask(0o077) };
     let cfg = match settings(Args::parse()) {
         Ok(c) => c,
         Err(e) => {

@@ -83,7 +83,7 @@ impl WarmPool {
             }
             let started = self
                 .host
-                .start_pool_vmm(&t.pool_spec(), t.record.memory_mib, Owner::Pool(id.clone()))
+                .start_pool_vmm(&t.pool_spec(), Owner::Pool(id.clone()))
                 .await;
             match started {
                 // A daemon that stopped meanwhile has drained the pool already.

@@ -131,12 +131,13 @@ impl Airlock for Service {
         req: Request<ListTemplatesRequest>,
     ) -> Result<Response<ListTemplatesResponse>, Status> {
         let tenant = tenant(&req)?;
+        let operator = self.daemon.cfg.is_operator(&tenant);
         let templates = self
             .daemon
             .templates
             .for_tenant(&tenant)
             .into_iter()
-            .map(|t| t.record)
+            .map(|t| crate::templates::as_seen_by(t.record, operator))
             .collect();
         Ok(Response::new(ListTemplatesResponse { templates }))
     }
@@ -236,7 +237,8 @@ impl Airlock for Service {
                 .daemon
                 .snapshot_sandbox(&tenant, &r.sandbox_id, &r.template_name)
                 .await?;
-            Ok(t.record)
+            let operator = self.daemon.cfg.is_operator(&tenant);
+            Ok(crate::templates::as_seen_by(t.record, operator))
         })
         .await
     }

@@ -155,7 +155,14 @@ impl Executions {
         };
         self.ledger.store.put_execution(&record)?;
         for p in &self.output_paths(&id) {
-            std::fs::File::create(p)?;
+            use std::os::unix::fs::OpenOptionsExt;
+            // The tenant's output: the daemon's alone on the host.
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(p)?;
         }
         self.run(record, [0, 0], &target.vsock, Start::Exec(exec), timeout_ms)?;
         info!(execution = %id, sandbox = %target.sandbox_id, "execution started");

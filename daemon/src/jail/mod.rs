@@ -103,6 +103,9 @@ pub struct Launch {
     /// Standard output (default `/dev/null`) and standard error.
     pub stdout: Option<File>,
     pub stderr: File,
+    /// The largest file the VMM may write (`RLIMIT_FSIZE`): a snapshot's memory file is the
+    /// largest it has a reason to write.
+    pub max_file_bytes: u64,
 }
 
 /// Starts VMM processes in their jails.
@@ -402,6 +405,7 @@ impl Jailer {
                 (libc::RLIMIT_NOFILE, self.cfg.max_open_files),
                 (libc::RLIMIT_NPROC, self.cfg.max_threads),
                 (libc::RLIMIT_CORE, 0),
+                (libc::RLIMIT_FSIZE, launch.max_file_bytes),
             ],
         })
     }

@@ -382,6 +382,10 @@ fn enter_jail(j: &JailPlan, errors: RawFd, step: &mut usize) {
     let none = std::ptr::null::<libc::c_char>();
     let root = c"/".as_ptr();
     let dot = c".".as_ptr();
+    // The jail's directories get the modes asked for here, whatever the daemon's own umask
+    // (0077) is: the VMM's uid must traverse them. umask(2) cannot fail.
+    // SAFETY: async-signal-safe; only sets this process's file-creation mask.
+    unsafe { libc::umask(0o022) };
     try_step!(libc::mount(
         none,
         root,

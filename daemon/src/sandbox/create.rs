@@ -168,9 +168,7 @@ impl Sandboxes {
             None => {
                 info!(template = %template.record.name, "no warm VMM: starting one for this create");
                 let spec = template.pool_spec();
-                self.host
-                    .start_pool_vmm(&spec, template.record.memory_mib, owner)
-                    .await
+                self.host.start_pool_vmm(&spec, owner).await
             }
         }
     }

@@ -111,6 +111,7 @@ impl Sandboxes {
             source_sandbox_id: id.to_owned(),
             created_unix_ms: ids::now_ms(),
             memory_file_bytes: disk_bytes(&dir.join("memory")),
+            image: src.map(|t| t.image.clone()).unwrap_or_default(),
         };
         self.templates.add(record, dir)
     }

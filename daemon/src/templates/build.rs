@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use airlock_api::v1::{CreateTemplateRequest, Template, TemplateEvent};
 use tokio::sync::mpsc::Sender;
-use tracing::info;
+use tracing::{info, warn};
 
 use super::{TemplateRt, Templates, disk_bytes, file_version};
 use crate::config::Config;
@@ -27,6 +27,10 @@ use crate::vmm::{self, VmmProcess};
 struct BuildSpec {
     kernel: PathBuf,
     rootfs: PathBuf,
+    /// The registered image's name (empty: host files an operator named).
+    image: String,
+    /// Whether the caller is an operator (who may see host paths and the VMM's log lines).
+    operator: bool,
     vcpus: u32,
     memory_mib: u32,
     warmup: String,
@@ -77,26 +81,23 @@ impl Builder {
         progress: Sender<TemplateEvent>,
     ) -> ApiResult<TemplateRt> {
         let owner = self.templates.check_new(tenant, &req.name)?;
-        let spec = self.spec(&req)?;
+        let spec = self.spec(&req, self.cfg.is_operator(tenant))?;
         let id = ids::new_id(ids::TEMPLATE)?;
         let dir = self.templates.dir_of(&id);
         let progress = Progress {
             tx: progress,
             started: Instant::now(),
         };
-        progress
-            .send(
-                "booting",
-                format!(
-                    "cold boot of {} with {} ({} vCPU, {} MiB)",
-                    spec.kernel.display(),
-                    spec.rootfs.display(),
-                    spec.vcpus,
-                    spec.memory_mib
-                ),
-                None,
-            )
-            .await;
+        let what = if spec.operator {
+            format!("{} with {}", spec.kernel.display(), spec.rootfs.display())
+        } else {
+            format!("image {}", spec.image)
+        };
+        let message = format!(
+            "cold boot of {what} ({} vCPU, {} MiB)",
+            spec.vcpus, spec.memory_mib
+        );
+        progress.send("booting", message, None).await;
         let me = self.clone();
         let (s, d, p, tid) = (spec.clone(), dir.clone(), progress.clone(), id.clone());
         tokio::spawn(async move { me.snapshot(&s, &d, &p, &tid).await })
@@ -115,6 +116,7 @@ impl Builder {
             source_sandbox_id: String::new(),
             created_unix_ms: ids::now_ms(),
             memory_file_bytes: disk_bytes(&dir.join("memory")),
+            image: spec.image.clone(),
         };
         let t = self.templates.add(record, dir)?;
         let secs = progress.started.elapsed().as_secs();
@@ -129,39 +131,10 @@ impl Builder {
         Ok(t)
     }
 
-    /// The request's build, with the daemon's defaults.
-    fn spec(&self, req: &CreateTemplateRequest) -> ApiResult<BuildSpec> {
-        let pick = |given: &str, default: Option<PathBuf>, what: &str, script: &str| {
-            let p = if given.is_empty() {
-                default.ok_or_else(|| {
-                    ApiError::InvalidArgument(format!(
-                        "no {what} given and none built: run {script}"
-                    ))
-                })?
-            } else {
-                PathBuf::from(given)
-            };
-            if !p.is_file() {
-                return Err(ApiError::InvalidArgument(format!(
-                    "{what} {} is not a file on the daemon's host",
-                    p.display()
-                )));
-            }
-            // Canonical: the jails of the template's VMMs hold these files at these paths.
-            Ok(std::fs::canonicalize(&p)?)
-        };
-        let kernel = pick(
-            &req.kernel_path,
-            self.cfg.default_kernel(),
-            "kernel",
-            "kernel-config/build.sh",
-        )?;
-        let rootfs = pick(
-            &req.rootfs_path,
-            self.cfg.default_rootfs(),
-            "root filesystem",
-            "rootfs/build.sh",
-        )?;
+    /// The request's build, with the daemon's defaults: the image's files (host files named
+    /// by an operator only), checked without telling a tenant anything about the host.
+    fn spec(&self, req: &CreateTemplateRequest, operator: bool) -> ApiResult<BuildSpec> {
+        let (kernel, rootfs, image) = self.files(req, operator)?;
         let vcpus = if req.vcpus == 0 { 1 } else { req.vcpus };
         let memory_mib = if req.memory_mib == 0 {
             256
@@ -183,10 +156,66 @@ impl Builder {
         Ok(BuildSpec {
             kernel,
             rootfs,
+            image,
+            operator,
             vcpus,
             memory_mib,
             warmup,
         })
+    }
+
+    /// The kernel and root filesystem to boot, canonical (the jails of the template's VMMs
+    /// hold them at these paths), and the image's name.
+    fn files(
+        &self,
+        req: &CreateTemplateRequest,
+        operator: bool,
+    ) -> ApiResult<(PathBuf, PathBuf, String)> {
+        let host_paths = !req.kernel_path.is_empty() || !req.rootfs_path.is_empty();
+        if host_paths && !operator {
+            return Err(ApiError::InvalidArgument(
+                "kernel_path and rootfs_path name files on the daemon's host, which only an \
+                 operator may; name a registered image in `image` instead"
+                    .into(),
+            ));
+        }
+        let name = if req.image.is_empty() {
+            "default"
+        } else {
+            req.image.as_str()
+        };
+        let (kernel, rootfs) = self.cfg.image(name).ok_or_else(|| {
+            ApiError::InvalidArgument(format!(
+                "no image {name:?} is registered (the `default` one is built by \
+                 kernel-config/build.sh and rootfs/build.sh)"
+            ))
+        })?;
+        let pick = |given: &str, image: PathBuf, what: &str| -> ApiResult<PathBuf> {
+            let p = if given.is_empty() {
+                image
+            } else {
+                PathBuf::from(given)
+            };
+            let found = p
+                .is_file()
+                .then(|| std::fs::canonicalize(&p).ok())
+                .flatten();
+            found.ok_or_else(|| {
+                ApiError::InvalidArgument(if operator {
+                    format!("{what} {} is not a file on the daemon's host", p.display())
+                } else {
+                    format!("the {what} of image {name:?} is missing on the daemon's host")
+                })
+            })
+        };
+        let kernel = pick(&req.kernel_path, kernel, "kernel")?;
+        let rootfs = pick(&req.rootfs_path, rootfs, "root filesystem")?;
+        let image = if host_paths {
+            String::new()
+        } else {
+            name.to_owned()
+        };
+        Ok((kernel, rootfs, image))
     }
 
     /// Boots `spec` once in a jailed `airlock-vmm snapshot`, runs the warm-up, and moves the
@@ -230,11 +259,22 @@ impl Builder {
             Ok(Some(st)) if st.success() => std::fs::rename(&out_dir, dir)
                 .and_then(|()| crate::jail::take_ownership(dir))
                 .map_err(|e| ApiError::Internal(format!("moving the snapshot: {e}"))),
-            Ok(st) => Err(ApiError::Internal(format!(
-                "the template boot failed ({}): {}",
-                st.map_or("no status".into(), |s| s.to_string()),
-                vmm::log_tail(&vmm.log())
-            ))),
+            Ok(st) => {
+                let status = st.map_or("no status".into(), |s| s.to_string());
+                let tail = vmm::log_tail(&vmm.log());
+                warn!(
+                    template = template_id,
+                    "the template boot failed ({status}): {tail}"
+                );
+                // The VMM's log holds the guest's console: an operator's, not a tenant's.
+                Err(ApiError::Internal(if spec.operator {
+                    format!("the template boot failed ({status}): {tail}")
+                } else {
+                    format!(
+                        "the template boot failed ({status}); the operator finds why in the daemon's log"
+                    )
+                }))
+            }
             Err(e) => Err(ApiError::Internal(format!(
                 "waiting for the template VMM: {e}"
             ))),
@@ -286,6 +326,7 @@ impl Builder {
             cgroup,
             stdout: None,
             stderr: File::create(run_dir.join("vmm.log"))?,
+            max_file_bytes: vmm::max_file_bytes(spec.memory_mib),
         };
         vmm::launch(launcher, launch).await.map_err(|e| {
             ApiError::Internal(format!("spawning {}: {e}", launcher.binary().display()))

@@ -26,6 +26,7 @@ impl TemplateRt {
     pub fn pool_spec(&self) -> PoolSpec {
         PoolSpec {
             vcpus: self.record.vcpus,
+            memory_mib: self.record.memory_mib,
             snapshot_dir: self.dir.clone(),
             rootfs: PathBuf::from(&self.record.rootfs_path),
         }
@@ -159,6 +160,15 @@ impl Templates {
         self.store.delete_template(&t.record.id)?;
         Ok(t)
     }
+}
+
+/// A template's record as a caller sees it: host paths only for an operator.
+pub fn as_seen_by(mut record: Template, operator: bool) -> Template {
+    if !operator {
+        record.kernel_path.clear();
+        record.rootfs_path.clear();
+    }
+    record
 }
 
 /// A short version of a file: a hash of its name, size and modification time (hashing a

@@ -214,10 +214,17 @@ pub fn vmm_env(run_dir: &Path) -> Vec<(String, String)> {
     env
 }
 
+/// The largest file a VMM with a guest of `memory_mib` may write (its `RLIMIT_FSIZE`): a
+/// snapshot's memory file (the guest's size), with room for the state file and logs.
+pub fn max_file_bytes(memory_mib: u32) -> u64 {
+    (u64::from(memory_mib) + 128) << 20
+}
+
 /// What a warm pool process restores: the template's snapshot and the disk image it uses.
 #[derive(Clone, Debug)]
 pub struct PoolSpec {
     pub vcpus: u32,
+    pub memory_mib: u32,
     pub snapshot_dir: PathBuf,
     pub rootfs: PathBuf,
 }
@@ -260,6 +267,7 @@ pub fn pool_launch(
         cgroup,
         stdout: None,
         stderr: log,
+        max_file_bytes: max_file_bytes(spec.memory_mib),
     })
 }
 
@@ -292,17 +300,38 @@ pub fn kill_verified(pid: u32, ticks: u64) -> bool {
     unsafe { libc::kill(pid, libc::SIGKILL) == 0 }
 }
 
+/// How much of the end of a log file is read (a VMM's log is the VMM's to write: it may be
+/// large, and it is never read whole).
+const LOG_TAIL_BYTES: u64 = 64 << 10;
+
+/// The last `LOG_TAIL_BYTES` of a log file, as text.
+fn read_tail(path: &Path) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    if f.seek(SeekFrom::Start(len.saturating_sub(LOG_TAIL_BYTES)))
+        .is_err()
+    {
+        return String::new();
+    }
+    let mut buf = Vec::new();
+    let _ = f.take(LOG_TAIL_BYTES).read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
 /// The last lines of a log file, for error messages.
 pub fn log_tail(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let text = read_tail(path);
     let lines: Vec<&str> = text.lines().rev().take(5).collect();
     lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
 }
 
-/// The last line of a log file that contains `needle`.
+/// The last line of a log file's tail that contains `needle`.
 pub fn log_line(path: &Path, needle: &str) -> Option<String> {
-    let text = std::fs::read_to_string(path).ok()?;
-    text.lines()
+    read_tail(path)
+        .lines()
         .rev()
         .find(|l| l.contains(needle))
         .map(|l| l.trim().to_owned())
@@ -319,6 +348,22 @@ mod tests {
         let a = start_ticks(me).expect("own stat");
         assert_eq!(start_ticks(me), Some(a));
         assert_eq!(start_ticks(u32::MAX), None);
+    }
+
+    #[test]
+    fn only_the_tail_of_a_huge_log_is_read() {
+        let dir = std::env::temp_dir().join(format!("airlock-logtail-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("vmm.log");
+        let mut text = "early seccomp violation\n".to_owned();
+        text.push_str(&"x".repeat(4 << 20));
+        text.push_str("\nlast line\n");
+        std::fs::write(&log, text).unwrap();
+        assert!(read_tail(&log).len() as u64 <= LOG_TAIL_BYTES);
+        assert!(log_tail(&log).ends_with("last line"));
+        assert_eq!(log_line(&log, "seccomp violation"), None, "beyond the tail");
+        assert_eq!(max_file_bytes(256), 384 << 20);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -82,6 +82,7 @@ class AsyncTemplates:
         self,
         name: str,
         *,
+        image: str = "",
         kernel_path: str = "",
         rootfs_path: str = "",
         vcpus: int = 0,
@@ -92,6 +93,7 @@ class AsyncTemplates:
     ) -> Template:
         req = pb.CreateTemplateRequest(
             name=name,
+            image=image,
             kernel_path=kernel_path,
             rootfs_path=rootfs_path,
             vcpus=vcpus,

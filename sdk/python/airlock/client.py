@@ -86,6 +86,7 @@ class Templates:
         self,
         name: str,
         *,
+        image: str = "",
         kernel_path: str = "",
         rootfs_path: str = "",
         vcpus: int = 0,
@@ -97,9 +98,12 @@ class Templates:
         """Boots the kernel and image once, runs ``warmup`` (a shell command whose files end
         up in the snapshot's page cache; default: the daemon's, which loads Python;
         ``no_warmup`` skips it) and snapshots the VM (tens of seconds on nested KVM).
-        ``on_progress`` sees each progress event. Empty paths: the daemon's defaults."""
+        ``on_progress`` sees each progress event. ``image`` names an image the operator
+        registered (default: ``default``); ``kernel_path``/``rootfs_path`` name host files, which
+        only an operator may."""
         req = pb.CreateTemplateRequest(
             name=name,
+            image=image,
             kernel_path=kernel_path,
             rootfs_path=rootfs_path,
             vcpus=vcpus,
