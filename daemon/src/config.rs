@@ -57,6 +57,11 @@ pub struct Config {
     /// Default writable disk space of a sandbox (MiB) and its cap.
     pub default_disk_mib: u32,
     pub max_disk_mib: u32,
+    /// The largest template a build may make (each of its sandboxes has this shape).
+    pub max_template_vcpus: u32,
+    pub max_template_memory_mib: u32,
+    /// How long a template build (cold boot, warm-up, snapshot) may take, in seconds.
+    pub template_build_timeout_s: u64,
     /// The warm-up command of a template build when the request names none (see
     /// `CreateTemplateRequest.warmup`); empty: none.
     pub template_warmup: String,
@@ -117,6 +122,9 @@ pub struct Quota {
     pub max_sandboxes: usize,
     /// Guest memory at once, MiB.
     pub max_memory_mib: u64,
+    /// Templates (builds and snapshots of sandboxes), and the MiB their memory files take.
+    pub max_templates: usize,
+    pub max_template_mib: u64,
 }
 
 impl Default for Quota {
@@ -124,6 +132,8 @@ impl Default for Quota {
         Self {
             max_sandboxes: 64,
             max_memory_mib: 32 << 10,
+            max_templates: 16,
+            max_template_mib: 64 << 10,
         }
     }
 }
@@ -165,6 +175,9 @@ impl Default for Config {
             // every template, so a sandbox's first Python starts warm; an image without Python
             // still builds.
             template_warmup: "python3 -c pass 2>/dev/null || true".into(),
+            max_template_vcpus: 8,
+            max_template_memory_mib: 16 << 10,
+            template_build_timeout_s: 900,
             max_disk_mib: 64 << 10,
             // The base image's root filesystem is read-only; /tmp is the guest's tmpfs.
             writable_paths: vec!["/tmp".into()],

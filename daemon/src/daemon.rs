@@ -219,7 +219,10 @@ impl Daemon {
         req: CreateTemplateRequest,
         progress: Sender<TemplateEvent>,
     ) -> ApiResult<TemplateRt> {
-        let t = self.builder.create(tenant, req, progress).await?;
+        let checked = self.builder.check(tenant, &req)?;
+        // A build's VM counts against the host and the tenant like a sandbox while it runs.
+        let _admitted = self.sandboxes.admit_build(tenant, checked.memory_mib())?;
+        let t = self.builder.build(checked, progress).await?;
         self.pool.refill(&t);
         Ok(t)
     }

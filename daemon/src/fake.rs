@@ -36,6 +36,8 @@ pub enum Guest {
     FloodListing,
     /// Template builds fail: the "VMM" logs a console line and exits with code 64 (a panic).
     FailBuilds,
+    /// Template builds never end (until killed).
+    HangBuilds,
 }
 
 /// One execution in a fake agent.
@@ -172,7 +174,13 @@ impl Launcher for FakeLauncher {
         if let Some(out) = arg_after(&launch.args, "--out") {
             // A template build: a snapshot appears and the "VMM" exits cleanly, or it fails
             // with the guest's console in its log.
-            let fails = *self.guest.lock().unwrap() == Guest::FailBuilds;
+            let guest = *self.guest.lock().unwrap();
+            if guest == Guest::HangBuilds {
+                return Ok(hanging_build(
+                    4_100_000_000 + self.next_pid.fetch_add(1, Ordering::SeqCst),
+                ));
+            }
+            let fails = guest == Guest::FailBuilds;
             let code = if fails {
                 let mut log = &launch.stderr;
                 writeln!(log, "console: the guest said something secret")?;
@@ -223,6 +231,32 @@ impl Launcher for FakeLauncher {
 
     fn jailed(&self) -> bool {
         false
+    }
+}
+
+/// A build "VMM" that runs until it is killed (then exits by SIGKILL).
+fn hanging_build(pid: u32) -> Launched {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    Launched {
+        pid,
+        start_ticks: 0,
+        uid: None,
+        handle: Arc::new(KillOnce(Mutex::new(Some(tx)))),
+        exit: Box::pin(async move {
+            let _ = rx.await;
+            Ok(Some(ExitStatus::from_raw(libc::SIGKILL)))
+        }),
+    }
+}
+
+#[derive(Debug)]
+struct KillOnce(Mutex<Option<tokio::sync::oneshot::Sender<()>>>);
+
+impl Kill for KillOnce {
+    fn kill(&self) {
+        if let Some(tx) = self.0.lock().unwrap().take() {
+            let _ = tx.send(());
+        }
     }
 }
 
@@ -279,6 +313,7 @@ fn control_reply(vm: &FakeVm, line: &str) -> Result<Reply, String> {
         Request::Snapshot(dir) if *state == VmState::Paused => {
             std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
             std::fs::write(dir.join("memory"), b"m").map_err(|e| e.to_string())?;
+            std::fs::write(dir.join("state"), b"s").map_err(|e| e.to_string())?;
             Ok(Reply::Snapshot(SnapshotReply {
                 dir: dir.display().to_string(),
                 memory_bytes_written: 1,

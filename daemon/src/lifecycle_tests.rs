@@ -44,11 +44,17 @@ fn config(dir: &std::path::Path) -> Config {
 
 /// A started daemon over fake VMMs in a fresh directory, with the template `base`.
 async fn daemon(tag: &str) -> TestDaemon {
+    daemon_with(tag, |_| {}).await
+}
+
+/// [`daemon`] with settings changed by `set`.
+async fn daemon_with(tag: &str, set: impl FnOnce(&mut Config)) -> TestDaemon {
     let dir = std::env::temp_dir().join(format!("airlock-lc-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let launcher = Arc::new(FakeLauncher::default());
-    let cfg = config(&dir);
+    let mut cfg = config(&dir);
+    set(&mut cfg);
     let t = start(cfg, &dir, launcher).await;
     let (tx, _rx) = tokio::sync::mpsc::channel(64);
     let req = CreateTemplateRequest {
@@ -223,6 +229,55 @@ async fn tenants_name_images_never_host_files_and_see_no_host_paths() {
         .await
         .unwrap_err();
     assert!(err.contains("secret"), "the operator sees the log: {err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn template_builds_are_capped_admitted_timed_out_and_counted() {
+    let t = daemon_with("builds", |c| {
+        c.max_sandboxes = 1;
+        c.template_build_timeout_s = 1;
+        let acme = crate::config::TenantConfig {
+            tokens: vec!["t".into()],
+            quota: Some(crate::config::Quota {
+                max_templates: 1,
+                ..Default::default()
+            }),
+        };
+        c.tenants.insert("acme".into(), acme);
+    })
+    .await;
+    let named = |name: &str| CreateTemplateRequest {
+        name: name.into(),
+        ..Default::default()
+    };
+    let huge = CreateTemplateRequest {
+        memory_mib: 1 << 20,
+        ..named("huge")
+    };
+    let err = build_as(&t, "acme", huge).await.unwrap_err();
+    assert!(err.starts_with("INVALID_ARGUMENT"), "{err}");
+    build_as(&t, "acme", named("first")).await.unwrap();
+    let err = build_as(&t, "acme", named("second")).await.unwrap_err();
+    assert!(err.starts_with("QUOTA_EXCEEDED"), "{err}");
+    // A build holds its VM's place like a sandbox while it runs, and ends at its timeout.
+    t.launcher.set_guest(Guest::HangBuilds);
+    let d = t.daemon.clone();
+    let hanging = tokio::spawn(async move {
+        let (tx, _rx) = tokio::sync::mpsc::channel(64);
+        d.create_template("default", named("slow"), tx).await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let full = create(&t).await.unwrap_err();
+    assert_eq!(full.reason(), "CAPACITY_EXHAUSTED", "{full}");
+    let err = hanging.await.unwrap().unwrap_err();
+    assert!(err.to_string().contains("took longer"), "{err}");
+    t.launcher.set_guest(Guest::Normal);
+    let s = create(&t).await.unwrap();
+    assert_eq!(
+        s.state(),
+        SandboxState::Running,
+        "the build's place is free again"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

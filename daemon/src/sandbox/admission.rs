@@ -113,6 +113,7 @@ mod tests {
         let q = |n, m| Quota {
             max_sandboxes: n,
             max_memory_mib: m,
+            ..Quota::default()
         };
         let held = |t, m| Held {
             tenant: t,

@@ -11,7 +11,9 @@ use tracing::info;
 
 use super::admission::{self, Held};
 use super::spec::SandboxSpec;
-use super::{SandboxRt, Sandboxes, new_sandbox_id};
+use std::collections::HashMap;
+
+use super::{AdmittedBuild, SandboxRt, Sandboxes, new_sandbox_id};
 use crate::agent::CALL_TIMEOUT;
 use crate::error::{AgentCall, ApiError, ApiResult, from_agent};
 use crate::files;
@@ -20,6 +22,22 @@ use crate::reason::EndReason;
 use crate::store::Owner;
 use crate::templates::TemplateRt;
 use crate::vmm::{self, VmmProcess};
+
+/// What admission counts: every live sandbox and every running template build.
+fn held<'a>(
+    live: &'a HashMap<String, Arc<SandboxRt>>,
+    builds: &'a HashMap<u64, (String, u64)>,
+) -> Vec<Held<'a>> {
+    let sandboxes = live.values().map(|s| Held {
+        tenant: &s.tenant,
+        memory_mib: s.memory_mib(),
+    });
+    let building = builds.values().map(|(tenant, mib)| Held {
+        tenant,
+        memory_mib: *mib,
+    });
+    sandboxes.chain(building).collect()
+}
 
 /// The guest's share of a create: from vCPUs running to the agent's Ready, then identity and
 /// files (ms).
@@ -87,20 +105,37 @@ impl Sandboxes {
         ))
     }
 
-    /// Capacity and quota against the live sandboxes; the sandbox is live once admitted.
+    /// Capacity and quota against the live sandboxes and the running template builds; the
+    /// sandbox is live once admitted.
     fn admit(&self, rt: &Arc<SandboxRt>) -> ApiResult<()> {
         let mut live = self.live_map();
-        let held: Vec<_> = live
-            .values()
-            .map(|s| Held {
-                tenant: &s.tenant,
-                memory_mib: s.memory_mib(),
-            })
-            .collect();
+        let builds = super::lock(&self.builds);
+        let held = held(&live, &builds);
         let quota = self.cfg.quota_of(&rt.tenant);
         admission::admit(&self.cfg, &quota, &rt.tenant, rt.memory_mib(), &held)?;
+        drop(builds);
         live.insert(rt.id.clone(), rt.clone());
         Ok(())
+    }
+
+    /// Admits a template build of `memory_mib` for `tenant` like a sandbox.
+    pub fn admit_build(
+        self: &Arc<Self>,
+        tenant: &str,
+        memory_mib: u64,
+    ) -> ApiResult<AdmittedBuild> {
+        let live = self.live_map();
+        let mut builds = super::lock(&self.builds);
+        let quota = self.cfg.quota_of(tenant);
+        admission::admit(&self.cfg, &quota, tenant, memory_mib, &held(&live, &builds))?;
+        let id = self
+            .next_build
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        builds.insert(id, (tenant.to_owned(), memory_mib));
+        Ok(AdmittedBuild {
+            sandboxes: self.clone(),
+            id,
+        })
     }
 
     /// From admitted to ready: a start slot, a VMM, the restore, the guest.

@@ -166,7 +166,23 @@ pub struct Sandboxes {
     host: Arc<VmmHost>,
     executions: Arc<Executions>,
     live: Mutex<HashMap<String, Arc<SandboxRt>>>,
+    /// Template builds running now: (tenant, guest MiB) by a build's id.
+    builds: Mutex<HashMap<u64, (String, u64)>>,
+    next_build: std::sync::atomic::AtomicU64,
     slots: admission::StartSlots,
+}
+
+/// A template build admitted like a sandbox; it stops counting when dropped.
+#[derive(Debug)]
+pub struct AdmittedBuild {
+    sandboxes: Arc<Sandboxes>,
+    id: u64,
+}
+
+impl Drop for AdmittedBuild {
+    fn drop(&mut self) {
+        lock(&self.sandboxes.builds).remove(&self.id);
+    }
 }
 
 impl Sandboxes {
@@ -189,6 +205,8 @@ impl Sandboxes {
             host,
             executions,
             live: Mutex::new(HashMap::new()),
+            builds: Mutex::new(HashMap::new()),
+            next_build: Default::default(),
             slots,
         }
     }

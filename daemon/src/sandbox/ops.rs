@@ -61,6 +61,9 @@ impl Sandboxes {
             .live(tenant, id)
             .ok_or_else(|| ApiError::SandboxNotFound(id.to_owned()))?;
         let owner = self.templates.check_new(tenant, name)?;
+        let quota = self.cfg.quota_of(tenant);
+        let worst = rt.memory_mib() << 20;
+        self.templates.check_quota(tenant, &owner, &quota, worst)?;
         let _op = rt.ops.lock().await;
         let state = rt.state();
         if !matches!(state, SandboxState::Running | SandboxState::Paused) {
@@ -84,13 +87,13 @@ impl Sandboxes {
         if state == SandboxState::Running {
             let _ = vmm::control::resume(&v.control).await;
         }
-        let moved = written.map_err(control_error("snapshot")).and_then(|_| {
-            std::fs::rename(&staging, &dir)
-                .and_then(|()| crate::jail::take_ownership(&dir))
-                .map_err(|e| ApiError::Internal(format!("moving the snapshot: {e}")))
+        // The VMM runs on and may hold descriptors of what it wrote: the template is a copy.
+        let imported = written.map_err(control_error("snapshot")).and_then(|_| {
+            crate::templates::import::import(&staging, &dir)
+                .map_err(|e| ApiError::Internal(format!("taking the snapshot: {e}")))
         });
-        if let Err(e) = moved {
-            let _ = std::fs::remove_dir_all(&staging);
+        let _ = std::fs::remove_dir_all(&staging);
+        if let Err(e) = imported {
             let _ = std::fs::remove_dir_all(&dir);
             return Err(e);
         }

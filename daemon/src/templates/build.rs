@@ -36,6 +36,21 @@ struct BuildSpec {
     warmup: String,
 }
 
+/// A CreateTemplate request that passed its checks.
+#[derive(Debug)]
+pub struct Checked {
+    name: String,
+    owner: String,
+    spec: BuildSpec,
+}
+
+impl Checked {
+    /// Guest memory of the build's VM.
+    pub fn memory_mib(&self) -> u64 {
+        u64::from(self.spec.memory_mib)
+    }
+}
+
 /// Sends progress events of one build.
 #[derive(Clone, Debug)]
 struct Progress {
@@ -72,16 +87,37 @@ impl Builder {
         }
     }
 
-    /// CreateTemplate: checks the request, boots, warms up and snapshots; the new template
-    /// is registered and returned. Progress goes to `progress`.
-    pub async fn create(
+    /// CreateTemplate's checks, before anything runs: the name, the image or files, the
+    /// shape (at most the settings' caps) and the tenant's template quota.
+    pub fn check(&self, tenant: &str, req: &CreateTemplateRequest) -> ApiResult<Checked> {
+        let owner = self.templates.check_new(tenant, &req.name)?;
+        let spec = self.spec(req, self.cfg.is_operator(tenant))?;
+        if spec.vcpus > self.cfg.max_template_vcpus
+            || spec.memory_mib > self.cfg.max_template_memory_mib
+        {
+            return Err(ApiError::InvalidArgument(format!(
+                "a template has at most {} vCPUs and {} MiB here",
+                self.cfg.max_template_vcpus, self.cfg.max_template_memory_mib
+            )));
+        }
+        let quota = self.cfg.quota_of(tenant);
+        let worst = u64::from(spec.memory_mib) << 20;
+        self.templates.check_quota(tenant, &owner, &quota, worst)?;
+        Ok(Checked {
+            name: req.name.clone(),
+            owner,
+            spec,
+        })
+    }
+
+    /// Builds what [`check`](Self::check) passed: boots, warms up and snapshots; the new
+    /// template is registered and returned. Progress goes to `progress`.
+    pub async fn build(
         self: &Arc<Self>,
-        tenant: &str,
-        req: CreateTemplateRequest,
+        checked: Checked,
         progress: Sender<TemplateEvent>,
     ) -> ApiResult<TemplateRt> {
-        let owner = self.templates.check_new(tenant, &req.name)?;
-        let spec = self.spec(&req, self.cfg.is_operator(tenant))?;
+        let Checked { name, owner, spec } = checked;
         let id = ids::new_id(ids::TEMPLATE)?;
         let dir = self.templates.dir_of(&id);
         let progress = Progress {
@@ -104,7 +140,7 @@ impl Builder {
             .await
             .map_err(|e| ApiError::Internal(format!("template build task: {e}")))??;
         let record = Template {
-            name: req.name.clone(),
+            name,
             id,
             tenant: owner,
             vcpus: spec.vcpus,
@@ -121,12 +157,9 @@ impl Builder {
         let t = self.templates.add(record, dir)?;
         let secs = progress.started.elapsed().as_secs();
         info!(template = %t.record.name, id = %t.record.id, secs, "template ready");
+        let shown = super::as_seen_by(t.record.clone(), spec.operator);
         progress
-            .send(
-                "ready",
-                format!("ready after {secs} s"),
-                Some(t.record.clone()),
-            )
+            .send("ready", format!("ready after {secs} s"), Some(shown))
             .await;
         Ok(t)
     }
@@ -252,13 +285,30 @@ impl Builder {
             .host
             .supervisor
             .record(&vmm, &Owner::Build(template_id.to_owned()));
-        let status = wait_with_progress(launched.exit, progress).await;
+        let limit = Duration::from_secs(self.cfg.template_build_timeout_s);
+        let exit = launched.exit;
+        tokio::pin!(exit);
+        let status =
+            match tokio::time::timeout(limit, wait_with_progress(exit.as_mut(), progress)).await {
+                Ok(status) => status,
+                Err(_) => {
+                    vmm.kill();
+                    let _ = exit.await;
+                    Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "the build took longer than {} s (template_build_timeout_s)",
+                            limit.as_secs()
+                        ),
+                    ))
+                }
+            };
         self.host.supervisor.forget(&vmm);
         let out_dir = run_dir.join("snapshot");
         let result = match status {
-            Ok(Some(st)) if st.success() => std::fs::rename(&out_dir, dir)
-                .and_then(|()| crate::jail::take_ownership(dir))
-                .map_err(|e| ApiError::Internal(format!("moving the snapshot: {e}"))),
+            Ok(Some(st)) if st.success() => super::import::import(&out_dir, dir)
+                .map(drop)
+                .map_err(|e| ApiError::Internal(format!("taking the snapshot: {e}"))),
             Ok(st) => {
                 let status = st.map_or("no status".into(), |s| s.to_string());
                 let tail = vmm::log_tail(&vmm.log());
@@ -276,7 +326,7 @@ impl Builder {
                 }))
             }
             Err(e) => Err(ApiError::Internal(format!(
-                "waiting for the template VMM: {e}"
+                "the template build failed: {e}"
             ))),
         };
         if result.is_err() {
@@ -336,15 +386,14 @@ impl Builder {
 
 /// Waits for the build VMM's exit, sending "still booting" every 5 s.
 async fn wait_with_progress(
-    exit: crate::jail::ExitFuture,
+    mut exit: std::pin::Pin<&mut crate::jail::ExitFuture>,
     progress: &Progress,
 ) -> std::io::Result<Option<std::process::ExitStatus>> {
     let mut tick = tokio::time::interval(Duration::from_secs(5));
     tick.tick().await;
-    tokio::pin!(exit);
     loop {
         tokio::select! {
-            st = &mut exit => return st,
+            st = exit.as_mut() => return st,
             _ = tick.tick() => {
                 let secs = progress.started.elapsed().as_secs();
                 progress.send("booting", format!("still booting ({secs} s)"), None).await;

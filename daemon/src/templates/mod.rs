@@ -3,12 +3,14 @@
 //! the operator made as the default tenant), and [`build`], which makes new ones.
 
 pub mod build;
+pub mod import;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use airlock_api::v1::Template;
 
+use crate::config::Quota;
 use crate::error::{ApiError, ApiResult};
 use crate::ids;
 use crate::store::Store;
@@ -125,6 +127,37 @@ impl Templates {
             return Err(ApiError::TemplateExists(name.to_owned()));
         }
         Ok(owner)
+    }
+
+    /// Whether `owner` (a tenant, or "" for the shared templates) may add a template of
+    /// `adding_bytes` under `quota`.
+    pub fn check_quota(
+        &self,
+        tenant: &str,
+        owner: &str,
+        quota: &Quota,
+        adding_bytes: u64,
+    ) -> ApiResult<()> {
+        let all = self.all();
+        let mine: Vec<_> = all.iter().filter(|t| t.record.tenant == owner).collect();
+        if quota.max_templates > 0 && mine.len() >= quota.max_templates {
+            return Err(ApiError::Quota {
+                tenant: tenant.to_owned(),
+                what: "templates",
+                limit: quota.max_templates as u64,
+                current: mine.len() as u64,
+            });
+        }
+        let mib: u64 = mine.iter().map(|t| t.record.memory_file_bytes >> 20).sum();
+        if quota.max_template_mib > 0 && mib + (adding_bytes >> 20) > quota.max_template_mib {
+            return Err(ApiError::Quota {
+                tenant: tenant.to_owned(),
+                what: "template_mib",
+                limit: quota.max_template_mib,
+                current: mib,
+            });
+        }
+        Ok(())
     }
 
     /// Adds a built template whose files are in `dir` (removed if the name was taken
