@@ -424,23 +424,3 @@ fn make_run_dir(dir: &Path, uid: Option<u32>) -> io::Result<()> {
     }
     Ok(())
 }
-
-/// Hands a directory tree the VMM wrote (a snapshot) over to root, read-only for others.
-pub fn take_ownership(dir: &Path) -> io::Result<()> {
-    std::os::unix::fs::lchown(dir, Some(0), Some(0))?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
-    for entry in std::fs::read_dir(dir)? {
-        let path = entry?.path();
-        let meta = std::fs::symlink_metadata(&path)?;
-        if meta.is_dir() {
-            take_ownership(&path)?;
-        } else if meta.is_file() {
-            std::os::unix::fs::lchown(&path, Some(0), Some(0))?;
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
-        } else {
-            // Only plain files belong in a snapshot.
-            std::fs::remove_file(&path)?;
-        }
-    }
-    Ok(())
-}
