@@ -78,8 +78,17 @@ pub struct Config {
     /// since sandboxes would run without memory, CPU and pid limits. `off`: it starts anyway
     /// and sandboxes run unlimited (development machines only).
     pub cgroups: CgroupMode,
-    /// Prometheus endpoint (`HOST:PORT`, HTTP `GET /metrics`); empty: off.
+    /// Prometheus endpoint (`HOST:PORT`, HTTP `GET /metrics`); empty: off. It names tenants
+    /// and sandboxes: off loopback it needs `metrics_token` (sent as `Authorization: Bearer`).
     pub metrics_listen: String,
+    pub metrics_token: String,
+    /// TLS for the TCP listeners; a TCP listener without it is refused unless
+    /// `allow_insecure_tcp` (tokens would cross the network in clear).
+    pub tls: Option<TlsSettings>,
+    pub allow_insecure_tcp: bool,
+    /// TCP connections at once (more are closed at once), and calls at once per connection.
+    pub max_connections: usize,
+    pub max_calls_per_connection: usize,
     /// How long a sandbox may take from restore to the agent's answer.
     pub ready_timeout_ms: u64,
     /// Restores (create → ready) running at once (0: twice the host's CPUs); more creates wait
@@ -138,12 +147,24 @@ impl Default for Quota {
     }
 }
 
-/// One tenant: its tokens and quota.
+/// One tenant: its tokens (in clear, or as SHA-256 digests in hex) and quota.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TenantConfig {
     pub tokens: Vec<String>,
+    pub token_sha256: Vec<String>,
     pub quota: Option<Quota>,
+}
+
+/// TLS of the TCP listeners (`[tls]`): the server's certificate chain and key (PEM), and, for
+/// mutual TLS, the CA that clients' certificates must chain to.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSettings {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    #[serde(default)]
+    pub client_ca: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -187,6 +208,11 @@ impl Default for Config {
             cgroup_parent: "airlock".into(),
             cgroups: CgroupMode::Required,
             metrics_listen: String::new(),
+            metrics_token: String::new(),
+            tls: None,
+            allow_insecure_tcp: false,
+            max_connections: 1024,
+            max_calls_per_connection: 64,
             ready_timeout_ms: 30_000,
             max_concurrent_starts: 0,
             max_start_queue: 1024,
@@ -204,12 +230,28 @@ impl Config {
         toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
     }
 
-    /// The tenant a token belongs to.
-    pub fn tenant_of(&self, token: &str) -> Option<&str> {
-        self.tenants
-            .iter()
-            .find(|(_, t)| t.tokens.iter().any(|k| k == token))
-            .map(|(name, _)| name.as_str())
+    /// Checks what the settings expose: TCP listeners only with TLS (or an explicit
+    /// `allow_insecure_tcp`), metrics off loopback only with a token.
+    pub fn check_exposure(&self) -> Result<(), String> {
+        for addr in &self.listen {
+            if addr.starts_with("tcp://") && self.tls.is_none() && !self.allow_insecure_tcp {
+                return Err(format!(
+                    "{addr}: a TCP listener needs [tls] (cert, key): tokens would cross the \
+                     network in clear (allow_insecure_tcp = true allows it, for tests)"
+                ));
+            }
+        }
+        if !self.metrics_listen.is_empty()
+            && !is_loopback(&self.metrics_listen)
+            && self.metrics_token.is_empty()
+        {
+            return Err(format!(
+                "metrics_listen {}: the metrics name tenants and sandboxes; listen on loopback \
+                 or set metrics_token",
+                self.metrics_listen
+            ));
+        }
+        Ok(())
     }
 
     /// A tenant's quota.
@@ -311,6 +353,16 @@ fn newest(dir: &Path, pick: impl Fn(&Path) -> Option<PathBuf>) -> Option<PathBuf
     best.map(|(_, p)| p)
 }
 
+/// Whether `HOST:PORT` names a loopback address.
+fn is_loopback(hostport: &str) -> bool {
+    let host = hostport.rsplit_once(':').map_or(hostport, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 /// MemTotal in MiB (0 if unknown).
 pub fn host_memory_mib() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
@@ -345,8 +397,7 @@ mod tests {
         assert_eq!(c.pool_size, 5);
         assert_eq!(c.max_sandboxes, 3);
         assert_eq!(c.default_tenant, "default");
-        assert_eq!(c.tenant_of("t1"), Some("acme"));
-        assert_eq!(c.tenant_of("t2"), None);
+        assert_eq!(c.tenants["acme"].tokens, ["t1"]);
         assert_eq!(c.quota_of("acme").max_sandboxes, 2);
         assert_eq!(
             c.quota_of("acme").max_memory_mib,
@@ -368,6 +419,23 @@ mod tests {
         assert_eq!(imgs.image("py"), Some(("/k2".into(), "/r2".into())));
         assert_eq!(imgs.image("default"), Some(("/k".into(), "/r".into())));
         assert_eq!(imgs.image("other"), None);
+        let exposed = |text: &str| toml::from_str::<Config>(text).unwrap().check_exposure();
+        assert!(
+            exposed("listen = [\"tcp://0.0.0.0:7000\"]").is_err(),
+            "TCP without TLS"
+        );
+        assert!(exposed("listen = [\"tcp://0.0.0.0:7000\"]\nallow_insecure_tcp = true").is_ok());
+        assert!(
+            exposed("listen = [\"tcp://0.0.0.0:7000\"]\n[tls]\ncert = \"/c\"\nkey = \"/k\"")
+                .is_ok()
+        );
+        assert!(
+            exposed("metrics_listen = \"0.0.0.0:9464\"").is_err(),
+            "open metrics"
+        );
+        assert!(exposed("metrics_listen = \"127.0.0.1:9464\"").is_ok());
+        assert!(exposed("metrics_listen = \"[::1]:9464\"").is_ok());
+        assert!(exposed("metrics_listen = \"0.0.0.0:9464\"\nmetrics_token = \"m\"").is_ok());
         let off: Config = toml::from_str("cgroups = \"off\"").unwrap();
         assert_eq!(off.cgroups, CgroupMode::Off);
         assert!(toml::from_str::<Config>("cgroups = \"maybe\"").is_err());

@@ -242,6 +242,7 @@ async fn template_builds_are_capped_admitted_timed_out_and_counted() {
                 max_templates: 1,
                 ..Default::default()
             }),
+            ..Default::default()
         };
         c.tenants.insert("acme".into(), acme);
     })

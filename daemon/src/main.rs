@@ -12,6 +12,7 @@
 //! to the guest agent); `janitor` (TTLs); `recovery` (adopt or reap after a restart).
 
 mod agent;
+mod auth;
 mod cgroup;
 mod config;
 mod daemon;
@@ -61,6 +62,10 @@ struct Args {
     /// Templates, records, output, VMM run directories (default /var/lib/airlock).
     #[arg(long, value_name = "DIR")]
     data_dir: Option<PathBuf>,
+    /// Read a tenant token on stdin, print its SHA-256 for `token_sha256` in the settings, and
+    /// exit.
+    #[arg(long)]
+    hash_token: bool,
 }
 
 fn settings(args: Args) -> Result<config::Config, String> {
@@ -74,7 +79,19 @@ fn settings(args: Args) -> Result<config::Config, String> {
     if let Some(d) = args.data_dir {
         cfg.data_dir = d;
     }
+    cfg.check_exposure()?;
     Ok(cfg)
+}
+
+/// `--hash-token`: the digest of the token on stdin.
+fn hash_token() -> ExitCode {
+    let mut token = String::new();
+    if std::io::stdin().read_line(&mut token).is_err() || token.trim().is_empty() {
+        eprintln!("airlockd --hash-token: give the token on stdin");
+        return ExitCode::from(2);
+    }
+    println!("sha256:{}", auth::hex(&auth::digest(token.trim())));
+    ExitCode::SUCCESS
 }
 
 fn main() -> ExitCode {
@@ -82,7 +99,11 @@ fn main() -> ExitCode {
     // otherwise (the API socket, 0660; the jails' roots, 0755).
     // SAFETY: umask(2) only sets this process's file-creation mask.
     unsafe { libc::umask(0o077) };
-    let cfg = match settings(Args::parse()) {
+    let args = Args::parse();
+    if args.hash_token {
+        return hash_token();
+    }
+    let cfg = match settings(args) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("airlockd: {e}");

@@ -197,6 +197,7 @@ fn hist(out: &mut String, name: &str, help: &str, h: &Histogram) {
 /// Serves `GET /metrics` on `listener`; `render` makes the body.
 pub async fn serve(
     listener: tokio::net::TcpListener,
+    token: Option<crate::auth::TokenDigest>,
     render: impl Fn() -> String + Send + Sync + 'static,
 ) {
     let render = std::sync::Arc::new(render);
@@ -224,7 +225,12 @@ pub async fn serve(
                 }
             }
             let head = String::from_utf8_lossy(&buf[..n]);
-            let (status, body) = if head.starts_with("GET /metrics") {
+            let (status, body) = if !authorized(&head, token.as_ref()) {
+                (
+                    "401 Unauthorized",
+                    "send Authorization: Bearer METRICS_TOKEN\n".to_owned(),
+                )
+            } else if head.starts_with("GET /metrics") {
                 ("200 OK", render())
             } else {
                 ("404 Not Found", "not found: GET /metrics\n".to_owned())
@@ -236,6 +242,19 @@ pub async fn serve(
             let _ = sock.write_all(resp.as_bytes()).await;
         });
     }
+}
+
+/// Whether a request head carries `Authorization: Bearer T` with `T`'s digest `token` (any
+/// request is authorized when there is no token).
+fn authorized(head: &str, token: Option<&crate::auth::TokenDigest>) -> bool {
+    let Some(want) = token else {
+        return true;
+    };
+    head.lines()
+        .filter_map(|l| l.split_once(':'))
+        .filter(|(k, _)| k.trim().eq_ignore_ascii_case("authorization"))
+        .filter_map(|(_, v)| v.trim().strip_prefix("Bearer "))
+        .any(|t| crate::auth::same(&crate::auth::digest(t.trim()), want))
 }
 
 #[cfg(test)]
@@ -254,5 +273,15 @@ mod tests {
         assert!(text.contains("airlock_create_seconds_count 2"));
         assert!(text.contains("airlock_sandboxes{state=\"running\"} 2"));
         assert!(text.contains("airlock_executions_total{outcome=\"exited\"} 1"));
+    }
+
+    #[test]
+    fn metrics_with_a_token_need_it() {
+        let want = crate::auth::digest("m");
+        let ask = |auth: &str| format!("GET /metrics HTTP/1.1\r\nHost: x\r\n{auth}\r\n");
+        assert!(authorized(&ask(""), None));
+        assert!(!authorized(&ask(""), Some(&want)));
+        assert!(!authorized(&ask("Authorization: Bearer n"), Some(&want)));
+        assert!(authorized(&ask("authorization: Bearer m"), Some(&want)));
     }
 }

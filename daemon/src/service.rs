@@ -10,7 +10,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use crate::config::Config;
+use crate::auth::Tokens;
 use crate::daemon::Daemon;
 use crate::error::{ApiError, ApiResult};
 use crate::{files, stream};
@@ -23,7 +23,8 @@ pub struct Tenant(pub String);
 /// tenant; on TCP every call needs a token.
 #[derive(Clone, Debug)]
 pub struct Auth {
-    pub cfg: Arc<Config>,
+    pub tokens: Arc<Tokens>,
+    pub default_tenant: String,
     pub token_required: bool,
 }
 
@@ -36,7 +37,7 @@ impl tonic::service::Interceptor for Auth {
         let tenant = match token {
             Some(t) => {
                 let t = t.strip_prefix("Bearer ").unwrap_or(&t).trim();
-                self.cfg.tenant_of(t).map(str::to_owned).ok_or_else(|| {
+                self.tokens.tenant_of(t).map(str::to_owned).ok_or_else(|| {
                     Status::from(ApiError::Unauthenticated("unknown token".into()))
                 })?
             }
@@ -46,7 +47,7 @@ impl tonic::service::Interceptor for Auth {
                 )
                 .into());
             }
-            None => self.cfg.default_tenant.clone(),
+            None => self.default_tenant.clone(),
         };
         req.extensions_mut().insert(Tenant(tenant));
         Ok(req)

@@ -30,8 +30,9 @@ pub fn default_address() -> String {
         .unwrap_or_else(|| format!("unix://{DEFAULT_SOCKET}"))
 }
 
-/// Connects a channel to `address`: `unix:///PATH`, `unix:PATH`, a bare absolute path, or
-/// `http://HOST:PORT` / `tcp://HOST:PORT`.
+/// Connects a channel to `address`: `unix:///PATH`, `unix:PATH`, a bare absolute path,
+/// `https://HOST:PORT` (TLS: see [`CA_CERT_ENV`]), or `http://HOST:PORT` / `tcp://HOST:PORT`
+/// (plaintext, for daemons that allow it).
 pub async fn connect(address: &str) -> Result<tonic::transport::Channel, tonic::transport::Error> {
     use tonic::transport::Endpoint;
     let unix = address
@@ -57,9 +58,37 @@ pub async fn connect(address: &str) -> Result<tonic::transport::Channel, tonic::
                 Some(hp) => format!("http://{hp}"),
                 None => address.to_owned(),
             };
-            Endpoint::from_shared(url)?.connect().await
+            let mut endpoint = Endpoint::from_shared(url)?;
+            if address.starts_with("https://") {
+                endpoint = endpoint.tls_config(client_tls())?;
+            }
+            endpoint.connect().await
         }
     }
+}
+
+/// Environment variables of a TLS client: the CA that signed the daemon's certificate (PEM;
+/// default: none, so the connection fails), and for mutual TLS the client's certificate and key.
+pub const CA_CERT_ENV: &str = "AIRLOCK_CA_CERT";
+pub const CLIENT_CERT_ENV: &str = "AIRLOCK_CLIENT_CERT";
+pub const CLIENT_KEY_ENV: &str = "AIRLOCK_CLIENT_KEY";
+
+/// The TLS settings of an `https://` address, from the environment.
+fn client_tls() -> tonic::transport::ClientTlsConfig {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let file = |var: &str| {
+        std::env::var_os(var)
+            .filter(|p| !p.is_empty())
+            .and_then(|p| std::fs::read(p).ok())
+    };
+    let mut tls = ClientTlsConfig::new();
+    if let Some(ca) = file(CA_CERT_ENV) {
+        tls = tls.ca_certificate(Certificate::from_pem(ca));
+    }
+    if let (Some(cert), Some(key)) = (file(CLIENT_CERT_ENV), file(CLIENT_KEY_ENV)) {
+        tls = tls.identity(Identity::from_pem(cert, key));
+    }
+    tls
 }
 
 /// A client for `address` ([`default_address`] when `None`) that sends `token` (if any) as

@@ -72,8 +72,8 @@ def channel_options(target: str) -> list:
 def resolve_address(address: Optional[str]) -> str:
     """The gRPC target of ``address``, ``$AIRLOCK_ADDR`` or the default socket.
 
-    Accepted forms: ``unix:///PATH``, ``unix:PATH``, an absolute path, ``tcp://HOST:PORT``,
-    ``http://HOST:PORT`` and ``HOST:PORT``.
+    Accepted forms: ``unix:///PATH``, ``unix:PATH``, an absolute path, ``https://HOST:PORT``
+    (TLS, see ``CA_CERT_ENV``), ``tcp://HOST:PORT``, ``http://HOST:PORT`` and ``HOST:PORT``.
     """
     a = address or os.environ.get(ADDR_ENV) or f"unix://{DEFAULT_SOCKET}"
     if a.startswith("unix://"):
@@ -82,10 +82,39 @@ def resolve_address(address: Optional[str]) -> str:
         return "unix://" + os.path.abspath(a[len("unix:") :])
     if a.startswith("/"):
         return "unix://" + a
-    for scheme in ("tcp://", "http://"):
+    for scheme in ("tcp://", "http://", "https://"):
         if a.startswith(scheme):
             return a[len(scheme) :].rstrip("/")
     return a
+
+
+#: Environment variables of a TLS client (``https://HOST:PORT``): the CA that signed the
+#: daemon's certificate, and for mutual TLS the client's certificate and key (PEM files).
+CA_CERT_ENV = "AIRLOCK_CA_CERT"
+CLIENT_CERT_ENV = "AIRLOCK_CLIENT_CERT"
+CLIENT_KEY_ENV = "AIRLOCK_CLIENT_KEY"
+
+
+def is_tls(address: Optional[str]) -> bool:
+    """Whether ``address`` (or ``$AIRLOCK_ADDR``) asks for TLS (``https://``)."""
+    return (address or os.environ.get(ADDR_ENV) or "").startswith("https://")
+
+
+def tls_credentials(grpc_module):
+    """Channel credentials from the TLS environment variables."""
+
+    def read(var: str):
+        path = os.environ.get(var)
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc_module.ssl_channel_credentials(
+        root_certificates=read(CA_CERT_ENV),
+        private_key=read(CLIENT_KEY_ENV),
+        certificate_chain=read(CLIENT_CERT_ENV),
+    )
 
 
 def call_metadata(token: Optional[str]) -> Tuple[Tuple[str, str], ...]:

@@ -38,7 +38,11 @@ class AsyncClient:
         timeout: Optional[float] = None,
     ) -> None:
         self.address = c.resolve_address(address)
-        self._channel = grpc.aio.insecure_channel(self.address, options=c.channel_options(self.address))
+        if c.is_tls(address):
+            creds = c.tls_credentials(grpc)
+            self._channel = grpc.aio.secure_channel(self.address, creds, options=c.channel_options(self.address))
+        else:
+            self._channel = grpc.aio.insecure_channel(self.address, options=c.channel_options(self.address))
         self._stub = pb_grpc.AirlockStub(self._channel)
         self._metadata = c.call_metadata(token)
         self._timeout = timeout

@@ -42,7 +42,11 @@ class Client:
         timeout: Optional[float] = None,
     ) -> None:
         self.address = c.resolve_address(address)
-        self._channel = grpc.insecure_channel(self.address, options=c.channel_options(self.address))
+        if c.is_tls(address):
+            creds = c.tls_credentials(grpc)
+            self._channel = grpc.secure_channel(self.address, creds, options=c.channel_options(self.address))
+        else:
+            self._channel = grpc.insecure_channel(self.address, options=c.channel_options(self.address))
         self._stub = pb_grpc.AirlockStub(self._channel)
         self._metadata = c.call_metadata(token)
         self._timeout = timeout

@@ -1,5 +1,9 @@
-//! The listeners: the gRPC service (with reflection) on every configured Unix socket and TCP
-//! address, and the Prometheus endpoint; they serve until a signal or a listener's failure.
+//! The listeners: the gRPC service (with reflection, behind the same authentication) on every
+//! configured Unix socket and TCP address (TCP with TLS, at most `max_connections` at once, at
+//! most `max_calls_per_connection` calls each), and the Prometheus endpoint; they serve until a
+//! signal or a listener's failure.
+
+mod limit;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -9,6 +13,11 @@ use airlock_api::v1::airlock_server::AirlockServer;
 use tokio::task::JoinSet;
 use tracing::info;
 
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+
+use crate::auth::{Tokens, digest};
+use crate::config::TlsSettings;
 use crate::daemon::Daemon;
 use crate::service::{Auth, Service};
 
@@ -37,15 +46,28 @@ pub async fn listen(daemon: &Arc<Daemon>) -> Result<Servers, String> {
         .register_encoded_file_descriptor_set(airlock_api::FILE_DESCRIPTOR_SET)
         .build_v1()
         .map_err(|e| format!("reflection: {e}"))?;
+    let tokens = Arc::new(Tokens::from_config(&daemon.cfg)?);
+    let cfg = &daemon.cfg;
     let mut servers = JoinSet::new();
-    for addr in &daemon.cfg.listen {
+    for addr in &cfg.listen {
+        let tcp = !addr.starts_with("unix:");
         let auth = Auth {
-            cfg: daemon.cfg.clone(),
-            token_required: !addr.starts_with("unix:"),
+            tokens: tokens.clone(),
+            default_tenant: cfg.default_tenant.clone(),
+            token_required: tcp,
         };
-        let router = tonic::transport::Server::builder()
-            .add_service(AirlockServer::with_interceptor(svc.clone(), auth))
-            .add_service(reflection.clone());
+        let mut builder = tonic::transport::Server::builder()
+            .concurrency_limit_per_connection(cfg.max_calls_per_connection)
+            .max_concurrent_streams(u32::try_from(cfg.max_calls_per_connection).ok());
+        if tcp && let Some(tls) = &cfg.tls {
+            builder = builder
+                .tls_config(tls_config(tls)?)
+                .map_err(|e| format!("TLS: {e}"))?;
+        }
+        // Reflection describes the API to callers the listener authenticates, like the API.
+        let router = builder
+            .add_service(AirlockServer::with_interceptor(svc.clone(), auth.clone()))
+            .add_service(InterceptedService::new(reflection.clone(), auth));
         if let Some(path) = addr
             .strip_prefix("unix://")
             .or_else(|| addr.strip_prefix("unix:"))
@@ -62,8 +84,9 @@ pub async fn listen(daemon: &Arc<Daemon>) -> Result<Servers, String> {
                 .await
                 .map_err(|e| format!("listening on {hostport}: {e}"))?;
             let local = listener.local_addr().map_err(|e| e.to_string())?;
-            info!("listening on tcp://{local} (tokens required)");
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+            let tls = if cfg.tls.is_some() { "TLS" } else { "no TLS" };
+            info!("listening on tcp://{local} (tokens required, {tls})");
+            let incoming = limit::connections(listener, cfg.max_connections);
             servers.spawn(async move {
                 router
                     .serve_with_incoming(incoming)
@@ -105,8 +128,22 @@ async fn serve_metrics(daemon: &Arc<Daemon>) -> Result<(), String> {
         .map_err(|e| format!("metrics on {addr}: {e}"))?;
     info!("metrics on http://{addr}/metrics");
     let d = daemon.clone();
-    tokio::spawn(crate::metrics::serve(listener, move || d.metrics_text()));
+    let token = (!daemon.cfg.metrics_token.is_empty()).then(|| digest(&daemon.cfg.metrics_token));
+    tokio::spawn(crate::metrics::serve(listener, token, move || {
+        d.metrics_text()
+    }));
     Ok(())
+}
+
+/// The TLS of the TCP listeners, from PEM files.
+fn tls_config(tls: &TlsSettings) -> Result<ServerTlsConfig, String> {
+    let read = |p: &std::path::Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+    let identity = Identity::from_pem(read(&tls.cert)?, read(&tls.key)?);
+    let mut config = ServerTlsConfig::new().identity(identity);
+    if let Some(ca) = &tls.client_ca {
+        config = config.client_ca_root(Certificate::from_pem(read(ca)?));
+    }
+    Ok(config)
 }
 
 /// Serves until SIGTERM, SIGINT or a listener's failure (its error).
