@@ -91,6 +91,8 @@ pub enum Command {
     Snapshot(SnapshotArgs),
     /// Destroy a sandbox and free what it held (idempotent)
     Rm(IdArg),
+    /// What your tenant holds (sandboxes, memory, templates, stored output) against its quota
+    Usage,
     /// Print the completion script of a shell (airlock completions bash > FILE)
     Completions(CompletionsArgs),
 }

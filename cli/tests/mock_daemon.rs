@@ -226,6 +226,16 @@ impl Airlock for Mock {
     async fn list_files(&self, _: Request<ListFilesRequest>) -> Answer<ListFilesResponse> {
         Err(Status::unimplemented("mock"))
     }
+
+    async fn get_usage(&self, _: Request<GetUsageRequest>) -> Answer<Usage> {
+        Ok(Response::new(Usage {
+            tenant: "default".into(),
+            live_sandboxes: 2,
+            max_sandboxes: 64,
+            output_bytes: 1234,
+            ..Default::default()
+        }))
+    }
 }
 
 /// A scratch directory of this test.
@@ -418,6 +428,12 @@ async fn lists_and_records() {
         "sb-1"
     );
     assert!(text(&d.airlock(&["get", "sb-1"]).await.stdout).contains("running"));
+    assert!(text(&d.airlock(&["usage"]).await.stdout).contains("sandboxes      2 of 64"));
+    let u = json(&d.airlock(&["--json", "usage"]).await.stdout);
+    assert_eq!(
+        (u["live_sandboxes"].as_u64(), u["output_bytes"].as_u64()),
+        (Some(2), Some(1234))
+    );
     let p = d.airlock(&["get", "sb-2"]).await;
     assert_eq!(p.status.code(), Some(1));
     assert!(text(&p.stderr).starts_with("airlock: NotFound: no sandbox sb-2"));

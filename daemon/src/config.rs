@@ -52,6 +52,10 @@ pub struct Config {
     pub max_exec_timeout_ms: u64,
     /// Output stored per execution stream; more is dropped (the record says so).
     pub max_output_bytes: u64,
+    /// Retention: an ended sandbox's records (its executions' too, and their output) are
+    /// deleted this long after it ended; its executions' output sooner. Seconds.
+    pub record_retention_s: u64,
+    pub output_retention_s: u64,
     /// Largest file WriteFile/ReadFile/CreateSandbox moves.
     pub max_file_bytes: u64,
     /// Default writable disk space of a sandbox (MiB) and its cap.
@@ -134,6 +138,8 @@ pub struct Quota {
     /// Templates (builds and snapshots of sandboxes), and the MiB their memory files take.
     pub max_templates: usize,
     pub max_template_mib: u64,
+    /// Stored execution output, MiB: past it, the output of the oldest ended executions goes.
+    pub max_output_mib: u64,
 }
 
 impl Default for Quota {
@@ -143,6 +149,7 @@ impl Default for Quota {
             max_memory_mib: 32 << 10,
             max_templates: 16,
             max_template_mib: 64 << 10,
+            max_output_mib: 8 << 10,
         }
     }
 }
@@ -190,6 +197,8 @@ impl Default for Config {
             default_exec_timeout_ms: 600_000,
             max_exec_timeout_ms: 24 * 3600 * 1000,
             max_output_bytes: 64 << 20,
+            record_retention_s: 7 * 24 * 3600,
+            output_retention_s: 24 * 3600,
             max_file_bytes: 100 << 20,
             default_disk_mib: 1024,
             // Loads the interpreter sandboxes run most (and the shell) into the page cache of

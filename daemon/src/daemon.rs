@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use airlock_api::v1::{CreateTemplateRequest, TemplateEvent};
+use airlock_api::v1::{CreateTemplateRequest, TemplateEvent, Usage};
 use tokio::sync::mpsc::{Sender, UnboundedReceiver};
 use tracing::{info, warn};
 
@@ -19,6 +19,7 @@ use crate::metrics::Metrics;
 use crate::pool::WarmPool;
 use crate::reason::{EndReason, state_name};
 use crate::recovery::Recovery;
+use crate::retention::Retention;
 use crate::sandbox::Sandboxes;
 use crate::store::{Owner, Store};
 use crate::supervisor::{Supervisor, VmmExited};
@@ -38,6 +39,7 @@ pub struct Daemon {
     pub pool: Arc<WarmPool>,
     pub executions: Arc<Executions>,
     pub sandboxes: Arc<Sandboxes>,
+    pub retention: Arc<Retention>,
     pub data_dir: PathBuf,
 }
 
@@ -153,6 +155,11 @@ impl Daemon {
             host.clone(),
             executions.clone(),
         ));
+        let retention = Arc::new(Retention {
+            cfg: cfg.clone(),
+            store: store.clone(),
+            executions: executions.clone(),
+        });
         let d = Self {
             cfg,
             store,
@@ -163,6 +170,7 @@ impl Daemon {
             pool,
             executions,
             sandboxes,
+            retention,
             data_dir,
         };
         Ok((Arc::new(d), events))
@@ -196,6 +204,7 @@ impl Daemon {
             self.sandboxes.clone(),
             self.executions.clone(),
         ));
+        tokio::spawn(self.retention.clone().run());
         self.pool.refill_all();
         Ok(())
     }
@@ -246,6 +255,53 @@ impl Daemon {
         self.pool.remove_template(&t.record.id);
         let _ = std::fs::remove_dir_all(&t.dir);
         Ok(())
+    }
+
+    /// GetUsage: what `tenant` holds now against its quota, and the retention.
+    pub fn usage(&self, tenant: &str) -> ApiResult<Usage> {
+        let quota = self.cfg.quota_of(tenant);
+        let live: Vec<_> = self
+            .sandboxes
+            .all()
+            .into_iter()
+            .filter(|s| s.tenant == tenant)
+            .collect();
+        let owner = self.templates.owner_for(tenant);
+        let templates: Vec<_> = self
+            .templates
+            .list()
+            .into_iter()
+            .filter(|t| t.record.tenant == owner)
+            .collect();
+        let output_bytes = self
+            .store
+            .executions_of_tenant(tenant)?
+            .iter()
+            .filter(|e| !e.output_deleted)
+            .map(|e| self.retention.output_bytes(&e.id))
+            .sum();
+        let (sandbox_records, execution_records) = self.store.record_counts(tenant)?;
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        Ok(Usage {
+            tenant: tenant.to_owned(),
+            live_sandboxes: count(live.len()),
+            max_sandboxes: count(quota.max_sandboxes),
+            memory_mib: live.iter().map(|s| s.memory_mib()).sum(),
+            max_memory_mib: quota.max_memory_mib,
+            templates: count(templates.len()),
+            max_templates: count(quota.max_templates),
+            template_mib: templates
+                .iter()
+                .map(|t| t.record.memory_file_bytes >> 20)
+                .sum(),
+            max_template_mib: quota.max_template_mib,
+            output_bytes,
+            max_output_mib: quota.max_output_mib,
+            sandbox_records,
+            execution_records,
+            record_retention_s: self.cfg.record_retention_s,
+            output_retention_s: self.cfg.output_retention_s,
+        })
     }
 
     /// The Prometheus exposition text.

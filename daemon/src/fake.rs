@@ -409,10 +409,11 @@ fn answer(
             };
             let exec_id = u64::from(vm.pid) * 1000 + id;
             let sleeps = argv.first().is_some_and(|a| a == "sleep");
-            let out = if sleeps {
-                Vec::new()
-            } else {
-                argv.join(" ").into_bytes()
+            let out = match (argv.first().map(String::as_str), argv.get(1)) {
+                (Some("sleep"), _) => Vec::new(),
+                // `big N`: N bytes of output.
+                (Some("big"), Some(n)) => vec![b'x'; n.parse().unwrap_or(0)],
+                _ => argv.join(" ").into_bytes(),
             };
             vm.start_exec(exec_id, &out);
             let started = pb::ExecStarted { exec_id, pid: 2 };

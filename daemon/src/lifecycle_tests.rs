@@ -282,6 +282,55 @@ async fn template_builds_are_capped_admitted_timed_out_and_counted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_output_then_records_and_caps_a_tenants_output() {
+    let t = daemon_with("retention", |c| c.default_quota.max_output_mib = 1).await;
+    let s = create(&t).await.unwrap();
+    let sb = t.daemon.sandboxes.running("default", &s.id).unwrap();
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let req = exec_req(&s.id, &["big", "700000"], 5000);
+        let ex = t
+            .daemon
+            .executions
+            .start(&sb.exec_target().unwrap(), &req)
+            .unwrap();
+        finished(&t, &ex).await;
+        ids.push(ex);
+    }
+    let usage = t.daemon.usage("default").unwrap();
+    assert_eq!(usage.output_bytes, 1_400_000);
+    assert_eq!(usage.live_sandboxes, 1);
+    assert_eq!(usage.execution_records, 2);
+    // Over the tenant's 1 MiB: the oldest output goes, the newest stays.
+    let now = crate::ids::now_ms();
+    let swept = t.daemon.retention.sweep(now).unwrap();
+    assert_eq!((swept.outputs, swept.bytes), (1, 700_000));
+    let (first, _) = t.daemon.executions.get("default", &ids[0]).unwrap();
+    assert!(first.output_deleted);
+    let out = crate::stream::read_output(&t.daemon.executions, &ids[0], 1 << 20)
+        .await
+        .unwrap();
+    assert!(out[0].is_empty(), "deleted output reads as empty");
+    assert_eq!(t.daemon.usage("default").unwrap().output_bytes, 700_000);
+    // An ended sandbox's output goes after a day, its records after a week.
+    t.daemon.sandboxes.destroy("default", &s.id).await.unwrap();
+    let day = 24 * 3600 * 1000;
+    assert_eq!(
+        t.daemon.retention.sweep(now + day / 2).unwrap(),
+        Default::default()
+    );
+    let swept = t.daemon.retention.sweep(now + day + 1000).unwrap();
+    assert_eq!((swept.outputs, swept.sandbox_records), (1, 0));
+    let swept = t.daemon.retention.sweep(now + 8 * day).unwrap();
+    assert_eq!(swept.sandbox_records, 1);
+    assert!(t.daemon.store.sandbox(&s.id).unwrap().is_none());
+    assert!(t.daemon.store.execution(&ids[1]).unwrap().is_none());
+    let usage = t.daemon.usage("default").unwrap();
+    assert_eq!((usage.sandbox_records, usage.execution_records), (0, 0));
+    assert_eq!(usage.record_retention_s, 7 * 24 * 3600);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vmm_that_dies_ends_its_sandbox_with_the_reason() {
     let t = daemon("dies").await;
     let s = create(&t).await.unwrap();

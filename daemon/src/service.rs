@@ -406,6 +406,18 @@ impl Airlock for Service {
         })
         .await
     }
+
+    async fn get_usage(&self, req: Request<GetUsageRequest>) -> Result<Response<Usage>, Status> {
+        let tenant = tenant(&req)?;
+        let d = self.daemon.clone();
+        let t = tenant.clone();
+        traced("GetUsage", &tenant, async move {
+            tokio::task::spawn_blocking(move || d.usage(&t))
+                .await
+                .map_err(|e| ApiError::Internal(format!("usage task: {e}")))?
+        })
+        .await
+    }
 }
 
 /// The next data part of a WriteFile stream (`None` at its end).

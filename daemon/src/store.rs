@@ -249,6 +249,43 @@ impl Store {
         Ok(())
     }
 
+    /// Every execution record of `tenant`.
+    pub fn executions_of_tenant(&self, tenant: &str) -> ApiResult<Vec<Execution>> {
+        let db = self.db();
+        let mut st = db.prepare("SELECT record FROM executions WHERE tenant = ?1")?;
+        let rows = st.query_map(params![tenant], |r| decode(r.get(0)?))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Records of `tenant`: (sandboxes, executions).
+    pub fn record_counts(&self, tenant: &str) -> ApiResult<(u64, u64)> {
+        let db = self.db();
+        let count = |table: &str| -> rusqlite::Result<u64> {
+            db.query_row(
+                &format!("SELECT COUNT(*) FROM {table} WHERE tenant = ?1"),
+                params![tenant],
+                |r| r.get(0),
+            )
+        };
+        Ok((count("sandboxes")?, count("executions")?))
+    }
+
+    /// Deletes an ended sandbox's records: its own, its spec, its executions'.
+    pub fn delete_sandbox(&self, id: &str) -> ApiResult<()> {
+        let mut db = self.db();
+        let tx = db.transaction()?;
+        tx.execute(
+            "DELETE FROM execution_agents WHERE id IN \
+             (SELECT id FROM executions WHERE sandbox_id = ?1)",
+            params![id],
+        )?;
+        tx.execute("DELETE FROM executions WHERE sandbox_id = ?1", params![id])?;
+        tx.execute("DELETE FROM sandbox_specs WHERE id = ?1", params![id])?;
+        tx.execute("DELETE FROM sandboxes WHERE id = ?1", params![id])?;
+        tx.commit()?;
+        Ok(())
+    }
+
     pub fn put_vmm(&self, v: &VmmRecord) -> ApiResult<()> {
         let (kind, owner) = v.owner.kind();
         self.db().execute(

@@ -51,6 +51,7 @@ pub async fn run(ctx: &mut Ctx, command: Command) -> Result<u8, String> {
         Command::Resume(a) => sandbox::resume(ctx, &a.id).await,
         Command::Snapshot(a) => sandbox::snapshot(ctx, &a).await,
         Command::Rm(a) => sandbox::destroy(ctx, &a.id).await,
+        Command::Usage => sandbox::usage(ctx).await,
         Command::Completions(_) => Err("completions need no daemon".into()),
     }
 }

@@ -1,8 +1,8 @@
-//! `create`, `ls`, `get`, `pause`, `resume`, `snapshot`, `rm`.
+//! `create`, `ls`, `get`, `pause`, `resume`, `snapshot`, `rm`, `usage`.
 
 use airlock_api::v1::{
-    DestroySandboxRequest, GetSandboxRequest, PauseSandboxRequest, ResumeSandboxRequest, Sandbox,
-    SnapshotSandboxRequest,
+    DestroySandboxRequest, GetSandboxRequest, GetUsageRequest, PauseSandboxRequest,
+    ResumeSandboxRequest, Sandbox, SnapshotSandboxRequest,
 };
 use serde_json::{Value, json};
 
@@ -139,5 +139,51 @@ pub async fn destroy(ctx: &mut Ctx, id: &str) -> Result<u8, String> {
     if ctx.json {
         print_json(&json!({"id": id, "destroyed": r.destroyed}));
     }
+    Ok(0)
+}
+
+/// `usage`: what the tenant holds against its quota (0: no limit beyond the host's).
+pub async fn usage(ctx: &mut Ctx) -> Result<u8, String> {
+    let u = ctx
+        .client
+        .get_usage(GetUsageRequest {})
+        .await
+        .map_err(fail)?
+        .into_inner();
+    if ctx.json {
+        print_json(&json!({
+            "tenant": u.tenant,
+            "live_sandboxes": u.live_sandboxes, "max_sandboxes": u.max_sandboxes,
+            "memory_mib": u.memory_mib, "max_memory_mib": u.max_memory_mib,
+            "templates": u.templates, "max_templates": u.max_templates,
+            "template_mib": u.template_mib, "max_template_mib": u.max_template_mib,
+            "output_bytes": u.output_bytes, "max_output_mib": u.max_output_mib,
+            "sandbox_records": u.sandbox_records, "execution_records": u.execution_records,
+            "record_retention_s": u.record_retention_s, "output_retention_s": u.output_retention_s,
+        }));
+        return Ok(0);
+    }
+    println!("tenant {}", u.tenant);
+    println!("sandboxes      {} of {}", u.live_sandboxes, u.max_sandboxes);
+    println!(
+        "memory         {} of {} MiB",
+        u.memory_mib, u.max_memory_mib
+    );
+    println!(
+        "templates      {} of {} ({} of {} MiB)",
+        u.templates, u.max_templates, u.template_mib, u.max_template_mib
+    );
+    println!(
+        "output stored  {} bytes of {} MiB",
+        u.output_bytes, u.max_output_mib
+    );
+    println!(
+        "records        {} sandboxes, {} executions",
+        u.sandbox_records, u.execution_records
+    );
+    println!(
+        "kept           records {} s after a sandbox ends, output {} s",
+        u.record_retention_s, u.output_retention_s
+    );
     Ok(0)
 }

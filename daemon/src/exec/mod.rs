@@ -22,10 +22,10 @@ use rt::Ledger;
 pub use runner::Start;
 
 use crate::error::{ApiError, ApiResult};
-use crate::ids;
 use crate::metrics::Metrics;
 use crate::reason::ExecEnd;
 use crate::store::Store;
+use crate::{ids, limits};
 
 /// The limits executions run under (from the config).
 #[derive(Clone, Debug)]
@@ -279,14 +279,8 @@ fn merged_env(
     over: &HashMap<String, String>,
 ) -> ApiResult<HashMap<String, String>> {
     let mut env = base.clone();
-    for (k, v) in over {
-        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err(ApiError::InvalidArgument(format!(
-                "bad environment entry {k:?}"
-            )));
-        }
-        env.insert(k.clone(), v.clone());
-    }
+    env.extend(over.iter().map(|(k, v)| (k.clone(), v.clone())));
+    limits::check_env(&env)?;
     Ok(env)
 }
 
@@ -306,12 +300,7 @@ fn command_of(req: &ExecRequest) -> ApiResult<Vec<String>> {
         },
         None => return Err(ApiError::InvalidArgument("no command".into())),
     };
-    if argv.first().is_none_or(String::is_empty) {
-        return Err(ApiError::InvalidArgument("empty argv".into()));
-    }
-    if argv.iter().any(|a| a.contains('\0')) {
-        return Err(ApiError::InvalidArgument("NUL byte in the command".into()));
-    }
+    limits::check_command(&argv, &req.stdin, &req.cwd)?;
     Ok(argv)
 }
 

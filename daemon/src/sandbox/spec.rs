@@ -7,7 +7,7 @@ use airlock_api::v1::{CreateSandboxRequest, FilePolicy, FileToPlace, Template};
 
 use crate::config::Config;
 use crate::error::{ApiError, ApiResult};
-use crate::files;
+use crate::{files, limits};
 
 /// What a new sandbox gets.
 #[derive(Clone, Debug, PartialEq)]
@@ -52,13 +52,8 @@ impl SandboxSpec {
                 limit: cfg.max_file_bytes,
             });
         }
-        for (k, v) in &req.env {
-            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-                return Err(ApiError::InvalidArgument(format!(
-                    "bad environment entry {k:?}"
-                )));
-            }
-        }
+        limits::check_env(&req.env)?;
+        limits::check_labels(&req.labels)?;
         Ok(Self {
             disk_mib,
             idle_ttl_s: or_default(req.idle_ttl_s, cfg.default_idle_ttl_s).min(cfg.max_idle_ttl_s),

@@ -18,6 +18,7 @@ from ._common import (
     OutputChunk,
     Template,
     TemplateProgress,
+    Usage,
 )
 from .client import Client, Execution, Sandbox
 from . import errors
@@ -34,5 +35,6 @@ __all__ = [
     "FileEntry",
     "Template",
     "TemplateProgress",
+    "Usage",
     "DEFAULT_SOCKET",
 ] + errors.__all__

@@ -166,6 +166,32 @@ class TemplateProgress:
 
 
 @dataclass(frozen=True)
+class Usage:
+    """What the caller's tenant holds now against its quota (0: no limit beyond the host's),
+    and how long ended sandboxes' records and output are kept."""
+
+    tenant: str
+    live_sandboxes: int
+    max_sandboxes: int
+    memory_mib: int
+    max_memory_mib: int
+    templates: int
+    max_templates: int
+    template_mib: int
+    max_template_mib: int
+    output_bytes: int
+    max_output_mib: int
+    sandbox_records: int
+    execution_records: int
+    record_retention_s: int
+    output_retention_s: int
+
+    @classmethod
+    def from_pb(cls, u) -> "Usage":
+        return cls(**{f: getattr(u, f) for f in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
 class FileEntry:
     name: str
     is_dir: bool

@@ -59,6 +59,10 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    async def usage(self) -> c.Usage:
+        """What the caller's tenant holds now against its quota, and the retention."""
+        return c.Usage.from_pb(await self._unary("GetUsage", pb.GetUsageRequest()))
+
     async def _unary(self, method: str, request, timeout: Optional[float] = None):
         try:
             return await getattr(self._stub, method)(

@@ -63,6 +63,10 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def usage(self) -> c.Usage:
+        """What the caller's tenant holds now against its quota, and the retention."""
+        return c.Usage.from_pb(self._unary("GetUsage", pb.GetUsageRequest()))
+
     # -- plumbing --
 
     def _unary(self, method: str, request, timeout: Optional[float] = None):

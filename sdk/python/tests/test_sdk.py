@@ -233,6 +233,12 @@ def test_tenants_quota_and_capacity(daemon, client):
                 client.sandboxes.get(mine.id)
             with pytest.raises(airlock.SandboxNotFound):
                 client.sandboxes.get(mine.id).destroy()
+            # Usage is the caller's own, against its own quota.
+            usage = acme.usage()
+            assert (usage.tenant, usage.live_sandboxes, usage.max_sandboxes) == ("acme", 1, 1)
+            assert usage.memory_mib == 256 and usage.max_memory_mib == 4096
+            assert usage.sandbox_records >= 1 and usage.record_retention_s > usage.output_retention_s > 0
+            assert client.usage().tenant == "default"
         finally:
             mine.destroy()
 
