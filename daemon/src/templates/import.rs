@@ -38,6 +38,8 @@ pub fn import(from: &Path, to: &Path) -> io::Result<u64> {
             .create_new(true)
             .mode(0o644)
             .open(to.join(name))?;
+        // Readable by the VMMs that restore it (their own uids), whatever the daemon's umask.
+        dst.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
         copied += copy_sparse(&src, &dst)?;
         dst.sync_all()?;
     }
@@ -100,6 +102,9 @@ mod tests {
 
     #[test]
     fn a_template_is_a_copy_no_writer_of_the_vmm_reaches() {
+        // The daemon's umask (the test's own would hide a file the VMMs cannot read).
+        // SAFETY: umask(2) only sets the process's file-creation mask.
+        unsafe { libc::umask(0o077) };
         let dir = std::env::temp_dir().join(format!("airlock-import-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let (from, to) = (dir.join("run/snapshot"), dir.join("templates/tpl-1"));
@@ -117,6 +122,10 @@ mod tests {
         assert_eq!(meta.len(), 64 << 20);
         assert!(meta.blocks() * 512 < 1 << 20, "sparse on disk");
         assert_eq!(meta.permissions().mode() & 0o777, 0o644);
+        let state = std::fs::metadata(to.join("state")).unwrap();
+        assert_eq!(state.permissions().mode() & 0o777, 0o644);
+        let dir_mode = std::fs::metadata(&to).unwrap().permissions().mode() & 0o777;
+        assert_eq!(dir_mode, 0o755);
         let mut byte = [0u8; 1];
         copy.read_at(&mut byte, (32 << 20) + 10).unwrap();
         assert_eq!(byte[0], 7);
