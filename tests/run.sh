@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The test command: installs the Debian packages it needs, builds every artifact the tests need (guest kernel, base image, binaries),
-# then runs formatting and lint checks, unit tests, KVM micro tests, system tests, and the
-# Python SDK and CLI tests (pytest against a live airlockd).
+# The test command: installs the Debian packages it needs, builds every artifact the tests need
+# (guest kernel, base image, binaries), then runs formatting and lint checks, unit tests, KVM
+# micro tests, system tests, the Python SDK and CLI tests (pytest against a live airlockd), and a
+# short run of every fuzz target.
 # Artifacts are cached under ${AIRLOCK_CACHE_DIR:-/var/cache/airlock}, keyed by their inputs.
 set -euo pipefail
 
@@ -61,8 +62,15 @@ sdk_tests() {
 }
 
 install_packages
+# Every fuzz target for a short while from its seeds (fuzz/run.sh; a longer run: fuzz/run.sh 600).
+fuzz_smoke() {
+  echo "== fuzz smoke (${AIRLOCK_FUZZ_SECONDS:-10} s per target)" >&2
+  fuzz/run.sh "${AIRLOCK_FUZZ_SECONDS:-10}"
+}
+
 build_artifacts
 ensure_cgroup2
 static_checks
 run_tests
 sdk_tests
+fuzz_smoke

@@ -1,0 +1,45 @@
+//! virtio-blk over a virtqueue the guest wrote: descriptor table, available ring and guest
+//! memory all come from the input.
+#![no_main]
+
+use std::io::Write;
+use std::sync::Arc;
+
+use libfuzzer_sys::fuzz_target;
+use virtio_queue::mock::MockSplitQueue;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vmm::devices::virtio::block::Block;
+use vmm::devices::virtio::{VirtioDevice, VirtioInterrupt};
+use vmm_sys_util::eventfd::EventFd;
+
+const QUEUE: u16 = 16;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(mem) = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]) else {
+        return;
+    };
+    let vq = MockSplitQueue::create(&mem, GuestAddress(0x1000), QUEUE);
+    // The input: the descriptor table, then the available ring (flags, idx, entries), then
+    // whatever the descriptors point at.
+    let (table, rest) = data.split_at(data.len().min(16 * usize::from(QUEUE)));
+    let (avail, memory) = rest.split_at(rest.len().min(4 + 2 * usize::from(QUEUE)));
+    let _ = mem.write_slice(table, vq.desc_table_addr());
+    let _ = mem.write_slice(avail, vq.avail_addr());
+    let _ = mem.write_slice(memory, GuestAddress(0x10_000));
+    let Ok(queue) = vq.create_queue() else {
+        return;
+    };
+    let mut file = vmm_sys_util::tempfile::TempFile::new().unwrap().into_file();
+    let _ = file.write_all(&[0u8; 8192]);
+    let Ok(mut dev) = Block::from_file(file, 16, false, "fuzz") else {
+        return;
+    };
+    let irq = Arc::new(VirtioInterrupt::new(EventFd::new(libc_nonblock()).unwrap()));
+    if dev.activate(mem.clone(), vec![queue], irq).is_ok() {
+        dev.process_queue();
+    }
+});
+
+fn libc_nonblock() -> i32 {
+    0o4000 // EFD_NONBLOCK
+}
