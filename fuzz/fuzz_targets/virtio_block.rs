@@ -34,12 +34,10 @@ fuzz_target!(|data: &[u8]| {
     let Ok(mut dev) = Block::from_file(file, 16, false, "fuzz") else {
         return;
     };
-    let irq = Arc::new(VirtioInterrupt::new(EventFd::new(libc_nonblock()).unwrap()));
+    let irq = Arc::new(VirtioInterrupt::new(
+        EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+    ));
     if dev.activate(mem.clone(), vec![queue], irq).is_ok() {
         dev.process_queue();
     }
 });
-
-fn libc_nonblock() -> i32 {
-    0o4000 // EFD_NONBLOCK
-}

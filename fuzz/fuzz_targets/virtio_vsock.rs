@@ -17,7 +17,8 @@ fuzz_target!(|data: &[u8]| {
     let Ok(mem) = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]) else {
         return;
     };
-    let queues = [0x1000, 0x8000, 0xf000].map(|a| MockSplitQueue::create(&mem, GuestAddress(a), QUEUE));
+    let queues =
+        [0x1000, 0x8000, 0xf000].map(|a| MockSplitQueue::create(&mem, GuestAddress(a), QUEUE));
     // The input: for the RX and TX queues a descriptor table and an available ring each, then
     // guest memory.
     let mut rest = data;
@@ -29,7 +30,11 @@ fuzz_target!(|data: &[u8]| {
         rest = r;
     }
     let _ = mem.write_slice(rest, GuestAddress(0x20_000));
-    let Ok(qs) = queues.iter().map(|q| q.create_queue()).collect::<Result<Vec<_>, _>>() else {
+    let Ok(qs) = queues
+        .iter()
+        .map(|q| q.create_queue())
+        .collect::<Result<Vec<_>, _>>()
+    else {
         return;
     };
     let path = std::env::temp_dir().join(format!("airlock-fuzz-vsock-{}", std::process::id()));
@@ -37,7 +42,9 @@ fuzz_target!(|data: &[u8]| {
     let Ok(mut dev) = Vsock::new(3, &path) else {
         return;
     };
-    let irq = Arc::new(VirtioInterrupt::new(EventFd::new(0o4000).unwrap()));
+    let irq = Arc::new(VirtioInterrupt::new(
+        EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+    ));
     if dev.activate(mem.clone(), qs, irq).is_ok() {
         dev.process_tx();
         dev.process_rx();
