@@ -52,6 +52,9 @@ pub struct Config {
     pub max_exec_timeout_ms: u64,
     /// Output stored per execution stream; more is dropped (the record says so).
     pub max_output_bytes: u64,
+    /// Space the data directory's filesystem must have left for a create or a template
+    /// build to start (MiB); below it they fail with CAPACITY_EXHAUSTED (`data_dir`).
+    pub min_free_data_mib: u64,
     /// Retention: an ended sandbox's records (its executions' too, and their output) are
     /// deleted this long after it ended; its executions' output sooner. Seconds.
     pub record_retention_s: u64,
@@ -197,6 +200,7 @@ impl Default for Config {
             default_exec_timeout_ms: 600_000,
             max_exec_timeout_ms: 24 * 3600 * 1000,
             max_output_bytes: 64 << 20,
+            min_free_data_mib: 256,
             record_retention_s: 7 * 24 * 3600,
             output_retention_s: 24 * 3600,
             max_file_bytes: 100 << 20,

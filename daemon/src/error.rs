@@ -59,6 +59,9 @@ pub enum ApiError {
     },
     #[error("the guest agent of sandbox {id} did not answer: {message}")]
     AgentUnavailable { id: String, message: String },
+    /// The daemon's data directory (records, output, snapshots) has no space left.
+    #[error("the host's data directory is full: {0}")]
+    DataDirFull(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -74,7 +77,7 @@ impl ApiError {
             Self::TemplateNotFound(_) => "TEMPLATE_NOT_FOUND",
             Self::TemplateExists(_) => "TEMPLATE_EXISTS",
             Self::SandboxNotRunning { .. } => "SANDBOX_NOT_RUNNING",
-            Self::Capacity { .. } => "CAPACITY_EXHAUSTED",
+            Self::Capacity { .. } | Self::DataDirFull(_) => "CAPACITY_EXHAUSTED",
             Self::Quota { .. } => "QUOTA_EXCEEDED",
             Self::FileTooLarge { .. } => "FILE_TOO_LARGE",
             Self::DiskQuota { .. } => "DISK_QUOTA_EXCEEDED",
@@ -97,6 +100,7 @@ impl ApiError {
             Self::TemplateExists(_) => Code::AlreadyExists,
             Self::SandboxNotRunning { .. } => Code::FailedPrecondition,
             Self::Capacity { .. }
+            | Self::DataDirFull(_)
             | Self::Quota { .. }
             | Self::FileTooLarge { .. }
             | Self::DiskQuota { .. } => Code::ResourceExhausted,
@@ -151,6 +155,9 @@ impl ApiError {
             Self::DiskQuota { limit, .. } => {
                 m.insert("limit".into(), limit.to_string());
             }
+            Self::DataDirFull(_) => {
+                m.insert("resource".into(), "data_dir".into());
+            }
             Self::InvalidArgument(_) | Self::Unauthenticated(_) | Self::Internal(_) => {}
         }
         if let Self::SandboxNotRunning { state, .. } = self {
@@ -170,12 +177,18 @@ impl From<ApiError> for Status {
 
 impl From<rusqlite::Error> for ApiError {
     fn from(e: rusqlite::Error) -> Self {
+        if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull) {
+            return Self::DataDirFull(format!("record store: {e}"));
+        }
         Self::Internal(format!("record store: {e}"))
     }
 }
 
 impl From<std::io::Error> for ApiError {
     fn from(e: std::io::Error) -> Self {
+        if e.raw_os_error() == Some(libc::ENOSPC) {
+            return Self::DataDirFull(e.to_string());
+        }
         Self::Internal(format!("I/O: {e}"))
     }
 }
@@ -270,6 +283,17 @@ mod tests {
         assert_eq!(missing.code(), Code::NotFound);
         let bad: Status = ApiError::InvalidArgument("x".into()).into();
         assert_eq!(bad.code(), Code::InvalidArgument);
+    }
+
+    #[test]
+    fn a_full_data_directory_is_capacity_not_a_fault() {
+        let full: Status = ApiError::from(std::io::Error::from_raw_os_error(libc::ENOSPC)).into();
+        assert_eq!(full.code(), Code::ResourceExhausted);
+        let info = full.get_details_error_info().unwrap();
+        assert_eq!(info.reason, "CAPACITY_EXHAUSTED");
+        assert_eq!(info.metadata["resource"], "data_dir");
+        let other: Status = ApiError::from(std::io::Error::from_raw_os_error(libc::EIO)).into();
+        assert_eq!(other.code(), Code::Internal);
     }
 
     #[test]

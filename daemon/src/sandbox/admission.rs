@@ -64,6 +64,34 @@ pub fn admit(
     Ok(())
 }
 
+/// Whether the filesystem of `dir` (the daemon's data directory) has `min_free_mib` left: a
+/// create or a build needs records, output and snapshots written, and is refused before it
+/// starts rather than half-written.
+pub fn check_space(dir: &std::path::Path, min_free_mib: u64) -> ApiResult<()> {
+    let free = free_bytes(dir)?;
+    if free < min_free_mib << 20 {
+        return Err(ApiError::DataDirFull(format!(
+            "{} MiB left, {min_free_mib} MiB needed (min_free_data_mib)",
+            free >> 20
+        )));
+    }
+    Ok(())
+}
+
+/// Bytes available to the daemon on `dir`'s filesystem (`statvfs(3)`).
+fn free_bytes(dir: &std::path::Path) -> ApiResult<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| ApiError::Internal("a NUL in the data directory's path".into()))?;
+    // SAFETY: statvfs is plain data; all zeroes is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: statvfs(3) reads the NUL-terminated path and writes into the live `st`.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    Ok(u64::from(st.f_bavail).saturating_mul(st.f_frsize))
+}
+
 /// Restores running at once, and creates waiting for one.
 #[derive(Debug)]
 pub struct StartSlots {
@@ -165,6 +193,15 @@ mod tests {
                 (got, want) => panic!("case {i}: {got:?} != {want:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_data_directory_without_room_refuses_new_work() {
+        let tmp = std::env::temp_dir();
+        check_space(&tmp, 0).unwrap();
+        let err = check_space(&tmp, u64::MAX >> 21).unwrap_err();
+        assert_eq!(err.reason(), "CAPACITY_EXHAUSTED");
+        assert!(check_space(std::path::Path::new("/nonexistent/x"), 0).is_err());
     }
 
     #[tokio::test]

@@ -108,6 +108,7 @@ impl Sandboxes {
     /// Capacity and quota against the live sandboxes and the running template builds; the
     /// sandbox is live once admitted.
     fn admit(&self, rt: &Arc<SandboxRt>) -> ApiResult<()> {
+        admission::check_space(self.host.run_root(), self.cfg.min_free_data_mib)?;
         let mut live = self.live_map();
         let builds = super::lock(&self.builds);
         let held = held(&live, &builds);
@@ -124,6 +125,7 @@ impl Sandboxes {
         tenant: &str,
         memory_mib: u64,
     ) -> ApiResult<AdmittedBuild> {
+        admission::check_space(self.host.run_root(), self.cfg.min_free_data_mib)?;
         let live = self.live_map();
         let mut builds = super::lock(&self.builds);
         let quota = self.cfg.quota_of(tenant);
