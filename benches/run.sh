@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks. Usage: benches/run.sh boot|exec|restore|create|jail
+# Benchmarks. Usage: benches/run.sh boot|exec|restore|create|jail|soak
 #   boot  time from process start to `airlock: userspace up`, airlock-vmm vs QEMU microvm
 #         (same kernel, image, vCPUs and memory, interleaved runs), and the VMM's resident
 #         memory outside guest RAM. RUNS (default 5), VCPUS (1), MEM_MIB (256).
@@ -14,6 +14,10 @@
 #   create  CreateSandbox -> ready through a live airlockd (gRPC, warm pool) at concurrency
 #         LEVELS (default 1,10,50), RUNS creates per level (default 20), the host's and the
 #         guest's share, creates/s, and the host memory (PSS) of IDLE (100) idle sandboxes.
+#   soak  CYCLES (default 10000) create/destroy cycles through a live, jailed airlockd (4 at a
+#         time; the system test tests/jail.rs with AIRLOCK_TEST_JAIL_CYCLES), which fails on any
+#         leak: processes, cgroups, run directories, uids, mounts, PID namespaces, the daemon's
+#         descriptors. Prints the cycles, seconds, cycles/s and what was counted after them.
 #   jail  CreateSandbox -> ready with and without the VMM jail (namespaces, pivot_root, uid,
 #         seccomp), two daemons side by side, RUNS (default 30) creates each, alternating; and
 #         a warm VMM's start (spawn -> exec'd in its jail, -> ready) on each side.
@@ -90,6 +94,22 @@ bench_jail() {
     --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" --runs "${RUNS:-30}"
 }
 
+bench_soak() {
+  artifacts
+  local cycles=${CYCLES:-10000} log
+  log=$(mktemp)
+  (cd "$root" && cargo build -q --workspace --bins >&2)
+  (cd "$root" && AIRLOCK_TEST_JAIL_CYCLES=$cycles cargo test -q -p airlock-system-tests \
+    --test jail -- --nocapture 2>&1 | tee "$log" >&2)
+  local secs counted
+  secs=$(sed -n "s/^step $cycles create\/destroy cycles: \([0-9.]*\) s$/\1/p" "$log" | tail -n1)
+  counted=$(sed -n "s/^after $cycles cycles: //p" "$log" | tail -n1)
+  rm -f "$log"
+  printf '{"bench":"soak","cycles":%s,"seconds":%s,"cycles_per_s":%s,"leaks":0,"after":"%s"}\n' \
+    "$cycles" "${secs:-0}" "$(awk -v c="$cycles" -v s="${secs:-0}" 'BEGIN { printf "%.2f", s > 0 ? c / s : 0 }')" \
+    "$counted"
+}
+
 main() {
   case "${1:-}" in
     boot) bench_boot ;;
@@ -97,8 +117,9 @@ main() {
     restore) bench_restore ;;
     create) bench_create ;;
     jail) bench_jail ;;
+    soak) bench_soak ;;
     *)
-      sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac

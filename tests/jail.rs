@@ -38,6 +38,11 @@ fn cycles() -> usize {
         .unwrap_or(1000)
 }
 
+/// How many descriptors `pid` has open.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
+}
+
 /// `Key:` line of `/proc/PID/status`, as words.
 fn status_field(pid: u32, key: &str) -> Vec<String> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -430,6 +435,8 @@ async fn every_vmm_is_jailed_filtered_and_cleaned_up() {
 
     // Many create/destroy cycles leave nothing behind but the warm pool.
     settle(&mut c, port).await;
+    let daemon_pid = daemon.child.0.as_ref().unwrap().id();
+    let fds_before = open_fds(daemon_pid);
     let n = cycles();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut workers = Vec::new();
@@ -488,6 +495,22 @@ async fn every_vmm_is_jailed_filtered_and_cleaned_up() {
     );
     let jail_root = std::fs::read_dir(data_dir.join("jail")).unwrap().count();
     assert_eq!(jail_root, 0, "the jail mount point stays empty on the host");
+    // The daemon's own descriptors: what it held before the cycles, give or take the few its
+    // runtime opens and closes on its own (never one per cycle).
+    let fds_after = open_fds(daemon_pid);
+    assert!(
+        fds_after <= fds_before + 8,
+        "the daemon's descriptors went from {fds_before} to {fds_after} in {n} cycles"
+    );
+    let namespaces: HashSet<PathBuf> = pool.iter().map(|p| ns(&p.to_string(), "pid")).collect();
+    assert_eq!(namespaces.len(), POOL, "PID namespaces beyond the pool's");
+    eprintln!(
+        "after {n} cycles: daemon descriptors {fds_before} -> {fds_after}, {} jail processes, \
+         {} cgroups, {} uids",
+        pool.len(),
+        cgroups.len(),
+        uids_in_use(port).await
+    );
     step("nothing left but the warm pool", &mut t);
 
     // The daemon stopped: nothing at all.

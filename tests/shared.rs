@@ -35,14 +35,25 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// The shared daemon (started with `config` appended to its settings by the first caller) and
 /// the lock that keeps scenarios one at a time.
 pub async fn scenario(config: &str) -> (tokio::sync::MutexGuard<'static, ()>, &'static Shared) {
+    scenario_with(config, None).await
+}
+
+/// [`scenario`] with the daemon's data directory on a tmpfs of `data_mib` MiB (a data
+/// directory that can fill up).
+pub async fn scenario_with(
+    config: &str,
+    data_mib: Option<u64>,
+) -> (tokio::sync::MutexGuard<'static, ()>, &'static Shared) {
     let guard = SERIAL.lock().await;
     let config = config.to_owned();
     // Started on a thread of its own: the template build blocks on a runtime of its own.
     let shared = match SHARED.get() {
         Some(s) => s,
-        None => tokio::task::spawn_blocking(move || SHARED.get_or_init(|| start(&config)))
-            .await
-            .unwrap(),
+        None => {
+            tokio::task::spawn_blocking(move || SHARED.get_or_init(|| start(&config, data_mib)))
+                .await
+                .unwrap()
+        }
     };
     (guard, shared)
 }
@@ -82,11 +93,25 @@ impl Shared {
     }
 }
 
-fn start(config: &str) -> Shared {
+fn start(config: &str, data_mib: Option<u64>) -> Shared {
     crate::require_kvm();
     let dir = std::env::temp_dir().join(format!("airlock-shared-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    if let Some(mib) = data_mib {
+        let mounted = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={mib}m,mode=700"),
+                "airlock-test",
+            ])
+            .arg(dir.join("data"))
+            .status()
+            .unwrap();
+        assert!(mounted.success(), "mounting a tmpfs for the data directory");
+    }
     let cgroup_parent = format!("airlock-test-{}", std::process::id());
     let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -176,5 +201,10 @@ extern "C" fn stop_at_exit() {
         std::thread::sleep(Duration::from_millis(50));
     }
     remove_parent_cgroups(&s.cgroup_parent);
+    // A tmpfs the data directory may be on (nothing when it is not a mount point).
+    let _ = Command::new("umount")
+        .arg(s.dir.join("data"))
+        .stderr(std::process::Stdio::null())
+        .status();
     let _ = std::fs::remove_dir_all(&s.dir);
 }
