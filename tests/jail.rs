@@ -40,7 +40,9 @@ fn cycles() -> usize {
 
 /// How many descriptors `pid` has open.
 fn open_fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
 }
 
 /// `Key:` line of `/proc/PID/status`, as words.
