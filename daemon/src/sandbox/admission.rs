@@ -89,7 +89,7 @@ fn free_bytes(dir: &std::path::Path) -> ApiResult<u64> {
     if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
         return Err(std::io::Error::last_os_error().into());
     }
-    Ok(u64::from(st.f_bavail).saturating_mul(st.f_frsize))
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// Restores running at once, and creates waiting for one.
