@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use airlock_api::v1::*;
-use airlock_system_tests::harness::{Client, alive, http_get, reason, run};
+use airlock_system_tests::harness::{Client, alive, create_sandbox, http_get, reason, run, shell};
 use airlock_system_tests::shared::{Shared, scenario};
 use tonic::Code;
 
@@ -29,14 +29,6 @@ async fn shared() -> (tokio::sync::MutexGuard<'static, ()>, &'static Shared) {
     let (guard, s) = scenario(&config()).await;
     s.clean(&[TENANT_TOKEN]).await;
     (guard, s)
-}
-
-/// A sandbox of the default tenant from `base`.
-async fn create(c: &mut Client, s: &Shared) -> Sandbox {
-    c.create_sandbox(CreateSandboxRequest::default())
-        .await
-        .unwrap_or_else(|e| panic!("create: {e:?}\n{}", s.log_tail()))
-        .into_inner()
 }
 
 async fn destroy(c: &mut Client, id: &str) -> bool {
@@ -86,15 +78,6 @@ async fn ended(c: &mut Client, execution: &str, within: Duration) -> GetExecutio
             "{execution} still runs after {within:?}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-fn shell(sandbox: &str, script: &str, timeout_ms: u64) -> ExecRequest {
-    ExecRequest {
-        sandbox_id: sandbox.into(),
-        command: Some(exec_request::Command::Shell(script.into())),
-        timeout_ms,
-        ..Default::default()
     }
 }
 
@@ -221,7 +204,7 @@ async fn one_over_capacity_is_refused_with_details() {
         .len();
     let mut made = Vec::new();
     for _ in live..CAPACITY {
-        made.push(create(&mut c, s).await.id);
+        made.push(create_sandbox(&mut c, &s.log).await.id);
     }
     let over = c
         .create_sandbox(CreateSandboxRequest::default())
@@ -243,7 +226,7 @@ async fn tenants_see_nothing_of_each_other() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
     let mut acme = s.client(Some(TENANT_TOKEN)).await;
-    let a = create(&mut c, s).await;
+    let a = create_sandbox(&mut c, &s.log).await;
     let hidden = acme
         .get_sandbox(GetSandboxRequest {
             sandbox_id: a.id.clone(),
@@ -281,7 +264,7 @@ async fn tenants_see_nothing_of_each_other() {
 async fn files_move_under_the_policy_and_not_outside_it() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
-    let a = create(&mut c, s).await;
+    let a = create_sandbox(&mut c, &s.log).await;
     let data: Vec<u8> = (0..3 << 20).map(|i: u32| (i % 251) as u8).collect();
     let mut msgs = vec![WriteFileRequest {
         part: Some(write_file_request::Part::Header(WriteFileHeader {
@@ -349,7 +332,7 @@ async fn files_move_under_the_policy_and_not_outside_it() {
 async fn pause_resume_replay_and_kill() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
-    let a = create(&mut c, s).await;
+    let a = create_sandbox(&mut c, &s.log).await;
     let paused = c
         .pause_sandbox(PauseSandboxRequest {
             sandbox_id: a.id.clone(),
@@ -412,7 +395,7 @@ async fn pause_resume_replay_and_kill() {
 async fn a_snapshot_becomes_a_template_whose_clones_have_its_files() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
-    let a = create(&mut c, s).await;
+    let a = create_sandbox(&mut c, &s.log).await;
     let msgs = vec![
         WriteFileRequest {
             part: Some(write_file_request::Part::Header(WriteFileHeader {
@@ -461,7 +444,7 @@ async fn a_snapshot_becomes_a_template_whose_clones_have_its_files() {
 async fn metrics_count_sandboxes_creates_and_executions() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
-    let a = create(&mut c, s).await;
+    let a = create_sandbox(&mut c, &s.log).await;
     let (_, _, rec) = run(&mut c, &a.id, &["true"]).await;
     assert_eq!(rec.state, ExecutionState::Exited as i32);
     let text = http_get(s.metrics_port, "/metrics").await;
@@ -489,7 +472,7 @@ async fn metrics_count_sandboxes_creates_and_executions() {
 async fn a_timeout_holds_without_a_client() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
-    let a = create(&mut c, s).await;
+    let a = create_sandbox(&mut c, &s.log).await;
     let ex = c
         .exec(shell(&a.id, "echo before; sleep 600", 2000))
         .await
@@ -511,7 +494,7 @@ async fn a_timeout_holds_without_a_client() {
 async fn a_killed_vmm_is_reported_dead() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
-    let b = create(&mut c, s).await;
+    let b = create_sandbox(&mut c, &s.log).await;
     assert!(b.vmm_pid > 0);
     // SAFETY: kill(2) on the VMM pid the daemon reported; no memory is involved.
     assert_eq!(unsafe { libc::kill(b.vmm_pid as i32, 9) }, 0);
@@ -556,7 +539,7 @@ async fn a_killed_vmm_is_reported_dead() {
 async fn destroy_is_idempotent() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
-    let a = create(&mut c, s).await;
+    let a = create_sandbox(&mut c, &s.log).await;
     assert!(destroy(&mut c, &a.id).await);
     assert!(!destroy(&mut c, &a.id).await);
     assert!(!destroy(&mut c, "sb-0123456789abcdef").await);

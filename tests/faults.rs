@@ -9,7 +9,9 @@
 use std::time::{Duration, Instant};
 
 use airlock_api::v1::*;
-use airlock_system_tests::harness::{Client, alive, cgroups_left, reason, run};
+use airlock_system_tests::harness::{
+    Client, alive, cgroups_left, create_sandbox, reason, run, shell,
+};
 use airlock_system_tests::shared::{Shared, scenario_with};
 
 /// Output stored per stream.
@@ -20,22 +22,6 @@ async fn shared() -> (tokio::sync::MutexGuard<'static, ()>, &'static Shared) {
     let (guard, s) = scenario_with(&config, Some(1536)).await;
     s.clean(&[]).await;
     (guard, s)
-}
-
-async fn create(c: &mut Client, s: &Shared) -> Sandbox {
-    c.create_sandbox(CreateSandboxRequest::default())
-        .await
-        .unwrap_or_else(|e| panic!("create: {e:?}\n{}", s.log_tail()))
-        .into_inner()
-}
-
-fn shell(sandbox: &str, script: &str, timeout_ms: u64) -> ExecRequest {
-    ExecRequest {
-        sandbox_id: sandbox.into(),
-        command: Some(exec_request::Command::Shell(script.into())),
-        timeout_ms,
-        ..Default::default()
-    }
 }
 
 /// Polls `f` every 100 ms until it answers, for at most `secs`.
@@ -109,7 +95,7 @@ fn daemon_rss_kib(s: &Shared) -> u64 {
 async fn a_vmm_killed_mid_execution_ends_both_with_a_reason() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
-    let sb = create(&mut c, s).await;
+    let sb = create_sandbox(&mut c, &s.log).await;
     let ex = c
         .exec(shell(&sb.id, "sleep 600", 0))
         .await
@@ -134,7 +120,7 @@ async fn a_vmm_killed_mid_execution_ends_both_with_a_reason() {
 async fn a_guest_kernel_panic_ends_the_sandbox_as_guest_crashed() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
-    let sb = create(&mut c, s).await;
+    let sb = create_sandbox(&mut c, &s.log).await;
     let ex = c
         .exec(shell(&sb.id, "echo c > /proc/sysrq-trigger", 0))
         .await
@@ -159,8 +145,8 @@ async fn a_guest_kernel_panic_ends_the_sandbox_as_guest_crashed() {
 async fn a_fork_bomb_ends_with_its_execution_and_harms_nobody_else() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
-    let bomb = create(&mut c, s).await;
-    let neighbour = create(&mut c, s).await;
+    let bomb = create_sandbox(&mut c, &s.log).await;
+    let neighbour = create_sandbox(&mut c, &s.log).await;
     let ex = c
         .exec(shell(&bomb.id, "f() { f | f & }; f", 20_000))
         .await
@@ -200,7 +186,7 @@ async fn a_fork_bomb_ends_with_its_execution_and_harms_nobody_else() {
 async fn a_flood_of_output_is_capped_and_the_record_says_so() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
-    let sb = create(&mut c, s).await;
+    let sb = create_sandbox(&mut c, &s.log).await;
     // 1 GiB on bare metal; the nested build machines' emulated guest kernels write far less
     // in the time a test has (the cap is what is tested).
     let mib: u64 = std::env::var("AIRLOCK_TEST_FLOOD_MIB")
@@ -244,7 +230,7 @@ async fn a_flood_of_output_is_capped_and_the_record_says_so() {
 async fn a_full_data_directory_fails_creates_clearly_and_service_resumes() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
-    let before = create(&mut c, s).await;
+    let before = create_sandbox(&mut c, &s.log).await;
     // Everything left on the data directory's filesystem, taken.
     let filler = s.data_dir.join("filler");
     let filled = std::process::Command::new("sh")

@@ -193,6 +193,24 @@ pub async fn build_template(c: &mut Client, name: &str, log: &Path) -> Template 
     template.expect("the last event carries the template")
 }
 
+/// A sandbox of the default template; a failure shows the daemon's log at `log`.
+pub async fn create_sandbox(c: &mut Client, log: &Path) -> Sandbox {
+    c.create_sandbox(CreateSandboxRequest::default())
+        .await
+        .unwrap_or_else(|e| panic!("create: {e:?}\n{}", tail(log)))
+        .into_inner()
+}
+
+/// An Exec request of a `/bin/sh -c` script.
+pub fn shell(sandbox: &str, script: &str, timeout_ms: u64) -> ExecRequest {
+    ExecRequest {
+        sandbox_id: sandbox.into(),
+        command: Some(exec_request::Command::Shell(script.into())),
+        timeout_ms,
+        ..Default::default()
+    }
+}
+
 /// The ErrorInfo reason and metadata of a failed call.
 pub fn reason(s: &tonic::Status) -> (String, HashMap<String, String>) {
     airlock_api::error_info(s).unwrap_or_else(|| panic!("no ErrorInfo in {s:?}"))

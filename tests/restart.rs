@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use airlock_api::v1::*;
 use airlock_system_tests::harness::{
-    self, Client, Daemon, alive, cgroups_left, client, processes_mentioning, remove_parent_cgroups,
-    run, start_daemon, tail,
+    self, Client, Daemon, alive, cgroups_left, client, create_sandbox, processes_mentioning,
+    remove_parent_cgroups, run, shell, start_daemon, tail,
 };
 use airlock_system_tests::require_kvm;
 
@@ -96,13 +96,6 @@ async fn sandbox(c: &mut Client, id: &str) -> Sandbox {
     .into_inner()
 }
 
-async fn create(c: &mut Client, d: &Daemon) -> Sandbox {
-    c.create_sandbox(CreateSandboxRequest::default())
-        .await
-        .unwrap_or_else(|e| panic!("create: {e:?}\n{}", tail(&d.log)))
-        .into_inner()
-}
-
 async fn output(c: &mut Client, execution: &str) -> (Execution, String) {
     let r = c
         .get_execution(GetExecutionRequest {
@@ -116,15 +109,6 @@ async fn output(c: &mut Client, execution: &str) -> (Execution, String) {
         r.execution.unwrap(),
         String::from_utf8_lossy(&r.stdout).into_owned(),
     )
-}
-
-fn shell(sandbox: &str, script: &str) -> ExecRequest {
-    ExecRequest {
-        sandbox_id: sandbox.into(),
-        command: Some(exec_request::Command::Shell(script.into())),
-        timeout_ms: 300_000,
-        ..Default::default()
-    }
 }
 
 /// Follows an execution's stream from the start to its exit: (stdout, record).
@@ -172,10 +156,14 @@ async fn a_killed_daemon_mid_execution_and_mid_create_is_adopted_by_the_next() {
     let (_serial, p) = prepared().await;
     let mut d = start(p, ADOPT);
     let mut c = client(&d, None).await;
-    let a = create(&mut c, &d).await;
+    let a = create_sandbox(&mut c, &d.log).await;
     let script = "i=0; while [ $i -lt 12 ]; do echo line-$i; i=$((i+1)); sleep 1; done";
-    let ex = c.exec(shell(&a.id, script)).await.unwrap().into_inner();
-    let b = create(&mut c, &d).await;
+    let ex = c
+        .exec(shell(&a.id, script, 300_000))
+        .await
+        .unwrap()
+        .into_inner();
+    let b = create_sandbox(&mut c, &d.log).await;
     let (_, _, rec) = run(&mut c, &b.id, &["sh", "-c", "echo kept > /tmp/kept.txt"]).await;
     assert_eq!(rec.exit_code, 0);
     c.pause_sandbox(PauseSandboxRequest {
@@ -280,9 +268,9 @@ async fn sigterm_keeps_sandboxes_for_the_next_daemon_and_adopt_off_reaps_them() 
     let (_serial, p) = prepared().await;
     let mut d = start(p, ADOPT);
     let mut c = client(&d, None).await;
-    let a = create(&mut c, &d).await;
+    let a = create_sandbox(&mut c, &d.log).await;
     let ex = c
-        .exec(shell(&a.id, "sleep 600"))
+        .exec(shell(&a.id, "sleep 600", 300_000))
         .await
         .unwrap()
         .into_inner();
@@ -330,7 +318,7 @@ async fn sigterm_keeps_sandboxes_for_the_next_daemon_and_adopt_off_reaps_them() 
     assert_eq!(reaped.state, SandboxState::Dead as i32, "{reaped:?}");
     assert_eq!(reaped.end_reason, "DAEMON_RESTARTED");
     assert!(!alive(a.vmm_pid), "the old VMM was reaped");
-    let b = create(&mut c, &d).await;
+    let b = create_sandbox(&mut c, &d.log).await;
     assert!(alive(b.vmm_pid));
     stop_daemon(&mut d);
     assert_eq!(vmms(p), HashSet::new(), "VMM processes left");
