@@ -1,6 +1,6 @@
-//! One microVM: the boot recipe, the event loop, and the end of the VM.
+//! One microVM once built (see [`crate::builder`]): the event loop, pause, resume, snapshot,
+//! and the end of the VM.
 
-use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,85 +9,22 @@ use std::time::{Duration, Instant};
 
 use airlock_control::{Reply, SnapshotReply, StateReply, StatusReply, StopReply, VmState};
 use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
-use kvm_ioctls::IoEventAddress;
-use linux_loader::loader::{Elf, KernelLoader, load_cmdline};
-use thiserror::Error;
-use vm_memory::{GuestAddress, GuestMemoryMmap};
-use vm_superio::{I8042Device, Serial};
+use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
-use crate::arch::cpuid::CpuTemplate;
-use crate::arch::layout::{
-    CMDLINE_ADDR, HIMEM_START, I8042_PORT_BASE, SERIAL_IRQ, SERIAL_PORT_BASE,
-    VIRTIO_MMIO_MAX_SLOTS, VIRTIO_MMIO_SLOT_SIZE, virtio_irq, virtio_mmio_addr,
-};
-use crate::arch::{boot, mptable, regs};
-use crate::config::{ConfigError, ConsoleOutput, DiskConfig, VmConfig, VsockConfig, build_cmdline};
+use crate::builder::BuildError;
 use crate::control::{CommandQueue, CommandReply, ControlHandle, VmCommand, command_channel};
-use crate::devices::bus::{Bus, BusError};
-use crate::devices::legacy::{ConsoleEvents, ConsoleSink, EventFdTrigger, I8042, SerialDevice};
-use crate::devices::virtio::block::{Block, BlockError, BlockEventHandler};
+use crate::devices::legacy::{ConsoleEvents, SerialDevice};
+use crate::devices::virtio::block::Block;
 use crate::devices::virtio::mmio::MmioTransport;
-use crate::devices::virtio::vsock::{Vsock, VsockError, VsockEventHandler};
-use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
 use crate::exit::VmExit;
 use crate::snapshot::kvm::VmKvmState;
-use crate::snapshot::{
-    DeviceKind, MEMORY_FILE, MachineSnapshot, SerialSnapshot, Snapshot, SnapshotError,
-    VirtioSnapshot, memory,
-};
-use crate::vcpu::{Vcpu, VcpuEvent, VcpuHandle, VcpuResponse, register_kick_handler};
-use crate::vm::{Vm, VmError};
+use crate::snapshot::{DeviceKind, MEMORY_FILE, MachineSnapshot, Snapshot, VirtioSnapshot, memory};
+use crate::vcpu::{VcpuEvent, VcpuHandle, VcpuResponse};
+use crate::vm::Vm;
 
-/// Errors building or running a VM (host-side failures, not guest faults).
-#[derive(Debug, Error)]
-pub enum BuildError {
-    #[error("invalid configuration")]
-    Config(#[from] ConfigError),
-    #[error("set up KVM")]
-    Vm(#[from] VmError),
-    #[error("open kernel {0}")]
-    OpenKernel(String, #[source] std::io::Error),
-    #[error("load kernel")]
-    LoadKernel(#[source] linux_loader::loader::Error),
-    #[error("write the kernel command line")]
-    LoadCmdline(#[source] linux_loader::loader::Error),
-    #[error("write boot structures")]
-    Boot(#[from] boot::BootError),
-    #[error("write the MP table")]
-    MpTable(#[from] mptable::MpTableError),
-    #[error("configure vCPU")]
-    Regs(#[from] regs::RegsError),
-    #[error("attach a disk")]
-    Block(#[from] BlockError),
-    #[error("attach the vsock device")]
-    Vsock(#[from] VsockError),
-    #[error("place a device on the bus")]
-    Bus(#[from] BusError),
-    #[error("too many virtio devices (at most {VIRTIO_MMIO_MAX_SLOTS})")]
-    TooManyDevices,
-    #[error("register an irqfd or ioeventfd with KVM")]
-    RegisterEvent(#[source] kvm_ioctls::Error),
-    #[error("create an eventfd or timerfd")]
-    EventFd(#[source] std::io::Error),
-    #[error("open the console output {0}")]
-    Console(String, #[source] std::io::Error),
-    #[error("install the vCPU kick signal handler")]
-    Signal(#[source] vmm_sys_util::errno::Error),
-    #[error("start a vCPU thread")]
-    SpawnVcpu(#[source] std::io::Error),
-    #[error("create the event loop")]
-    EventManager(#[source] event_manager::Error),
-    #[error("snapshot")]
-    Snapshot(#[from] SnapshotError),
-    #[error("restore: {0}")]
-    Restore(String),
-    #[error("seccomp")]
-    Seccomp(#[from] crate::seccomp::SeccompError),
-}
-
-type Subscriber = Arc<Mutex<dyn MutEventSubscriber + Send>>;
+pub(crate) type Subscriber = Arc<Mutex<dyn MutEventSubscriber + Send>>;
 
 /// A booted (or bootable) microVM.
 pub struct Vmm {
@@ -122,43 +59,16 @@ impl std::fmt::Debug for Vmm {
     }
 }
 
-/// Devices under construction, before the buses are frozen.
-struct DeviceSet {
-    pio: Bus,
-    mmio: Bus,
-    virtio_slots: Vec<(u64, u32)>,
-    blocks: Vec<Arc<Mutex<Block>>>,
-    vsock: Option<Arc<Mutex<Vsock>>>,
-    subscribers: Vec<Subscriber>,
-    serial: Option<Arc<Mutex<SerialDevice>>>,
-    virtio: Vec<(Arc<Mutex<MmioTransport>>, DeviceKind)>,
-}
-
-impl DeviceSet {
-    fn new() -> Self {
-        Self {
-            pio: Bus::default(),
-            mmio: Bus::default(),
-            virtio_slots: Vec::new(),
-            blocks: Vec::new(),
-            vsock: None,
-            subscribers: Vec::new(),
-            serial: None,
-            virtio: Vec::new(),
-        }
-    }
-}
-
 /// Event fds shared between the devices, the vCPUs and the exit watcher.
-struct VmEvents {
-    console: Arc<ConsoleEvents>,
-    reset: EventFd,
-    stop: EventFd,
-    vcpu_exit: EventFd,
+pub(crate) struct VmEvents {
+    pub(crate) console: Arc<ConsoleEvents>,
+    pub(crate) reset: EventFd,
+    pub(crate) stop: EventFd,
+    pub(crate) vcpu_exit: EventFd,
 }
 
 impl VmEvents {
-    fn new(started: Instant) -> Result<Self, BuildError> {
+    pub(crate) fn new(started: Instant) -> Result<Self, BuildError> {
         let fd = || EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd);
         Ok(Self {
             console: Arc::new(ConsoleEvents::new(started).map_err(BuildError::EventFd)?),
@@ -169,151 +79,23 @@ impl VmEvents {
     }
 }
 
-/// Builds a VM from `config` and leaves its vCPUs paused; `started` is when the process (or the
-/// request) began, for boot timing. This is the one boot recipe; the order is fixed:
-/// memory and KVM → legacy devices → virtio devices → kernel and command line → boot structures
-/// → vCPUs → event loop.
-pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm, BuildError> {
-    config.validate()?;
-    let template = config.cpu_template.unwrap_or_else(CpuTemplate::detect);
-    let vm = Vm::new(config.mem_bytes())?;
-    let evts = VmEvents::new(started)?;
-
-    let mut devices = DeviceSet::new();
-    attach_legacy_devices(
-        &vm,
-        &mut devices,
-        &config.console,
-        config.console_limit,
-        None,
-        &evts,
-    )?;
-    for disk in &config.disks {
-        attach_block_device(&vm, &mut devices, disk)?;
-    }
-    if let Some(vsock) = &config.vsock {
-        attach_vsock_device(&vm, &mut devices, vsock)?;
-    }
-
-    let entry = load_kernel(&vm, config)?;
-    let cmdline = build_cmdline(template, &devices.virtio_slots, &config.cmdline_extra)?;
-    load_cmdline(vm.memory(), GuestAddress(CMDLINE_ADDR), &cmdline)
-        .map_err(BuildError::LoadCmdline)?;
-    let cmdline_str = cmdline
-        .as_cstring()
-        .map(|c| c.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    log::info!("kernel command line: {cmdline_str}");
-    configure_system_for_boot(vm.memory(), cmdline_str.len(), config.vcpus)?;
-
-    register_kick_handler().map_err(BuildError::Signal)?;
-    let (pio, mmio) = (Arc::new(devices.pio), Arc::new(devices.mmio));
-    let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
-    for index in 0..config.vcpus {
-        let fd = vm.create_vcpu(index)?;
-        let vcpu = new_vcpu(&vm, fd, index, &pio, &mmio, &evts, vm.msr_index_list()?)?;
-        configure_vcpu_for_boot(&vm, &vcpu, template, index, config.vcpus, entry)?;
-        vcpus.push(vcpu.start_paused().map_err(BuildError::SpawnVcpu)?);
-    }
-    let machine = MachineSnapshot {
-        vcpus: config.vcpus,
-        mem_mib: config.mem_mib,
-        cpu_template: template_name(template).into(),
-        cmdline: cmdline_str,
-    };
-    let parts = VmParts {
-        vm,
-        vcpus,
-        evts,
-        blocks: devices.blocks,
-        serial: devices.serial,
-        virtio: devices.virtio,
-        subscribers: devices.subscribers,
-        machine,
-        boot_timeout: config.boot_timeout,
-        started,
-        restore_started: None,
-    };
-    assemble(parts)
-}
-
-/// Durations of consecutive steps, for the restore log line.
-struct StepTimer {
-    last: Instant,
-    steps: Vec<(&'static str, u128)>,
-}
-
-impl StepTimer {
-    fn new(start: Instant) -> Self {
-        Self {
-            last: start,
-            steps: Vec::new(),
-        }
-    }
-
-    fn mark(&mut self, name: &'static str) {
-        let now = Instant::now();
-        self.steps
-            .push((name, now.duration_since(self.last).as_micros()));
-        self.last = now;
-    }
-
-    fn report(&self) -> String {
-        self.steps
-            .iter()
-            .map(|(n, us)| format!("{n}={us}"))
-            .collect::<Vec<_>>()
-            .join(" ")
-    }
-}
-
-fn template_name(t: CpuTemplate) -> &'static str {
-    match t {
-        CpuTemplate::Host => "host",
-        CpuTemplate::NestedPvm => "nested",
-    }
-}
-
-/// A vCPU on the buses; `msrs` are the MSRs its snapshots will save.
-fn new_vcpu(
-    vm: &Vm,
-    fd: kvm_ioctls::VcpuFd,
-    index: u8,
-    pio: &Arc<Bus>,
-    mmio: &Arc<Bus>,
-    evts: &VmEvents,
-    msrs: &[u32],
-) -> Result<Vcpu, BuildError> {
-    let exit = evts.vcpu_exit.try_clone().map_err(BuildError::EventFd)?;
-    let mut vcpu = Vcpu::new(
-        fd,
-        index,
-        pio.clone(),
-        mmio.clone(),
-        vm.memory().clone(),
-        exit,
-    );
-    vcpu.set_msr_index_list(msrs);
-    Ok(vcpu)
-}
-
 /// Everything a VM is made of once devices and vCPUs exist.
-struct VmParts {
-    vm: Vm,
-    vcpus: Vec<VcpuHandle>,
-    evts: VmEvents,
-    blocks: Vec<Arc<Mutex<Block>>>,
-    serial: Option<Arc<Mutex<SerialDevice>>>,
-    virtio: Vec<(Arc<Mutex<MmioTransport>>, DeviceKind)>,
-    subscribers: Vec<Subscriber>,
-    machine: MachineSnapshot,
-    boot_timeout: Option<Duration>,
-    started: Instant,
-    restore_started: Option<Instant>,
+pub(crate) struct VmParts {
+    pub(crate) vm: Vm,
+    pub(crate) vcpus: Vec<VcpuHandle>,
+    pub(crate) evts: VmEvents,
+    pub(crate) blocks: Vec<Arc<Mutex<Block>>>,
+    pub(crate) serial: Option<Arc<Mutex<SerialDevice>>>,
+    pub(crate) virtio: Vec<(Arc<Mutex<MmioTransport>>, DeviceKind)>,
+    pub(crate) subscribers: Vec<Subscriber>,
+    pub(crate) machine: MachineSnapshot,
+    pub(crate) boot_timeout: Option<Duration>,
+    pub(crate) started: Instant,
+    pub(crate) restore_started: Option<Instant>,
 }
 
 /// The event loop with the exit watcher and every device's subscriber, and the `Vmm`.
-fn assemble(p: VmParts) -> Result<Vmm, BuildError> {
+pub(crate) fn assemble(p: VmParts) -> Result<Vmm, BuildError> {
     let serial = p
         .serial
         .ok_or_else(|| BuildError::Restore("no serial device".into()))?;
@@ -359,339 +141,6 @@ fn assemble(p: VmParts) -> Result<Vmm, BuildError> {
         restore_started: p.restore_started,
         last_resumed: None,
     })
-}
-
-/// Where a restored VM's console and vsock go, and which snapshot it comes from.
-#[derive(Clone, Debug)]
-pub struct RestoreConfig {
-    pub snapshot_dir: std::path::PathBuf,
-    /// The host side of the vsock device, required when the snapshot has one.
-    pub vsock_uds: Option<std::path::PathBuf>,
-    pub console: ConsoleOutput,
-    pub console_limit: u64,
-    pub cpu_template: Option<CpuTemplate>,
-}
-
-/// Builds a VM from a snapshot directory and leaves its vCPUs paused; `run` starts them.
-/// Guest memory is the snapshot's memory file mapped `MAP_PRIVATE`, so nothing of it is read
-/// here. Steps: state file (checked) → memory mapping → KVM VM → legacy devices (serial state)
-/// → virtio devices in their slots (transport and queue state; active devices re-activated) →
-/// KVM VM state (irqchip, PIT, clock) → vCPUs with their KVM state → a vsock transport reset.
-pub fn build_microvm_from_snapshot(
-    config: &RestoreConfig,
-    started: Instant,
-) -> Result<Vmm, BuildError> {
-    restore_microvm(config, started, None, Instant::now())
-}
-
-/// [`build_microvm_from_snapshot`] into a VM prepared in advance (its KVM VM, irqchip, PIT and
-/// vCPU fds already exist; see `PreparedVm`), as a pool process does; `restore_started` is
-/// when the restore was asked for.
-pub fn restore_microvm(
-    config: &RestoreConfig,
-    started: Instant,
-    prepared: Option<crate::vm::PreparedVm>,
-    restore_started: Instant,
-) -> Result<Vmm, BuildError> {
-    let mut marks = StepTimer::new(restore_started);
-    let snap = Snapshot::read_state(&config.snapshot_dir)?;
-    marks.mark("state");
-    let template = config.cpu_template.unwrap_or_else(CpuTemplate::detect);
-    if snap.machine.cpu_template != template_name(template) {
-        return Err(BuildError::Restore(format!(
-            "the snapshot was taken with CPU template {:?}, this host uses {:?}",
-            snap.machine.cpu_template,
-            template_name(template)
-        )));
-    }
-    let memory_file = config.snapshot_dir.join(MEMORY_FILE);
-    let (vm, vcpu_fds) = match prepared {
-        Some(prepared) => {
-            if prepared.vcpu_count() != snap.vcpus.len() {
-                return Err(BuildError::Restore(format!(
-                    "{} vCPUs were prepared, the snapshot has {}",
-                    prepared.vcpu_count(),
-                    snap.vcpus.len()
-                )));
-            }
-            prepared.into_vm(&memory_file, &snap.memory)?
-        }
-        None => {
-            let mem =
-                memory::map_private(&memory_file, &snap.memory).map_err(SnapshotError::from)?;
-            marks.mark("map");
-            let vm = Vm::with_memory(mem)?;
-            let fds = snap
-                .vcpus
-                .iter()
-                .map(|v| vm.create_vcpu(v.index))
-                .collect::<Result<_, _>>()?;
-            (vm, fds)
-        }
-    };
-    marks.mark("kvm-vm");
-    let evts = VmEvents::new(started)?;
-    let mut devices = DeviceSet::new();
-    attach_legacy_devices(
-        &vm,
-        &mut devices,
-        &config.console,
-        config.console_limit,
-        Some(&snap.serial),
-        &evts,
-    )?;
-    for v in &snap.virtio {
-        let transport = match &v.kind {
-            DeviceKind::Block {
-                path,
-                read_only,
-                id,
-            } => attach_block_device(
-                &vm,
-                &mut devices,
-                &DiskConfig {
-                    path: path.clone(),
-                    read_only: *read_only,
-                    id: id.clone(),
-                },
-            )?,
-            DeviceKind::Vsock { guest_cid } => {
-                let uds_path = config.vsock_uds.clone().ok_or_else(|| {
-                    BuildError::Restore("the snapshot has a vsock device: give its socket".into())
-                })?;
-                let cfg = VsockConfig {
-                    guest_cid: *guest_cid,
-                    uds_path,
-                };
-                attach_vsock_device(&vm, &mut devices, &cfg)?
-            }
-        };
-        transport
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .restore(&v.transport)
-            .map_err(|e| BuildError::Restore(format!("{:?}: {e}", v.kind)))?;
-    }
-    marks.mark("devices");
-    snap.vm
-        .restore(vm.fd())
-        .map_err(|e| BuildError::Snapshot(e.into()))?;
-    marks.mark("vm-state");
-    register_kick_handler().map_err(BuildError::Signal)?;
-    let (pio, mmio) = (Arc::new(devices.pio), Arc::new(devices.mmio));
-    let mut vcpus = Vec::with_capacity(snap.vcpus.len());
-    for (state, fd) in snap.vcpus.iter().zip(vcpu_fds) {
-        // The MSRs the snapshot holds are the ones KVM could read: save the same ones again
-        // (no index-list query on the restore path).
-        let msrs: Vec<u32> = state.msrs.iter().map(|(i, _)| *i).collect();
-        let vcpu = new_vcpu(&vm, fd, state.index, &pio, &mmio, &evts, &msrs)?;
-        state
-            .restore(vcpu.fd())
-            .map_err(|e| BuildError::Snapshot(e.into()))?;
-        vcpus.push(vcpu.start_paused().map_err(BuildError::SpawnVcpu)?);
-    }
-    marks.mark("vcpus");
-    // Host connections from before the snapshot are gone; tell the guest (it resets its
-    // sockets), and let every device look at its queues once in case a notification was in
-    // flight when the snapshot was taken.
-    if let Some(vsock) = &devices.vsock {
-        let mut dev = vsock.lock().unwrap_or_else(|e| e.into_inner());
-        if !dev.send_transport_reset() {
-            log::warn!("vsock: the guest driver had no event buffer for the transport reset");
-        }
-    }
-    for (t, _) in &devices.virtio {
-        let t = t.lock().unwrap_or_else(|e| e.into_inner());
-        let dev = t.device().lock().unwrap_or_else(|e| e.into_inner());
-        for evt in dev.queue_events() {
-            let _ = evt.write(1);
-        }
-    }
-    marks.mark("reset");
-    log::info!("restore steps (us): {}", marks.report());
-    let parts = VmParts {
-        vm,
-        vcpus,
-        evts,
-        blocks: devices.blocks,
-        serial: devices.serial,
-        virtio: devices.virtio,
-        subscribers: devices.subscribers,
-        machine: snap.machine,
-        boot_timeout: None,
-        started,
-        restore_started: Some(restore_started),
-    };
-    assemble(parts)
-}
-
-fn attach_legacy_devices(
-    vm: &Vm,
-    devices: &mut DeviceSet,
-    console: &ConsoleOutput,
-    console_limit: u64,
-    serial_state: Option<&SerialSnapshot>,
-    evts: &VmEvents,
-) -> Result<(), BuildError> {
-    let out: Box<dyn Write + Send> = match console {
-        ConsoleOutput::Stdout => Box::new(std::io::stdout()),
-        ConsoleOutput::Discard => Box::new(std::io::sink()),
-        ConsoleOutput::File(p) => {
-            Box::new(File::create(p).map_err(|e| BuildError::Console(p.display().to_string(), e))?)
-        }
-    };
-    let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
-    vm.fd()
-        .register_irqfd(&irq, SERIAL_IRQ)
-        .map_err(BuildError::RegisterEvent)?;
-    let sink = ConsoleSink::new(out, console_limit, evts.console.clone());
-    let uart = match serial_state {
-        None => Serial::new(EventFdTrigger(irq), sink),
-        Some(state) => Serial::from_state(
-            &state.into(),
-            EventFdTrigger(irq),
-            vm_superio::serial::NoEvents,
-            sink,
-        )
-        .map_err(|e| BuildError::Restore(format!("serial state: {e:?}")))?,
-    };
-    let serial = Arc::new(Mutex::new(SerialDevice(uart)));
-    devices
-        .pio
-        .insert(serial.clone(), u64::from(SERIAL_PORT_BASE), 8)?;
-    devices.serial = Some(serial);
-    let reset = evts.reset.try_clone().map_err(BuildError::EventFd)?;
-    let i8042 = I8042(I8042Device::new(EventFdTrigger(reset)));
-    devices
-        .pio
-        .insert(Arc::new(Mutex::new(i8042)), u64::from(I8042_PORT_BASE), 5)?;
-    Ok(())
-}
-
-/// Puts `device` in the next virtio-mmio slot: irqfd on its GSI, an ioeventfd per queue on the
-/// queue-notify register, the transport on the MMIO bus, and a command-line declaration.
-fn attach_virtio_device(
-    vm: &Vm,
-    devices: &mut DeviceSet,
-    device: Arc<Mutex<dyn VirtioDevice>>,
-    kind: DeviceKind,
-) -> Result<Arc<Mutex<MmioTransport>>, BuildError> {
-    let slot = devices.virtio_slots.len() as u64;
-    if slot >= VIRTIO_MMIO_MAX_SLOTS {
-        return Err(BuildError::TooManyDevices);
-    }
-    let (addr, gsi) = (virtio_mmio_addr(slot), virtio_irq(slot));
-    let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
-    vm.fd()
-        .register_irqfd(&irqfd, gsi)
-        .map_err(BuildError::RegisterEvent)?;
-    {
-        let dev = device.lock().unwrap_or_else(|e| e.into_inner());
-        let notify = addr + u64::from(virtio_bindings::virtio_mmio::VIRTIO_MMIO_QUEUE_NOTIFY);
-        for (i, evt) in dev.queue_events().iter().enumerate() {
-            // The queue index written to QueueNotify selects the eventfd.
-            vm.fd()
-                .register_ioevent(evt, &IoEventAddress::Mmio(notify), i as u32)
-                .map_err(BuildError::RegisterEvent)?;
-        }
-    }
-    let interrupt = Arc::new(VirtioInterrupt::new(irqfd));
-    let transport = Arc::new(Mutex::new(MmioTransport::new(
-        vm.memory().clone(),
-        device,
-        interrupt,
-    )));
-    devices
-        .mmio
-        .insert(transport.clone(), addr, VIRTIO_MMIO_SLOT_SIZE)?;
-    devices.virtio_slots.push((addr, gsi));
-    devices.virtio.push((transport.clone(), kind));
-    Ok(transport)
-}
-
-/// Adds a virtio-blk device for `disk`.
-fn attach_block_device(
-    vm: &Vm,
-    devices: &mut DeviceSet,
-    disk: &DiskConfig,
-) -> Result<Arc<Mutex<MmioTransport>>, BuildError> {
-    let block = Arc::new(Mutex::new(Block::new(
-        &disk.path,
-        disk.read_only,
-        &disk.id,
-    )?));
-    let kind = DeviceKind::Block {
-        path: disk.path.clone(),
-        read_only: disk.read_only,
-        id: disk.id.clone(),
-    };
-    let transport = attach_virtio_device(vm, devices, block.clone(), kind)?;
-    let handler = BlockEventHandler::new(block.clone()).map_err(BuildError::EventFd)?;
-    devices.subscribers.push(Arc::new(Mutex::new(handler)));
-    devices.blocks.push(block);
-    Ok(transport)
-}
-
-/// Adds the virtio-vsock device with its Unix-socket host side.
-fn attach_vsock_device(
-    vm: &Vm,
-    devices: &mut DeviceSet,
-    config: &VsockConfig,
-) -> Result<Arc<Mutex<MmioTransport>>, BuildError> {
-    let vsock = Arc::new(Mutex::new(Vsock::new(config.guest_cid, &config.uds_path)?));
-    let kind = DeviceKind::Vsock {
-        guest_cid: config.guest_cid,
-    };
-    let transport = attach_virtio_device(vm, devices, vsock.clone(), kind)?;
-    let handler = VsockEventHandler::new(vsock.clone()).map_err(BuildError::EventFd)?;
-    devices.subscribers.push(Arc::new(Mutex::new(handler)));
-    devices.vsock = Some(vsock);
-    Ok(transport)
-}
-
-/// Loads the ELF `vmlinux` and returns its 64-bit entry point.
-fn load_kernel(vm: &Vm, config: &VmConfig) -> Result<u64, BuildError> {
-    let mut file = File::open(&config.kernel)
-        .map_err(|e| BuildError::OpenKernel(config.kernel.display().to_string(), e))?;
-    let loaded = Elf::load(
-        vm.memory(),
-        None,
-        &mut file,
-        Some(GuestAddress(HIMEM_START)),
-    )
-    .map_err(BuildError::LoadKernel)?;
-    Ok(loaded.kernel_load.0)
-}
-
-/// Zero page, MP table, GDT/IDT and the boot page tables.
-fn configure_system_for_boot(
-    mem: &GuestMemoryMmap,
-    cmdline_len: usize,
-    vcpus: u8,
-) -> Result<(), BuildError> {
-    boot::write_zero_page(mem, cmdline_len)?;
-    mptable::setup_mptable(mem, vcpus)?;
-    boot::write_gdt_idt(mem)?;
-    boot::write_page_tables(mem)?;
-    Ok(())
-}
-
-fn configure_vcpu_for_boot(
-    vm: &Vm,
-    vcpu: &Vcpu,
-    template: CpuTemplate,
-    index: u8,
-    count: u8,
-    entry: u64,
-) -> Result<(), BuildError> {
-    let fd = vcpu.fd();
-    regs::configure_cpuid(fd, vm.supported_cpuid()?, template, index, count)?;
-    regs::configure_msrs(fd, vm.msr_index_list()?)?;
-    regs::configure_regs(fd, entry)?;
-    regs::configure_sregs(fd)?;
-    regs::configure_fpu(fd)?;
-    regs::configure_lapic(fd)?;
-    Ok(())
 }
 
 impl Vmm {
