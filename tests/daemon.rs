@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use airlock_api::v1::*;
-use airlock_system_tests::harness::{Client, alive, create_sandbox, http_get, reason, run, shell};
+use airlock_system_tests::harness::{
+    Client, alive, create_sandbox, execution_with_output, http_get, reason, run, shell,
+};
 use airlock_system_tests::shared::{Shared, scenario};
 use tonic::Code;
 
@@ -62,14 +64,7 @@ async fn read_all(c: &mut Client, sandbox: &str, path: &str) -> Vec<u8> {
 async fn ended(c: &mut Client, execution: &str, within: Duration) -> GetExecutionResponse {
     let started = Instant::now();
     loop {
-        let r = c
-            .get_execution(GetExecutionRequest {
-                execution_id: execution.into(),
-                include_output: true,
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let r = execution_with_output(c, execution).await;
         if r.execution.as_ref().unwrap().state != ExecutionState::Running as i32 {
             return r;
         }

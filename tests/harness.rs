@@ -258,6 +258,17 @@ pub fn cgroups_left(parent: &str) -> Vec<PathBuf> {
     left
 }
 
+/// An execution's record with its retained output.
+pub async fn execution_with_output(c: &mut Client, execution: &str) -> GetExecutionResponse {
+    c.get_execution(GetExecutionRequest {
+        execution_id: execution.into(),
+        include_output: true,
+    })
+    .await
+    .unwrap_or_else(|e| panic!("get execution {execution}: {e:?}"))
+    .into_inner()
+}
+
 /// Runs `argv` in `sandbox` and follows it to its end: (stdout, stderr, record).
 pub async fn run(c: &mut Client, sandbox: &str, argv: &[&str]) -> (String, String, Execution) {
     let ex = c

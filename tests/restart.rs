@@ -97,14 +97,7 @@ async fn sandbox(c: &mut Client, id: &str) -> Sandbox {
 }
 
 async fn output(c: &mut Client, execution: &str) -> (Execution, String) {
-    let r = c
-        .get_execution(GetExecutionRequest {
-            execution_id: execution.into(),
-            include_output: true,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let r = harness::execution_with_output(c, execution).await;
     (
         r.execution.unwrap(),
         String::from_utf8_lossy(&r.stdout).into_owned(),
