@@ -13,13 +13,13 @@ export LC_ALL=C
 
 # Part of the file name and of the input hash. Bump it for a deliberate change of the image's
 # contract, or to force a rebuild that picks up newer Debian packages (the hash cannot see those).
-readonly VERSION=v1
+readonly VERSION=v2
 readonly SUITE=bookworm
 readonly ARCH=amd64
 readonly LABEL=airlock-base
 readonly HEADROOM_PERCENT=25
 readonly RUST_TARGET=x86_64-unknown-linux-gnu
-readonly SANDBOX_USER=sandbox
+readonly SANDBOX_USER=user
 readonly SANDBOX_ID=1000
 
 ROOTFS_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)

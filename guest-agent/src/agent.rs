@@ -16,6 +16,7 @@ use crate::reaper::Reaper;
 use crate::reseed::{self, Identity};
 use crate::spawn::Spawner;
 use crate::sys;
+use crate::users::Users;
 
 /// Where the kernel lists the online CPUs (`0-3,5`).
 pub const CPUS_ONLINE: &str = "/sys/devices/system/cpu/online";
@@ -30,6 +31,8 @@ pub struct Settings {
     pub state_dir: Option<PathBuf>,
     /// Output buffered per execution while nobody owns it.
     pub orphan_buffer_bytes: usize,
+    /// The account of requests that name none; none: the agent's own.
+    pub default_user: Option<String>,
 }
 
 /// State shared by every connection and execution.
@@ -43,6 +46,8 @@ pub struct Agent {
     pub execs: Arc<ExecTable>,
     /// Where state files go (see [`Settings::state_dir`]).
     pub state_dir: Option<PathBuf>,
+    /// The accounts requests act as.
+    pub users: Users,
     identity: Mutex<Identity>,
     ready: Ready,
 }
@@ -59,6 +64,7 @@ impl Agent {
             spawner: Arc::new(Spawner { reaper, cgroups }),
             execs: Arc::new(ExecTable::new(settings.orphan_buffer_bytes)),
             state_dir: settings.state_dir,
+            users: Users::new(settings.default_user),
             identity: Mutex::new(Identity::default()),
             ready,
         }
@@ -109,7 +115,9 @@ impl Agent {
 
 /// The optional features this agent offers (see `Ready.capabilities` in agent.proto).
 pub fn capabilities(cgroups: Option<&CgroupRoot>) -> Vec<String> {
-    let mut caps = vec!["exec", "stdin", "signal", "files", "reseed", "attach"];
+    let mut caps = vec![
+        "exec", "stdin", "signal", "files", "reseed", "attach", "users",
+    ];
     match cgroups {
         Some(root) => {
             caps.push("cgroups");

@@ -29,6 +29,7 @@ use crate::exec_loop;
 use crate::exec_spec::ExecSpec;
 use crate::execution::Execution;
 use crate::spawn::Spawner;
+use crate::users::Account;
 
 /// How long the exit of an execution that ended unowned is kept for an Attach.
 const EXITED_ORPHAN_TTL: Duration = Duration::from_secs(EXITED_ORPHAN_TTL_SECS);
@@ -237,18 +238,19 @@ impl ExecTable {
     }
 }
 
-/// Handles an Exec request: validates it (its environment on top of `base_env`, see
+/// Handles an Exec request, to run as `account`: validates it (its environment on top of `base_env`, see
 /// [`crate::exec_spec::base_env`]), takes a place in `execs` and starts the execution's thread,
 /// which spawns the process with `spawner` and answers from then on.
 pub fn start(
     execs: &Arc<ExecTable>,
     spawner: &Arc<Spawner>,
     base_env: Vec<(String, String)>,
+    account: Option<Account>,
     conn: &Arc<ConnWriter>,
     request_id: u64,
     req: pb::Exec,
 ) -> Result<(), ReqError> {
-    let spec = ExecSpec::validate(req, base_env)?;
+    let spec = ExecSpec::validate(req, base_env, account)?;
     // Held by the execution's thread until it ends (dropped with the closure if the thread
     // cannot start).
     let place = execs.reserve()?;

@@ -12,6 +12,7 @@ use airlock_proto::pb::{self, ErrorCode, exec};
 use airlock_proto::{DEFAULT_MAX_OUTPUT_BYTES, MAX_ARGV_ENV_BYTES};
 
 use crate::error::ReqError;
+use crate::users::Account;
 
 /// The environment every execution starts from (Exec.env adds to and overrides it).
 pub const BASE_ENV: [(&str, &str); 4] = [
@@ -54,11 +55,18 @@ pub struct ExecSpec {
     pub keep_on_disconnect: bool,
     /// The cgroup's memory.max, if one was asked for.
     pub memory_max: Option<u64>,
+    /// The account it runs as; none: the agent's own.
+    pub account: Option<Account>,
 }
 
 impl ExecSpec {
-    /// Checks `req`; the environment is `base` (see [`base_env`]) with `req.env` on top.
-    pub fn validate(req: pb::Exec, base: Vec<(String, String)>) -> Result<Self, ReqError> {
+    /// Checks `req`, to run as `account` (none: as the agent); the environment is `base` (see
+    /// [`base_env`]), then the account's HOME, USER and LOGNAME, then `req.env`.
+    pub fn validate(
+        req: pb::Exec,
+        base: Vec<(String, String)>,
+        account: Option<Account>,
+    ) -> Result<Self, ReqError> {
         let argv = match req.command {
             Some(exec::Command::Argv(a)) => a.args,
             Some(exec::Command::Shell(s)) => vec!["/bin/sh".into(), "-c".into(), s],
@@ -80,6 +88,11 @@ impl ExecSpec {
             )));
         }
         let mut env: HashMap<String, String> = base.into_iter().collect();
+        if let Some(a) = &account {
+            env.insert("HOME".into(), a.home.clone());
+            env.insert("USER".into(), a.name.clone());
+            env.insert("LOGNAME".into(), a.name.clone());
+        }
         env.extend(req.env);
         let mut env: Vec<_> = env.into_iter().collect();
         env.sort();
@@ -87,7 +100,7 @@ impl ExecSpec {
             argv,
             env,
             cwd: if req.cwd.is_empty() {
-                "/".into()
+                default_cwd(account.as_ref())
             } else {
                 req.cwd
             },
@@ -100,8 +113,18 @@ impl ExecSpec {
             },
             keep_on_disconnect: req.keep_on_disconnect,
             memory_max: (req.memory_max_bytes > 0).then_some(req.memory_max_bytes),
+            account,
         })
     }
+}
+
+/// The account's home if it is a directory, else "/".
+fn default_cwd(account: Option<&Account>) -> String {
+    account
+        .map(|a| a.home.as_str())
+        .filter(|h| h.starts_with('/') && std::path::Path::new(h).is_dir())
+        .unwrap_or("/")
+        .to_owned()
 }
 
 /// argv plus env, each string with its terminating NUL (as the kernel counts them).
@@ -124,7 +147,7 @@ mod tests {
     use airlock_proto::pb::Argv;
 
     fn validate(req: pb::Exec) -> Result<ExecSpec, ReqError> {
-        ExecSpec::validate(req, base_env(""))
+        ExecSpec::validate(req, base_env(""), None)
     }
 
     fn argv(args: &[&str]) -> pb::Exec {
@@ -201,14 +224,39 @@ mod tests {
 
     #[test]
     fn a_sandbox_id_joins_the_base_environment_and_env_can_override_it() {
-        let spec = ExecSpec::validate(argv(&["env"]), base_env("sb-1")).unwrap();
+        let spec = ExecSpec::validate(argv(&["env"]), base_env("sb-1"), None).unwrap();
         assert!(spec.env.contains(&(SANDBOX_ID_ENV.into(), "sb-1".into())));
         let mut req = argv(&["env"]);
         req.env.insert(SANDBOX_ID_ENV.into(), "mine".into());
-        let spec = ExecSpec::validate(req, base_env("sb-1")).unwrap();
+        let spec = ExecSpec::validate(req, base_env("sb-1"), None).unwrap();
         assert!(spec.env.contains(&(SANDBOX_ID_ENV.into(), "mine".into())));
         let spec = validate(argv(&["env"])).unwrap();
         assert!(!spec.env.iter().any(|(k, _)| k == SANDBOX_ID_ENV));
+    }
+
+    #[test]
+    fn an_account_brings_its_home_user_and_default_cwd() {
+        let account = Account {
+            name: "user".into(),
+            uid: 1000,
+            gid: 1000,
+            groups: vec![1000],
+            home: "/".into(),
+        };
+        let mut req = argv(&["env"]);
+        req.env.insert("USER".into(), "mine".into());
+        let spec = ExecSpec::validate(req, base_env(""), Some(account.clone())).unwrap();
+        assert!(spec.env.contains(&("HOME".into(), "/".into())));
+        assert!(spec.env.contains(&("LOGNAME".into(), "user".into())));
+        assert!(spec.env.contains(&("USER".into(), "mine".into())));
+        assert_eq!(spec.cwd, "/");
+        let gone = Account {
+            home: "/nonexistent/home".into(),
+            ..account
+        };
+        let spec = ExecSpec::validate(argv(&["true"]), base_env(""), Some(gone)).unwrap();
+        assert_eq!(spec.cwd, "/");
+        assert_eq!(spec.account.unwrap().uid, 1000);
     }
 
     #[test]

@@ -23,6 +23,7 @@ use airlock_proto::{MAX_DIR_ENTRIES, MAX_FILE_BYTES, MAX_FILE_CHUNK};
 
 use crate::error::ReqError;
 use crate::sys::{self, Dir};
+use crate::users::Users;
 
 /// Mode of a new file when the request says 0.
 const DEFAULT_FILE_MODE: u32 = 0o644;
@@ -31,18 +32,48 @@ const DEFAULT_DIR_MODE: u32 = 0o755;
 /// A DirListing stops growing at this encoded size (well under the 4 MiB frame limit).
 const MAX_LISTING_BYTES: usize = 3 << 20;
 
-/// Handles a file request; `None` if `kind` is not one.
-pub fn handle(kind: &request::Kind) -> Option<Result<response::Kind, ReqError>> {
+/// Handles a file request, as the account it names (see [`Users::resolve`]); `None` if `kind`
+/// is not one.
+pub fn handle(users: &Users, kind: &request::Kind) -> Option<Result<response::Kind, ReqError>> {
+    let user = match kind {
+        request::Kind::WriteFile(r) => &r.user,
+        request::Kind::ReadFile(r) => &r.user,
+        request::Kind::Stat(r) => &r.user,
+        request::Kind::ListDir(r) => &r.user,
+        request::Kind::Mkdir(r) => &r.user,
+        request::Kind::Remove(r) => &r.user,
+        _ => return None,
+    };
+    Some(as_account(users, user).and_then(|_ids| serve(kind)))
+}
+
+/// The file-system ids of `user`'s account for the calling thread, for as long as the guard
+/// lives; `None` for root or the agent's own account (no change).
+fn as_account(users: &Users, user: &str) -> Result<Option<sys::FsIds>, ReqError> {
+    let Some(account) = users.resolve(user)?.filter(|a| !a.is_root()) else {
+        return Ok(None);
+    };
+    let creds = sys::Credentials {
+        uid: account.uid,
+        gid: account.gid,
+        groups: account.groups,
+    };
+    sys::FsIds::assume(&creds)
+        .map(Some)
+        .map_err(|e| ReqError::io(&format!("acting as {user:?}"), &e))
+}
+
+fn serve(kind: &request::Kind) -> Result<response::Kind, ReqError> {
     let ok = |()| response::Kind::Ok(pb::Ok {});
-    Some(match kind {
+    match kind {
         request::Kind::WriteFile(r) => write_file(r).map(ok),
         request::Kind::ReadFile(r) => read_file(r).map(response::Kind::FileData),
         request::Kind::Stat(r) => stat(r).map(response::Kind::FileStat),
         request::Kind::ListDir(r) => list_dir(r).map(response::Kind::DirListing),
         request::Kind::Mkdir(r) => mkdir(r).map(ok),
         request::Kind::Remove(r) => remove(r).map(ok),
-        _ => return None,
-    })
+        _ => Err(ReqError::new(ErrorCode::Unsupported, "not a file request")),
+    }
 }
 
 /// How paths of one request are resolved.

@@ -12,7 +12,8 @@
 //!
 //! 1. `sys` (all unsafe code), `error` (request errors), `clock` (milliseconds).
 //! 2. `conn` (the sending side of a connection), `cgroup`, `reaper` (the only place that reaps
-//!    children), `init` (PID 1 work, console lines), `exec_spec` (a validated Exec request).
+//!    children), `init` (PID 1 work, console lines), `users` (the accounts requests act as),
+//!    `exec_spec` (a validated Exec request).
 //! 3. `delivery` (who gets an execution's responses: its owner, or a bounded window while it
 //!    has none), `spawn` (an execution's process: cgroup, command, pipes, reaper).
 //! 4. `execution` (a running execution: kill target, stdin queue, Signal).
@@ -42,6 +43,7 @@ mod reseed;
 mod server;
 mod spawn;
 mod sys;
+mod users;
 
 use std::io;
 use std::path::PathBuf;
@@ -54,16 +56,18 @@ use reaper::Reaper;
 use server::{ListenAddr, Listener};
 
 const USAGE: &str = "usage: airlock-agent --listen unix:PATH|vsock:PORT [--cgroup-root DIR]
-                     [--state-dir DIR] [--orphan-buffer-bytes N]
+                     [--state-dir DIR] [--orphan-buffer-bytes N] [--default-user NAME]
   (as PID 1 it takes no options: it initialises the VM, listens on vsock port 52, keeps its
-  state in /run/airlock and buffers 1 MiB per unowned execution)
+  state in /run/airlock, buffers 1 MiB per unowned execution and runs requests that name no
+  account as \"user\")
   --listen ADDR        serve the agent protocol on this socket
   --cgroup-root DIR    run each execution in a cgroup under DIR (created; its parent must be a
                        cgroup v2 directory); without it, process groups are used
   --state-dir DIR      write state files (the sandbox id of Reseed) in DIR (created); without
                        it, none are written
   --orphan-buffer-bytes N
-                       output kept per execution while no connection owns it (default 1 MiB)";
+                       output kept per execution while no connection owns it (default 1 MiB)
+  --default-user NAME  the account of requests that name none (default: the agent's own)";
 
 /// Exit code for bad command-line arguments (host mode only).
 const EXIT_USAGE: i32 = 2;
@@ -77,6 +81,7 @@ struct Options {
     cgroup_root: Option<PathBuf>,
     state_dir: Option<PathBuf>,
     orphan_buffer_bytes: usize,
+    default_user: Option<String>,
 }
 
 impl Options {
@@ -86,6 +91,7 @@ impl Options {
             cgroup_root: Some(PathBuf::from(init::CGROUP_ROOT)),
             state_dir: Some(PathBuf::from(init::STATE_DIR)),
             orphan_buffer_bytes: DEFAULT_ORPHAN_BUFFER_BYTES,
+            default_user: Some(users::DEFAULT_VM_USER.to_owned()),
         }
     }
 
@@ -94,6 +100,7 @@ impl Options {
         let mut cgroup_root = None;
         let mut state_dir = None;
         let mut orphan_buffer_bytes = DEFAULT_ORPHAN_BUFFER_BYTES;
+        let mut default_user = None;
         let mut it = args.iter();
         while let Some(arg) = it.next() {
             let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
@@ -101,6 +108,7 @@ impl Options {
                 "--listen" => listen = Some(value()?.parse()?),
                 "--cgroup-root" => cgroup_root = Some(PathBuf::from(value()?)),
                 "--state-dir" => state_dir = Some(PathBuf::from(value()?)),
+                "--default-user" => default_user = Some(value()?.clone()),
                 "--orphan-buffer-bytes" => {
                     let v = value()?;
                     orphan_buffer_bytes = v
@@ -116,6 +124,7 @@ impl Options {
             cgroup_root,
             state_dir,
             orphan_buffer_bytes,
+            default_user,
         })
     }
 }
@@ -205,6 +214,7 @@ fn run(pid1: bool, options: &Options) -> StartError {
         pid1,
         state_dir: options.state_dir.clone(),
         orphan_buffer_bytes: options.orphan_buffer_bytes,
+        default_user: options.default_user.clone(),
     };
     let agent = Arc::new(Agent::new(settings, reaper, cgroups, ready));
     // After the readiness line, so it costs the boot nothing.
@@ -287,5 +297,14 @@ mod tests {
         assert_eq!(o.listen, ListenAddr::Vsock(52));
         assert_eq!(o.cgroup_root, Some(PathBuf::from(init::CGROUP_ROOT)));
         assert_eq!(o.state_dir, Some(PathBuf::from("/run/airlock")));
+        assert_eq!(o.default_user.as_deref(), Some("user"));
+    }
+
+    #[test]
+    fn host_mode_runs_as_itself_unless_given_a_default_user() {
+        let o = Options::parse(&args(&["--listen", "unix:/a"])).unwrap();
+        assert_eq!(o.default_user, None);
+        let o = Options::parse(&args(&["--listen", "unix:/a", "--default-user", "nobody"]));
+        assert_eq!(o.unwrap().default_user.as_deref(), Some("nobody"));
     }
 }

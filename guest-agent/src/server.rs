@@ -202,10 +202,10 @@ fn dispatch(agent: &Arc<Agent>, conn: &Arc<ConnWriter>, req: Request) -> Flow {
         return Flow::Continue;
     };
     let answer = match kind {
-        request::Kind::Exec(e) => {
+        request::Kind::Exec(e) => agent.users.resolve(&e.user).and_then(|account| {
             let base_env = agent.base_env();
-            exec::start(&agent.execs, &agent.spawner, base_env, conn, id, e).map(|()| None)
-        }
+            exec::start(&agent.execs, &agent.spawner, base_env, account, conn, id, e).map(|()| None)
+        }),
         request::Kind::Stdin(s) => agent
             .execs
             .get(conn, s.exec_id)
@@ -228,7 +228,7 @@ fn dispatch(agent: &Arc<Agent>, conn: &Arc<ConnWriter>, req: Request) -> Flow {
             conn.linger(POWER_OFF_LINGER);
             agent.power_off();
         }
-        other => files::handle(&other)
+        other => files::handle(&agent.users, &other)
             .unwrap_or_else(|| Err(ReqError::new(ErrorCode::Unsupported, "unknown request")))
             .map(Some),
     };

@@ -37,7 +37,23 @@ impl Spawner {
     pub fn spawn(&self, exec_id: u64, spec: &ExecSpec) -> Result<Spawned, ReqError> {
         let cgroup = self.cgroup(exec_id, spec.memory_max)?;
         let mut cmd = command(spec)?;
-        sys::prepare_child(&mut cmd, cgroup.as_ref().map(|c| c.procs_fd()));
+        let cwd = std::ffi::CString::new(spec.cwd.as_str())
+            .map_err(|_| ReqError::invalid("cwd contains a NUL byte"))?;
+        let drop_to = spec
+            .account
+            .as_ref()
+            .filter(|a| !a.is_root())
+            .map(|a| sys::Credentials {
+                uid: a.uid,
+                gid: a.gid,
+                groups: a.groups.clone(),
+            });
+        sys::prepare_child(
+            &mut cmd,
+            cgroup.as_ref().map(|c| c.procs_fd()),
+            drop_to,
+            cwd,
+        );
         let waker = Arc::new(Waker::new().map_err(|e| ReqError::io("creating an eventfd", &e))?);
         let exit = Arc::new(ExitSlot::new(Arc::clone(&waker)));
         let started = Instant::now();
@@ -110,7 +126,8 @@ pub fn wants_stdin(spec: &ExecSpec) -> bool {
     spec.stdin_open || !spec.stdin.is_empty()
 }
 
-/// The command for `spec`: argv, a clean environment, cwd, and pipes.
+/// The command for `spec`: argv, a clean environment and pipes (the child changes into its cwd
+/// itself, after dropping privileges: see [`sys::prepare_child`]).
 fn command(spec: &ExecSpec) -> Result<Command, ReqError> {
     let (program, args) = spec
         .argv
@@ -120,7 +137,6 @@ fn command(spec: &ExecSpec) -> Result<Command, ReqError> {
     cmd.args(args)
         .env_clear()
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(&spec.cwd)
         .stdin(if wants_stdin(spec) {
             Stdio::piped()
         } else {

@@ -146,7 +146,7 @@ fn read_reports_size_and_eof_per_chunk() {
             path: path.clone(),
             offset,
             length,
-            root: String::new(),
+            ..Default::default()
         })
     };
     let data = |k| match k {
@@ -355,6 +355,7 @@ fn remove_of_the_root_directory_is_refused() {
         path: "/".into(),
         recursive: true,
         root: agent.dir.str("jail"),
+        ..Default::default()
     };
     std::fs::create_dir(agent.dir.join("jail")).unwrap();
     assert_eq!(
@@ -460,12 +461,14 @@ fn with_root_symlink_escape_is_path_escape() {
     let list = request::Kind::ListDir(pb::ListDir {
         path: "abs-escape".into(),
         root: root.clone(),
+        ..Default::default()
     });
     assert_eq!(code(c.call(list)), ErrorCode::PathEscape);
     let rm = request::Kind::Remove(pb::Remove {
         path: "abs-escape/secret.txt".into(),
         recursive: false,
         root: root.clone(),
+        ..Default::default()
     });
     assert_eq!(code(c.call(rm)), ErrorCode::PathEscape);
     assert!(agent.dir.join("secret.txt").exists());
@@ -479,6 +482,7 @@ fn with_root_an_escaping_symlink_itself_can_be_stat_and_removed() {
     let stat = request::Kind::Stat(pb::Stat {
         path: "abs-escape".into(),
         root: root.clone(),
+        ..Default::default()
     });
     match c.call(stat).unwrap() {
         response::Kind::FileStat(s) => assert_eq!(s.kind, FileKind::Symlink as i32),
@@ -488,6 +492,7 @@ fn with_root_an_escaping_symlink_itself_can_be_stat_and_removed() {
         path: "abs-escape".into(),
         recursive: true,
         root,
+        ..Default::default()
     });
     c.call(rm).unwrap();
     assert!(agent.dir.join("secret.txt").exists());

@@ -418,6 +418,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
             offset,
             length: MAX_FILE_CHUNK as u64,
             root: root.to_owned(),
+            ..Default::default()
         };
         match self.call(request::Kind::ReadFile(req))? {
             response::Kind::FileData(data) if data.data.len() <= MAX_FILE_CHUNK => Ok(data),
@@ -429,7 +430,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     pub fn stat(&mut self, path: &str) -> Result<FileStat, ClientError> {
         let req = pb::Stat {
             path: path.to_owned(),
-            root: String::new(),
+            ..Default::default()
         };
         match self.call(request::Kind::Stat(req))? {
             response::Kind::FileStat(stat) => Ok(stat),
@@ -441,7 +442,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     pub fn list_dir(&mut self, path: &str) -> Result<pb::DirListing, ClientError> {
         let req = pb::ListDir {
             path: path.to_owned(),
-            root: String::new(),
+            ..Default::default()
         };
         match self.call(request::Kind::ListDir(req))? {
             response::Kind::DirListing(listing) => Ok(listing),
@@ -464,7 +465,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
         let req = pb::Remove {
             path: path.to_owned(),
             recursive,
-            root: String::new(),
+            ..Default::default()
         };
         expect_ok(self.call(request::Kind::Remove(req))?)
     }

@@ -1,0 +1,192 @@
+//! The accounts executions and file requests act as (`Exec.user` and the file requests' `user`).
+//!
+//! Names are looked up in the guest's `/etc/passwd` and `/etc/group` at every request (the
+//! files are small, and an image may add accounts). Any account but root gets no capabilities
+//! and no_new_privs when it runs (see `sys::prepare_child`); file requests take its file-system
+//! ids for their duration (see `sys::FsIds`).
+
+use std::path::{Path, PathBuf};
+
+use airlock_proto::pb::ErrorCode;
+
+use crate::error::ReqError;
+
+/// The account executions run as by default in a VM (the base image's unprivileged user).
+pub const DEFAULT_VM_USER: &str = "user";
+/// Longest account name accepted (the usual `LOGIN_NAME_MAX` of useradd).
+const MAX_NAME_BYTES: usize = 32;
+/// Most supplementary groups taken from /etc/group (the kernel's NGROUPS_MAX is 65536).
+const MAX_GROUPS: usize = 64;
+
+/// An account from /etc/passwd, with its /etc/group memberships.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Account {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+    /// Supplementary groups (its primary group first).
+    pub groups: Vec<u32>,
+    pub home: String,
+}
+
+impl Account {
+    /// Root keeps every privilege; every other account drops them.
+    pub fn is_root(&self) -> bool {
+        self.uid == 0
+    }
+}
+
+/// Where accounts come from, and which one an empty `user` means.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Users {
+    /// The account of an empty `user`; none: the agent's own (no switch).
+    pub default: Option<String>,
+    passwd: PathBuf,
+    group: PathBuf,
+}
+
+impl Users {
+    /// Accounts of this machine's `/etc/passwd` and `/etc/group`.
+    pub fn new(default: Option<String>) -> Self {
+        Self::with_files(default, Path::new("/etc/passwd"), Path::new("/etc/group"))
+    }
+
+    pub fn with_files(default: Option<String>, passwd: &Path, group: &Path) -> Self {
+        Self {
+            default,
+            passwd: passwd.to_path_buf(),
+            group: group.to_path_buf(),
+        }
+    }
+
+    /// The account a request with `user` acts as; `None`: the agent's own (an empty `user`
+    /// without a default).
+    pub fn resolve(&self, user: &str) -> Result<Option<Account>, ReqError> {
+        let name = match (user, &self.default) {
+            ("", None) => return Ok(None),
+            ("", Some(d)) => d.as_str(),
+            (u, _) => u,
+        };
+        check_name(name)?;
+        let read = |p: &Path| {
+            std::fs::read_to_string(p)
+                .map_err(|e| ReqError::io(&format!("reading {}", p.display()), &e))
+        };
+        let passwd = read(&self.passwd)?;
+        // A missing /etc/group leaves only the primary group.
+        let group = std::fs::read_to_string(&self.group).unwrap_or_default();
+        find(&passwd, &group, name).map(Some).ok_or_else(|| {
+            ReqError::new(
+                ErrorCode::NotFound,
+                format!("no account {name:?} in the guest's /etc/passwd"),
+            )
+        })
+    }
+}
+
+fn check_name(name: &str) -> Result<(), ReqError> {
+    let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.');
+    let valid = !name.is_empty()
+        && name.len() <= MAX_NAME_BYTES
+        && !name.starts_with('-')
+        && name.chars().all(ok_char);
+    if valid {
+        Ok(())
+    } else {
+        Err(ReqError::invalid(format!(
+            "invalid user name {name:?} (letters, digits, '_', '-', '.'; at most {MAX_NAME_BYTES} bytes)"
+        )))
+    }
+}
+
+/// `name`'s account in the texts of /etc/passwd and /etc/group.
+pub fn find(passwd: &str, group: &str, name: &str) -> Option<Account> {
+    let (uid, gid, home) = passwd.lines().find_map(|line| {
+        let f: Vec<&str> = line.split(':').collect();
+        (f.len() >= 7 && f[0] == name).then(|| (f[2].parse().ok(), f[3].parse().ok(), f[5]))
+    })?;
+    let (uid, gid): (u32, u32) = (uid?, gid?);
+    let mut groups = vec![gid];
+    for line in group.lines() {
+        let f: Vec<&str> = line.split(':').collect();
+        if f.len() < 4 || !f[3].split(',').any(|m| m == name) {
+            continue;
+        }
+        if let Ok(g) = f[2].parse::<u32>()
+            && !groups.contains(&g)
+            && groups.len() < MAX_GROUPS
+        {
+            groups.push(g);
+        }
+    }
+    Some(Account {
+        name: name.to_owned(),
+        uid,
+        gid,
+        groups,
+        home: home.to_owned(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PASSWD: &str = "root:x:0:0:root:/root:/bin/bash\n\
+        user:x:1000:1000:Airlock sandbox:/home/user:/bin/sh\n\
+        broken:x:zero:0::/:/bin/sh\n";
+    const GROUP: &str = "root:x:0:\nuser:x:1000:\naudio:x:29:user,other\nvideo:x:44:other\n";
+
+    #[test]
+    fn an_account_has_its_ids_home_and_memberships() {
+        let user = find(PASSWD, GROUP, "user").unwrap();
+        assert_eq!((user.uid, user.gid), (1000, 1000));
+        assert_eq!(user.groups, [1000, 29]);
+        assert_eq!(user.home, "/home/user");
+        assert!(!user.is_root());
+        assert!(find(PASSWD, GROUP, "root").unwrap().is_root());
+    }
+
+    #[test]
+    fn unknown_and_malformed_accounts_are_not_found() {
+        assert_eq!(find(PASSWD, GROUP, "nobody"), None);
+        assert_eq!(find(PASSWD, GROUP, "broken"), None);
+        assert_eq!(find(PASSWD, GROUP, "us"), None);
+    }
+
+    /// Users reading PASSWD and GROUP from files in a directory of the test's own.
+    fn users(default: Option<&str>) -> (PathBuf, Users) {
+        let dir = std::env::temp_dir().join(format!(
+            "airlock-agent-users-{}-{}",
+            std::process::id(),
+            default.unwrap_or("none")
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("passwd"), PASSWD).unwrap();
+        std::fs::write(dir.join("group"), GROUP).unwrap();
+        let u = Users::with_files(
+            default.map(String::from),
+            &dir.join("passwd"),
+            &dir.join("group"),
+        );
+        (dir, u)
+    }
+
+    #[test]
+    fn empty_means_the_default_or_the_agent_itself() {
+        let (_d, with) = users(Some("user"));
+        assert_eq!(with.resolve("").unwrap().unwrap().uid, 1000);
+        assert_eq!(with.resolve("root").unwrap().unwrap().uid, 0);
+        let (_d, without) = users(None);
+        assert_eq!(without.resolve("").unwrap(), None);
+    }
+
+    #[test]
+    fn bad_names_are_invalid_and_unknown_ones_not_found() {
+        let (_d, u) = users(None);
+        for bad in ["-x", "a:b", "a/b", "a b", &"x".repeat(33)] {
+            assert_eq!(u.resolve(bad).unwrap_err().code, ErrorCode::InvalidArgument);
+        }
+        assert_eq!(u.resolve("ghost").unwrap_err().code, ErrorCode::NotFound);
+    }
+}
