@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use airlock_api::v1::*;
 use airlock_system_tests::harness::{
-    Client, alive, create_sandbox, execution_with_output, http_get, reason, run, shell,
+    Client, alive, create_sandbox, execution_with_output, http_get, reason, run, run_as, shell,
 };
 use airlock_system_tests::shared::{Shared, scenario};
 use tonic::Code;
@@ -49,6 +49,7 @@ async fn read_all(c: &mut Client, sandbox: &str, path: &str) -> Vec<u8> {
         .read_file(ReadFileRequest {
             sandbox_id: sandbox.into(),
             path: path.into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -141,6 +142,7 @@ async fn twenty_sandboxes_each_see_only_their_own_files() {
                 .list_files(ListFilesRequest {
                     sandbox_id: sb.id.clone(),
                     path: "/tmp".into(),
+                    ..Default::default()
                 })
                 .await
                 .unwrap_or_else(|e| panic!("list /tmp of {i}: {e:?}"))
@@ -266,6 +268,7 @@ async fn files_move_under_the_policy_and_not_outside_it() {
             sandbox_id: a.id.clone(),
             path: "/tmp/work/data.bin".into(),
             mode: 0o600,
+            ..Default::default()
         })),
     }];
     msgs.extend(data.chunks(700_000).map(|ch| WriteFileRequest {
@@ -288,6 +291,7 @@ async fn files_move_under_the_policy_and_not_outside_it() {
         .list_files(ListFilesRequest {
             sandbox_id: a.id.clone(),
             path: "/tmp/work".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -303,6 +307,7 @@ async fn files_move_under_the_policy_and_not_outside_it() {
         .read_file(ReadFileRequest {
             sandbox_id: a.id.clone(),
             path: "/etc/shadow".into(),
+            ..Default::default()
         })
         .await
         .expect_err("outside the policy");
@@ -312,6 +317,7 @@ async fn files_move_under_the_policy_and_not_outside_it() {
         .read_file(ReadFileRequest {
             sandbox_id: a.id.clone(),
             path: "/tmp/nothing-here".into(),
+            ..Default::default()
         })
         .await;
     let missing = match missing {
@@ -320,6 +326,121 @@ async fn files_move_under_the_policy_and_not_outside_it() {
     };
     assert_eq!(missing.code(), Code::NotFound);
     assert_eq!(reason(&missing).0, "FILE_NOT_FOUND");
+    assert!(destroy(&mut c, &a.id).await);
+}
+
+/// What an execution tries against the guest it runs in; each line names the outcome.
+const ESCAPES: &str = r#"id -u; id -g; pwd; echo "$HOME"
+grep -E '^(NoNewPrivs|CapEff|CapBnd):' /proc/self/status | tr -s '\t ' ' '
+echo $$ > /sys/fs/cgroup/cgroup.procs 2>/dev/null && echo cgroup-left || echo cgroup-held
+mount -o remount,size=64g /tmp 2>/dev/null && echo tmp-remounted || echo mount-refused
+cat /proc/1/environ >/dev/null 2>&1 && echo agent-read || echo agent-private
+python3 -c 'import ctypes; print("ptrace", ctypes.CDLL(None).ptrace(16, 1, 0, 0))'
+"#;
+
+/// Writes `data` to `path` in `sandbox` as the guest account `user` (mode 0600).
+async fn write_as(c: &mut Client, sandbox: &str, path: &str, user: &str, data: &[u8]) {
+    let msgs = vec![
+        WriteFileRequest {
+            part: Some(write_file_request::Part::Header(WriteFileHeader {
+                sandbox_id: sandbox.into(),
+                path: path.into(),
+                mode: 0o600,
+                user: user.into(),
+            })),
+        },
+        WriteFileRequest {
+            part: Some(write_file_request::Part::Data(data.to_vec())),
+        },
+    ];
+    c.write_file(tokio_stream::iter(msgs)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn code_runs_unprivileged_unless_it_asks_for_root() {
+    let (_serial, s) = shared().await;
+    let mut c = s.client(None).await;
+    let a = create_sandbox(&mut c, &s.log).await;
+
+    let (out, err, _) = run(&mut c, &a.id, &["/bin/sh", "-c", ESCAPES]).await;
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "1000",
+            "1000",
+            "/home/user",
+            "/home/user",
+            "CapEff: 0000000000000000",
+            "CapBnd: 0000000000000000",
+            "NoNewPrivs: 1",
+            "cgroup-held",
+            "mount-refused",
+            "agent-private",
+            "ptrace -1",
+        ],
+        "stderr: {err}"
+    );
+    let (out, _, _) = run_as(&mut c, &a.id, "root", &["/bin/sh", "-c", "id -u; pwd"]).await;
+    assert_eq!(out, "0\n/root\n");
+
+    // File calls act as the account too: what it writes is its own, what it may not read stays
+    // closed.
+    write_as(&mut c, &a.id, "/tmp/mine", "", b"user's").await;
+    write_as(&mut c, &a.id, "/tmp/roots", "root", b"root's").await;
+    let (out, _, _) = run(
+        &mut c,
+        &a.id,
+        &["stat", "-c", "%u %a", "/tmp/mine", "/tmp/roots"],
+    )
+    .await;
+    assert_eq!(out, "1000 600\n0 600\n");
+    let denied = c
+        .read_file(ReadFileRequest {
+            sandbox_id: a.id.clone(),
+            path: "/tmp/roots".into(),
+            ..Default::default()
+        })
+        .await;
+    let denied = match denied {
+        Err(e) => e,
+        Ok(st) => st
+            .into_inner()
+            .message()
+            .await
+            .expect_err("root's file, read as user"),
+    };
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    assert_eq!(reason(&denied).0, "GUEST_PERMISSION_DENIED");
+    let as_root = c
+        .read_file(ReadFileRequest {
+            sandbox_id: a.id.clone(),
+            path: "/tmp/roots".into(),
+            user: "root".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message()
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(as_root.data, b"root's");
+    let nobody = shell(&a.id, "true", 60_000);
+    let nobody = ExecRequest {
+        user: "no-such-account".into(),
+        ..nobody
+    };
+    let id = c.exec(nobody).await.unwrap().into_inner().execution_id;
+    let record = ended(&mut c, &id, Duration::from_secs(120))
+        .await
+        .execution
+        .unwrap();
+    assert_eq!(record.state, ExecutionState::Failed as i32, "{record:?}");
+    assert!(
+        record.error_message.contains("no-such-account"),
+        "{record:?}"
+    );
     assert!(destroy(&mut c, &a.id).await);
 }
 
@@ -397,6 +518,7 @@ async fn a_snapshot_becomes_a_template_whose_clones_have_its_files() {
                 sandbox_id: a.id.clone(),
                 path: "/tmp/kept.txt".into(),
                 mode: 0,
+                ..Default::default()
             })),
         },
         WriteFileRequest {

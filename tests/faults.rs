@@ -121,11 +121,12 @@ async fn a_guest_kernel_panic_ends_the_sandbox_as_guest_crashed() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
     let sb = create_sandbox(&mut c, &s.log).await;
-    let ex = c
-        .exec(shell(&sb.id, "echo c > /proc/sysrq-trigger", 0))
-        .await
-        .unwrap()
-        .into_inner();
+    // Only root may trigger a panic (an unprivileged execution is refused).
+    let panic = ExecRequest {
+        user: "root".into(),
+        ..shell(&sb.id, "echo c > /proc/sysrq-trigger", 0)
+    };
+    let ex = c.exec(panic).await.unwrap().into_inner();
     let dead = ended_sandbox(&mut c, &sb.id).await;
     assert_eq!(dead.end_reason, "GUEST_CRASHED", "{dead:?}");
     let rec = ended_execution(&mut c, &ex.execution_id, 30)

@@ -271,6 +271,16 @@ pub async fn execution_with_output(c: &mut Client, execution: &str) -> GetExecut
 
 /// Runs `argv` in `sandbox` and follows it to its end: (stdout, stderr, record).
 pub async fn run(c: &mut Client, sandbox: &str, argv: &[&str]) -> (String, String, Execution) {
+    run_as(c, sandbox, "", argv).await
+}
+
+/// [`run`] as the guest account `user` (empty: the default).
+pub async fn run_as(
+    c: &mut Client,
+    sandbox: &str,
+    user: &str,
+    argv: &[&str],
+) -> (String, String, Execution) {
     let ex = c
         .exec(ExecRequest {
             sandbox_id: sandbox.into(),
@@ -278,6 +288,7 @@ pub async fn run(c: &mut Client, sandbox: &str, argv: &[&str]) -> (String, Strin
                 args: argv.iter().map(|s| s.to_string()).collect(),
             })),
             timeout_ms: 300_000,
+            user: user.into(),
             ..Default::default()
         })
         .await

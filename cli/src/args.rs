@@ -231,9 +231,12 @@ pub struct ExecArgs {
     /// the daemon's]
     #[arg(long, value_name = "SECS")]
     pub timeout: Option<u64>,
-    /// Working directory [default: /root]
+    /// Working directory [default: the home of --user]
     #[arg(long, value_name = "DIR")]
     pub cwd: Option<String>,
+    /// The guest account to run as: 'root' for root [default: user, unprivileged]
+    #[arg(long, short, value_name = "NAME")]
+    pub user: Option<String>,
     /// An environment variable, over the sandbox's (repeatable)
     #[arg(long = "env", value_name = "K=V", value_parser = parse_kv)]
     pub env: Vec<(String, String)>,
@@ -325,6 +328,10 @@ pub struct CpArgs {
     /// Octal permission bits of an uploaded file [default: 644]
     #[arg(long, value_name = "MODE", value_parser = parse_mode)]
     pub mode: Option<u32>,
+    /// The guest account that writes (and owns) or reads the file: 'root' for root [default:
+    /// user]
+    #[arg(long, short, value_name = "NAME")]
+    pub user: Option<String>,
 }
 
 /// A command that takes a sandbox's id.

@@ -98,6 +98,7 @@ pub fn exec_request(args: &ExecArgs, read: Read) -> Result<ExecRequest, String> 
         timeout_ms: args.timeout.unwrap_or(0).saturating_mul(1000),
         stdin,
         memory_limit_mib: args.memory_mib.unwrap_or(0),
+        user: args.user.clone().unwrap_or_default(),
     })
 }
 

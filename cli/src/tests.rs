@@ -13,7 +13,7 @@ use clap::error::ErrorKind;
 
 use crate::args::{Cli, Command, FileSpec, TemplateCommand, parse_file_spec, parse_kv, parse_mode};
 use crate::commands::exec::exit_code;
-use crate::commands::files::write_messages;
+use crate::commands::files::{Remote, write_messages};
 use crate::request::{create_request, exec_request, list_request, template_request};
 
 fn parse(args: &[&str]) -> Cli {
@@ -195,6 +195,8 @@ fn every_exec_flag_reaches_the_request() {
         "64",
         "--stdin",
         "input.txt",
+        "--user",
+        "root",
         "--",
         "sh",
         "-c",
@@ -216,6 +218,7 @@ fn every_exec_flag_reaches_the_request() {
     assert_eq!(req.timeout_ms, 2000);
     assert_eq!(req.stdin, b"content of input.txt");
     assert_eq!(req.memory_limit_mib, 64);
+    assert_eq!(req.user, "root");
 }
 
 #[test]
@@ -226,6 +229,7 @@ fn exec_leaves_defaults_to_the_daemon() {
     let req = exec_request(&a, &fake_read).unwrap();
     assert_eq!((req.timeout_ms, req.memory_limit_mib), (0, 0));
     assert!(req.cwd.is_empty() && req.env.is_empty() && req.stdin.is_empty());
+    assert!(req.user.is_empty());
 }
 
 fn argv_of(args: &[&str]) -> Vec<String> {
@@ -531,12 +535,24 @@ fn exit_codes() {
     assert_eq!(exit_code(&ended(ExecutionState::OomKilled, -1, 0)), 1);
 }
 
+fn remote(path: &str) -> Remote<'_> {
+    Remote {
+        id: "sb-1",
+        path,
+        user: "root",
+    }
+}
+
 #[test]
-fn uploads_are_chunked_after_a_header() {
+fn uploads_are_chunked_after_a_header_that_names_the_account() {
     let data = vec![7u8; (1 << 20) + 5];
-    let msgs = write_messages("sb-1", "/tmp/x", 0o600, &data);
+    let msgs = write_messages(&remote("/tmp/x"), 0o600, &data);
     assert_eq!(msgs.len(), 3);
-    assert_eq!(write_messages("sb-1", "/tmp/empty", 0, &[]).len(), 1);
+    match &msgs[0].part {
+        Some(airlock_api::v1::write_file_request::Part::Header(h)) => assert_eq!(h.user, "root"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(write_messages(&remote("/tmp/empty"), 0, &[]).len(), 1);
 }
 
 #[test]

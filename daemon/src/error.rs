@@ -49,6 +49,9 @@ pub enum ApiError {
     PathNotAllowed { path: String, why: String },
     #[error("{path} does not exist in the sandbox")]
     FileNotFound { path: String },
+    /// The guest account the call acted as may not do it (file permissions in the guest).
+    #[error("{path}: permission denied in the guest: {message}")]
+    GuestPermission { path: String, message: String },
     /// The sandbox's VMM ended (reason code: GUEST_CRASHED, OOM_KILLED, SECCOMP_VIOLATION or
     /// SANDBOX_DEAD).
     #[error("sandbox {id} is dead: {message}")]
@@ -83,6 +86,7 @@ impl ApiError {
             Self::DiskQuota { .. } => "DISK_QUOTA_EXCEEDED",
             Self::PathNotAllowed { .. } => "PATH_NOT_ALLOWED",
             Self::FileNotFound { .. } => "FILE_NOT_FOUND",
+            Self::GuestPermission { .. } => "GUEST_PERMISSION_DENIED",
             Self::Dead { reason, .. } => reason.dead_call_reason(),
             Self::AgentUnavailable { .. } => "AGENT_UNAVAILABLE",
             Self::Internal(_) => "INTERNAL",
@@ -104,7 +108,7 @@ impl ApiError {
             | Self::Quota { .. }
             | Self::FileTooLarge { .. }
             | Self::DiskQuota { .. } => Code::ResourceExhausted,
-            Self::PathNotAllowed { .. } => Code::PermissionDenied,
+            Self::PathNotAllowed { .. } | Self::GuestPermission { .. } => Code::PermissionDenied,
             Self::Dead { .. } | Self::AgentUnavailable { .. } => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
         }
@@ -149,7 +153,9 @@ impl ApiError {
                 m.insert("size".into(), size.to_string());
                 m.insert("limit".into(), limit.to_string());
             }
-            Self::PathNotAllowed { path, .. } | Self::FileNotFound { path } => {
+            Self::PathNotAllowed { path, .. }
+            | Self::FileNotFound { path }
+            | Self::GuestPermission { path, .. } => {
                 m.insert("path".into(), path.clone());
             }
             Self::DiskQuota { limit, .. } => {
@@ -221,10 +227,10 @@ pub fn from_agent(e: ClientError, call: AgentCall<'_>) -> ApiError {
             },
             ErrorCode::NotFound => ApiError::FileNotFound { path },
             ErrorCode::TooLarge => ApiError::InvalidArgument(format!("{path}: {message}")),
-            ErrorCode::InvalidArgument
-            | ErrorCode::AlreadyExists
-            | ErrorCode::PermissionDenied
-            | ErrorCode::Io => ApiError::InvalidArgument(format!("{path}: {message}")),
+            ErrorCode::PermissionDenied => ApiError::GuestPermission { path, message },
+            ErrorCode::InvalidArgument | ErrorCode::AlreadyExists | ErrorCode::Io => {
+                ApiError::InvalidArgument(format!("{path}: {message}"))
+            }
             _ => ApiError::AgentUnavailable {
                 id: call.sandbox.to_owned(),
                 message: format!("the agent failed ({code:?}): {message}"),

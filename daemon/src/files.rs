@@ -13,6 +13,7 @@ use tokio::sync::mpsc::{Receiver, Sender};
 
 use crate::agent::{self, CALL_TIMEOUT};
 use crate::error::{AgentCall, ApiError, ApiResult, from_agent};
+use crate::limits;
 
 /// `p` is absolute and has no `.`/`..` components or empty segments.
 pub fn check_absolute(p: &str) -> ApiResult<()> {
@@ -68,9 +69,17 @@ pub struct FileTarget {
     pub disk_limit: u64,
     /// Largest file moved.
     pub max_file_bytes: u64,
+    /// The guest account the transfer acts as (empty: the default, "user").
+    pub user: String,
 }
 
 impl FileTarget {
+    /// The same, acting as the guest account `user` (checked; empty: the default).
+    pub fn acting_as(self, user: String) -> ApiResult<Self> {
+        limits::check_user(&user)?;
+        Ok(Self { user, ..self })
+    }
+
     fn call<'a>(&'a self, path: &'a str) -> AgentCall<'a> {
         AgentCall {
             sandbox: &self.sandbox_id,
@@ -135,7 +144,12 @@ fn write_blocking(
         {
             let n = pending.len().min(airlock_proto::MAX_FILE_CHUNK);
             let chunk: Vec<u8> = pending.drain(..n).collect();
-            write_chunk(&mut client, root, rel, offset, chunk, mode)
+            let at = Chunk {
+                offset,
+                mode,
+                user: &target.user,
+            };
+            write_chunk(&mut client, root, rel, at, chunk)
                 .map_err(|e| from_agent(e, target.call(rel)))?;
             offset += n as u64;
             wrote = true;
@@ -146,23 +160,30 @@ fn write_blocking(
     }
 }
 
-/// Writes one chunk at `offset` of `path` inside `root` (the first one truncates).
+/// Where a chunk goes in its file, and as whom.
+struct Chunk<'a> {
+    offset: u64,
+    mode: u32,
+    user: &'a str,
+}
+
+/// Writes one chunk of `path` inside `root` (the first one truncates).
 fn write_chunk(
     client: &mut TimedClient,
     root: &str,
     path: &str,
-    offset: u64,
+    at: Chunk<'_>,
     data: Vec<u8>,
-    mode: u32,
 ) -> Result<(), airlock_proto::ClientError> {
     let req = pb::WriteFile {
         path: path.to_owned(),
-        offset,
+        offset: at.offset,
         data,
-        truncate: offset == 0,
-        mode,
+        truncate: at.offset == 0,
+        mode: at.mode,
         create_parents: true,
         root: root.to_owned(),
+        user: at.user.to_owned(),
     };
     client.within(CALL_TIMEOUT, |c| c.call(pb::request::Kind::WriteFile(req)))?;
     Ok(())
@@ -197,6 +218,7 @@ fn read_blocking(
             offset,
             length: airlock_proto::MAX_FILE_CHUNK as u64,
             root: root.to_owned(),
+            user: target.user.clone(),
         };
         let chunk = match client.within(CALL_TIMEOUT, |c| c.call(pb::request::Kind::ReadFile(req)))
         {
@@ -240,6 +262,7 @@ pub async fn list(target: FileTarget, path: String) -> ApiResult<Vec<FileEntry>>
         let req = pb::ListDir {
             path: rel.clone(),
             root,
+            user: target.user.clone(),
         };
         match client.within(CALL_TIMEOUT, |c| c.call(pb::request::Kind::ListDir(req))) {
             Ok(pb::response::Kind::DirListing(l)) => Ok(l),

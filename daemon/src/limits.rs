@@ -65,6 +65,21 @@ pub fn check_env(env: &HashMap<String, String>) -> ApiResult<()> {
     Ok(())
 }
 
+/// Longest guest account name (`useradd`'s limit).
+const MAX_USER_BYTES: usize = 32;
+
+/// A guest account name (empty: the default); the guest checks that it exists.
+pub fn check_user(user: &str) -> ApiResult<()> {
+    let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.');
+    if user.len() > MAX_USER_BYTES || user.starts_with('-') || !user.chars().all(ok) {
+        return Err(ApiError::InvalidArgument(format!(
+            "user {user:?}: a guest account name (letters, digits, '_', '-', '.'; at most \
+             {MAX_USER_BYTES} bytes)"
+        )));
+    }
+    Ok(())
+}
+
 /// A command line, its stdin and working directory.
 pub fn check_command(argv: &[String], stdin: &[u8], cwd: &str) -> ApiResult<()> {
     if argv.first().is_none_or(String::is_empty) {
@@ -91,6 +106,16 @@ pub fn check_command(argv: &[String], stdin: &[u8], cwd: &str) -> ApiResult<()> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn user_names_are_checked() {
+        for good in ["", "user", "root", "www-data", "a_b.c"] {
+            assert!(check_user(good).is_ok(), "{good}");
+        }
+        for bad in ["-x", "a b", "a:b", "../etc", &"x".repeat(33)] {
+            assert!(check_user(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn what_a_request_carries_is_bounded() {

@@ -97,6 +97,9 @@ pub enum ExecEnd {
     AgentUnavailable(String),
     /// The daemon restarted and could not follow it again.
     DaemonRestarted(String),
+    /// The guest refused to start it: no such program, working directory or account, or the
+    /// account may not run it there.
+    StartFailed(String),
 }
 
 impl ExecEnd {
@@ -128,6 +131,7 @@ impl ExecEnd {
             Self::SandboxEnded(r, _) => r.code(),
             Self::AgentUnavailable(_) => "AGENT_UNAVAILABLE",
             Self::DaemonRestarted(_) => "DAEMON_RESTARTED",
+            Self::StartFailed(_) => "START_FAILED",
         }
     }
 
@@ -139,9 +143,10 @@ impl ExecEnd {
             }
             Self::Killed => "killed by KillExecution".into(),
             Self::SandboxDestroyed => "the sandbox was destroyed".into(),
-            Self::SandboxEnded(_, m) | Self::AgentUnavailable(m) | Self::DaemonRestarted(m) => {
-                m.clone()
-            }
+            Self::SandboxEnded(_, m)
+            | Self::AgentUnavailable(m)
+            | Self::DaemonRestarted(m)
+            | Self::StartFailed(m) => m.clone(),
         }
     }
 }

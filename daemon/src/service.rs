@@ -354,7 +354,9 @@ impl Airlock for Service {
                 Err(s) => return Err(ApiError::InvalidArgument(format!("request stream: {s}"))),
             };
             let sb = d.sandboxes.running(&tenant, &header.sandbox_id)?;
-            let target = sb.file_target(d.cfg.max_file_bytes)?;
+            let target = sb
+                .file_target(d.cfg.max_file_bytes)?
+                .acting_as(header.user)?;
             let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(4);
             let writer = tokio::spawn(files::write(target, header.path, header.mode, rx));
             while let Some(data) = next_data(&mut stream).await? {
@@ -380,7 +382,8 @@ impl Airlock for Service {
         let tenant = tenant(&req)?;
         let r = req.into_inner();
         let sb = self.daemon.sandboxes.running(&tenant, &r.sandbox_id)?;
-        let mut chunks = files::read(sb.file_target(self.daemon.cfg.max_file_bytes)?, r.path)?;
+        let target = sb.file_target(self.daemon.cfg.max_file_bytes)?;
+        let mut chunks = files::read(target.acting_as(r.user)?, r.path)?;
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         tokio::spawn(async move {
             while let Some(c) = chunks.recv().await {
@@ -400,8 +403,8 @@ impl Airlock for Service {
         let r = req.into_inner();
         traced("ListFiles", &tenant, async {
             let sb = self.daemon.sandboxes.running(&tenant, &r.sandbox_id)?;
-            let entries =
-                files::list(sb.file_target(self.daemon.cfg.max_file_bytes)?, r.path).await?;
+            let target = sb.file_target(self.daemon.cfg.max_file_bytes)?;
+            let entries = files::list(target.acting_as(r.user)?, r.path).await?;
             Ok(ListFilesResponse { entries })
         })
         .await

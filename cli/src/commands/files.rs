@@ -12,22 +12,32 @@ const CHUNK: usize = 1 << 20;
 
 /// `cp LOCAL ID:PATH` or `cp ID:PATH LOCAL`.
 pub async fn cp(ctx: &mut Ctx, args: &CpArgs) -> Result<u8, String> {
+    let user = args.user.as_deref().unwrap_or("");
     if let Some((id, path)) = sandbox_path(&args.to) {
-        upload(ctx, &args.from, id, path, args.mode.unwrap_or(0)).await
+        let file = Remote { id, path, user };
+        upload(ctx, &args.from, &file, args.mode.unwrap_or(0)).await
     } else if let Some((id, path)) = args.from.split_once(':') {
-        download(ctx, id, path, &args.to).await
+        download(ctx, &Remote { id, path, user }, &args.to).await
     } else {
         Err("cp: one side must be ID:PATH (cp LOCAL ID:PATH | cp ID:PATH LOCAL)".into())
     }
 }
 
+/// A file in a sandbox, and the guest account that reads or writes it (empty: the default).
+pub struct Remote<'a> {
+    pub id: &'a str,
+    pub path: &'a str,
+    pub user: &'a str,
+}
+
 /// The WriteFile messages of a file: the header, then its data in chunks.
-pub fn write_messages(id: &str, path: &str, mode: u32, data: &[u8]) -> Vec<WriteFileRequest> {
+pub fn write_messages(file: &Remote<'_>, mode: u32, data: &[u8]) -> Vec<WriteFileRequest> {
     let header = WriteFileRequest {
         part: Some(write_file_request::Part::Header(WriteFileHeader {
-            sandbox_id: id.into(),
-            path: path.into(),
+            sandbox_id: file.id.into(),
+            path: file.path.into(),
             mode,
+            user: file.user.into(),
         })),
     };
     let chunks = data.chunks(CHUNK).map(|c| WriteFileRequest {
@@ -36,9 +46,10 @@ pub fn write_messages(id: &str, path: &str, mode: u32, data: &[u8]) -> Vec<Write
     std::iter::once(header).chain(chunks).collect()
 }
 
-async fn upload(ctx: &mut Ctx, local: &str, id: &str, path: &str, mode: u32) -> Result<u8, String> {
+async fn upload(ctx: &mut Ctx, local: &str, file: &Remote<'_>, mode: u32) -> Result<u8, String> {
     let data = std::fs::read(local).map_err(|e| format!("{local}: {e}"))?;
-    let msgs = write_messages(id, path, mode, &data);
+    let msgs = write_messages(file, mode, &data);
+    let (id, path) = (file.id, file.path);
     let r = ctx
         .client
         .write_file(tonic::codegen::tokio_stream::iter(msgs))
@@ -53,10 +64,12 @@ async fn upload(ctx: &mut Ctx, local: &str, id: &str, path: &str, mode: u32) -> 
     Ok(0)
 }
 
-async fn download(ctx: &mut Ctx, id: &str, path: &str, local: &str) -> Result<u8, String> {
+async fn download(ctx: &mut Ctx, file: &Remote<'_>, local: &str) -> Result<u8, String> {
+    let (id, path) = (file.id, file.path);
     let req = ReadFileRequest {
         sandbox_id: id.into(),
         path: path.into(),
+        user: file.user.into(),
     };
     let mut s = ctx.client.read_file(req).await.map_err(fail)?.into_inner();
     let mut out = Vec::new();

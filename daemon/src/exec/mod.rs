@@ -132,6 +132,7 @@ impl Executions {
             template_id: target.template_id.clone(),
             command: argv.clone(),
             cwd: req.cwd.clone(),
+            user: req.user.clone(),
             state: ExecutionState::Running as i32,
             started_unix_ms: ids::now_ms(),
             timeout_ms,
@@ -139,11 +140,9 @@ impl Executions {
         };
         let exec = pb::Exec {
             command: Some(pb::exec::Command::Argv(pb::Argv { args: argv })),
-            cwd: if req.cwd.is_empty() {
-                "/root".into()
-            } else {
-                req.cwd.clone()
-            },
+            // Empty: the account's home (the agent knows it).
+            cwd: req.cwd.clone(),
+            user: req.user.clone(),
             env,
             stdin: req.stdin.clone(),
             timeout_ms,
@@ -301,6 +300,7 @@ fn command_of(req: &ExecRequest) -> ApiResult<Vec<String>> {
         None => return Err(ApiError::InvalidArgument("no command".into())),
     };
     limits::check_command(&argv, &req.stdin, &req.cwd)?;
+    limits::check_user(&req.user)?;
     Ok(argv)
 }
 

@@ -35,7 +35,8 @@ pub enum Start {
 pub fn run(rt: Arc<ExecRt>, vsock: &Path, start: Start, runtime: tokio::runtime::Handle) {
     match drive(&rt, vsock, start) {
         Ok(exit) => rt.finish(Some(exit), None),
-        Err(message) => {
+        Err(Failure::Refused(message)) => rt.finish(None, Some(&ExecEnd::StartFailed(message))),
+        Err(Failure::Lost(message)) => {
             // A lost connection is often the sandbox dying (a guest kernel panic, a killed
             // VMM): its end then ends this execution with its reason. Give it a moment.
             runtime.block_on(rt.wait_finished(LOST_CONNECTION_GRACE));
@@ -44,19 +45,36 @@ pub fn run(rt: Arc<ExecRt>, vsock: &Path, start: Start, runtime: tokio::runtime:
     }
 }
 
-fn drive(rt: &ExecRt, vsock: &Path, start: Start) -> Result<pb::ExecExit, String> {
+/// Why an execution has no exit from the guest.
+enum Failure {
+    /// The agent refused to start it (its answer says why).
+    Refused(String),
+    /// The connection to the agent failed or broke.
+    Lost(String),
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Self::Lost(message)
+    }
+}
+
+fn drive(rt: &ExecRt, vsock: &Path, start: Start) -> Result<pb::ExecExit, Failure> {
     let deadline = Instant::now() + START_DEADLINE;
     let mut client = vsock::connect(vsock, AGENT_VSOCK_PORT, deadline, |s| rt.set_socket(s))
         .map_err(|e| format!("connecting to the agent: {}", error_chain(&e)))?;
     if rt.is_finished() {
-        return Err("ended before it started".into());
+        return Err(Failure::Lost("ended before it started".into()));
     }
     let signaller = client
         .reader()
         .try_clone_socket()
         .map(|s| client.signaller(s))
         .map_err(|e| e.to_string())?;
-    let (request, exec_id, offsets) = begin(rt, &mut client, start).map_err(|e| error_chain(&e))?;
+    let (request, exec_id, offsets) = begin(rt, &mut client, start).map_err(|e| match e {
+        ClientError::Agent { message, .. } => Failure::Refused(message),
+        other => Failure::Lost(error_chain(&other)),
+    })?;
     // The output may take as long as the execution does; the daemon's timer bounds it.
     client.set_deadline(None);
     rt.started(exec_id, signaller);
@@ -72,7 +90,7 @@ fn drive(rt: &ExecRt, vsock: &Path, start: Start) -> Result<pb::ExecExit, String
         })
         .map_err(|e| format!("agent connection: {}", error_chain(&e)))?;
     if let Some(e) = failed {
-        return Err(e);
+        return Err(Failure::Lost(e));
     }
     let mut exit = exit;
     exit.output_truncated |= sink.truncated;

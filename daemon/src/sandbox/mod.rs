@@ -151,6 +151,7 @@ impl SandboxRt {
             policy: self.policy.clone(),
             disk_limit: u64::from(lock(&self.record).disk_mib) << 20,
             max_file_bytes,
+            user: String::new(),
         })
     }
 }

@@ -398,12 +398,15 @@ def exec_request(
     stdin: Union[bytes, str, None],
     language: Optional[str] = None,
     memory_limit_mib: Optional[int] = None,
+    user: Optional[str] = None,
 ) -> "pb.ExecRequest":
     """``cmd`` as a list is an argv; a string is a shell script (``/bin/sh -c``), or source code
-    when ``language`` is given."""
+    when ``language`` is given. ``user`` is the guest account (``None``: the unprivileged
+    ``user``; ``"root"`` for root)."""
     req = pb.ExecRequest(
         sandbox_id=sandbox_id,
         cwd=cwd or "",
+        user=user or "",
         env=dict(env or {}),
         timeout_ms=int(timeout * 1000) if timeout else 0,
         stdin=stdin.encode() if isinstance(stdin, str) else (stdin or b""),
@@ -424,9 +427,12 @@ def exec_request(
     return req
 
 
-def write_requests(sandbox_id: str, path: str, data: Union[bytes, str], mode: int):
+def write_requests(
+    sandbox_id: str, path: str, data: Union[bytes, str], mode: int, user: Optional[str] = None
+):
     payload = data.encode() if isinstance(data, str) else bytes(data)
-    yield pb.WriteFileRequest(header=pb.WriteFileHeader(sandbox_id=sandbox_id, path=path, mode=mode))
+    header = pb.WriteFileHeader(sandbox_id=sandbox_id, path=path, mode=mode, user=user or "")
+    yield pb.WriteFileRequest(header=header)
     for i in range(0, len(payload), CHUNK):
         yield pb.WriteFileRequest(data=payload[i : i + CHUNK])
 

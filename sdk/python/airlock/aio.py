@@ -233,24 +233,28 @@ class AsyncFiles:
     def __init__(self, sandbox: "AsyncSandbox") -> None:
         self._s = sandbox
 
-    async def write(self, path: str, data: Union[bytes, str], mode: int = 0) -> int:
+    async def write(
+        self, path: str, data: Union[bytes, str], mode: int = 0, user: Optional[str] = None
+    ) -> int:
         try:
             resp = await self._s._c._stub.WriteFile(
-                c.write_requests(self._s.id, path, data, mode), metadata=self._s._c._metadata
+                c.write_requests(self._s.id, path, data, mode, user),
+                metadata=self._s._c._metadata,
             )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         return resp.bytes_written
 
-    async def read(self, path: str) -> bytes:
-        req = pb.ReadFileRequest(sandbox_id=self._s.id, path=path)
+    async def read(self, path: str, user: Optional[str] = None) -> bytes:
+        req = pb.ReadFileRequest(sandbox_id=self._s.id, path=path, user=user or "")
         return b"".join([chunk.data async for chunk in self._s._c._server_stream("ReadFile", req)])
 
-    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
-        return (await self.read(path)).decode(encoding)
+    async def read_text(self, path: str, encoding: str = "utf-8", user: Optional[str] = None) -> str:
+        return (await self.read(path, user)).decode(encoding)
 
-    async def list(self, path: str) -> List[FileEntry]:
-        resp = await self._s._c._unary("ListFiles", pb.ListFilesRequest(sandbox_id=self._s.id, path=path))
+    async def list(self, path: str, user: Optional[str] = None) -> List[FileEntry]:
+        req = pb.ListFilesRequest(sandbox_id=self._s.id, path=path, user=user or "")
+        resp = await self._s._c._unary("ListFiles", req)
         return [FileEntry(e.name, e.is_dir, e.size, e.mode) for e in resp.entries]
 
 
@@ -282,8 +286,11 @@ class AsyncSandbox(c.SandboxInfo):
         stdin: Union[bytes, str, None] = None,
         language: Optional[str] = None,
         memory_limit_mib: Optional[int] = None,
+        user: Optional[str] = None,
     ) -> AsyncExecution:
-        req = c.exec_request(self.id, cmd, cwd, env, timeout, stdin, language, memory_limit_mib)
+        req = c.exec_request(
+            self.id, cmd, cwd, env, timeout, stdin, language, memory_limit_mib, user
+        )
         return AsyncExecution(self._c, (await self._c._unary("Exec", req)).execution_id)
 
     async def exec(
@@ -295,12 +302,19 @@ class AsyncSandbox(c.SandboxInfo):
         timeout: Optional[float] = None,
         stdin: Union[bytes, str, None] = None,
         memory_limit_mib: Optional[int] = None,
+        user: Optional[str] = None,
         on_stdout: Optional[OutputCallback] = None,
         on_stderr: Optional[OutputCallback] = None,
         check: bool = True,
     ) -> ExecResult:
         ex = await self.start(
-            cmd, cwd=cwd, env=env, timeout=timeout, stdin=stdin, memory_limit_mib=memory_limit_mib
+            cmd,
+            cwd=cwd,
+            env=env,
+            timeout=timeout,
+            stdin=stdin,
+            memory_limit_mib=memory_limit_mib,
+            user=user,
         )
         return await ex.wait(on_stdout, on_stderr, check=check)
 
@@ -312,12 +326,18 @@ class AsyncSandbox(c.SandboxInfo):
         timeout: Optional[float] = None,
         env: Optional[Mapping[str, str]] = None,
         memory_limit_mib: Optional[int] = None,
+        user: Optional[str] = None,
         on_stdout: Optional[OutputCallback] = None,
         on_stderr: Optional[OutputCallback] = None,
         check: bool = True,
     ) -> ExecResult:
         ex = await self.start(
-            source, env=env, timeout=timeout, language=language, memory_limit_mib=memory_limit_mib
+            source,
+            env=env,
+            timeout=timeout,
+            language=language,
+            memory_limit_mib=memory_limit_mib,
+            user=user,
         )
         return await ex.wait(on_stdout, on_stderr, check=check)
 

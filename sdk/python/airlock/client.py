@@ -263,25 +263,29 @@ class Files:
     def __init__(self, sandbox: "Sandbox") -> None:
         self._s = sandbox
 
-    def write(self, path: str, data: Union[bytes, str], mode: int = 0) -> int:
+    def write(
+        self, path: str, data: Union[bytes, str], mode: int = 0, user: Optional[str] = None
+    ) -> int:
         """Writes ``data`` to ``path`` (parents are created); returns the bytes written."""
         try:
             resp = self._s._c._stub.WriteFile(
-                c.write_requests(self._s.id, path, data, mode), metadata=self._s._c._metadata
+                c.write_requests(self._s.id, path, data, mode, user),
+                metadata=self._s._c._metadata,
             )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         return resp.bytes_written
 
-    def read(self, path: str) -> bytes:
-        req = pb.ReadFileRequest(sandbox_id=self._s.id, path=path)
+    def read(self, path: str, user: Optional[str] = None) -> bytes:
+        req = pb.ReadFileRequest(sandbox_id=self._s.id, path=path, user=user or "")
         return b"".join(chunk.data for chunk in self._s._c._server_stream("ReadFile", req))
 
-    def read_text(self, path: str, encoding: str = "utf-8") -> str:
-        return self.read(path).decode(encoding)
+    def read_text(self, path: str, encoding: str = "utf-8", user: Optional[str] = None) -> str:
+        return self.read(path, user).decode(encoding)
 
-    def list(self, path: str) -> List[FileEntry]:
-        resp = self._s._c._unary("ListFiles", pb.ListFilesRequest(sandbox_id=self._s.id, path=path))
+    def list(self, path: str, user: Optional[str] = None) -> List[FileEntry]:
+        req = pb.ListFilesRequest(sandbox_id=self._s.id, path=path, user=user or "")
+        resp = self._s._c._unary("ListFiles", req)
         return [FileEntry(e.name, e.is_dir, e.size, e.mode) for e in resp.entries]
 
 
@@ -314,13 +318,16 @@ class Sandbox(c.SandboxInfo):
         stdin: Union[bytes, str, None] = None,
         language: Optional[str] = None,
         memory_limit_mib: Optional[int] = None,
+        user: Optional[str] = None,
     ) -> Execution:
         """Starts ``cmd`` and returns at once. ``cmd`` is an argv list, or a string run by
         ``/bin/sh -c`` (source code in ``language`` when that is given). ``timeout`` in
         seconds is enforced by the daemon even if this client goes away; ``memory_limit_mib``
         bounds the program's memory (going over it raises :class:`~airlock.OomKilled` from
         :meth:`Execution.wait`, and the sandbox lives on)."""
-        req = c.exec_request(self.id, cmd, cwd, env, timeout, stdin, language, memory_limit_mib)
+        req = c.exec_request(
+            self.id, cmd, cwd, env, timeout, stdin, language, memory_limit_mib, user
+        )
         return Execution(self._c, self._c._unary("Exec", req).execution_id)
 
     def exec(
@@ -332,6 +339,7 @@ class Sandbox(c.SandboxInfo):
         timeout: Optional[float] = None,
         stdin: Union[bytes, str, None] = None,
         memory_limit_mib: Optional[int] = None,
+        user: Optional[str] = None,
         on_stdout: Optional[OutputCallback] = None,
         on_stderr: Optional[OutputCallback] = None,
         check: bool = True,
@@ -341,7 +349,13 @@ class Sandbox(c.SandboxInfo):
         code is returned, not raised; a timeout raises :class:`~airlock.ExecTimeout` (unless
         ``check=False``)."""
         return self.start(
-            cmd, cwd=cwd, env=env, timeout=timeout, stdin=stdin, memory_limit_mib=memory_limit_mib
+            cmd,
+            cwd=cwd,
+            env=env,
+            timeout=timeout,
+            stdin=stdin,
+            memory_limit_mib=memory_limit_mib,
+            user=user,
         ).wait(
             on_stdout, on_stderr, check=check
         )
@@ -354,13 +368,19 @@ class Sandbox(c.SandboxInfo):
         timeout: Optional[float] = None,
         env: Optional[Mapping[str, str]] = None,
         memory_limit_mib: Optional[int] = None,
+        user: Optional[str] = None,
         on_stdout: Optional[OutputCallback] = None,
         on_stderr: Optional[OutputCallback] = None,
         check: bool = True,
     ) -> ExecResult:
         """Runs source code with the guest's interpreter (``python`` or ``sh``)."""
         ex = self.start(
-            source, env=env, timeout=timeout, language=language, memory_limit_mib=memory_limit_mib
+            source,
+            env=env,
+            timeout=timeout,
+            language=language,
+            memory_limit_mib=memory_limit_mib,
+            user=user,
         )
         return ex.wait(on_stdout, on_stderr, check=check)
 

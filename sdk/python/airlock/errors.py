@@ -5,11 +5,12 @@ Every failed call raises an :class:`AirlockError` subclass chosen by the reason 
 ``proto/airlock.proto``). The classes tell three kinds of trouble apart:
 
 * your own request: :class:`InvalidArgument`, :class:`Unauthenticated`, :class:`NotFound` and its
-  subclasses, :class:`TemplateExists`, :class:`SandboxNotRunning`, :class:`PathNotAllowed`;
+  subclasses, :class:`TemplateExists`, :class:`SandboxNotRunning`, :class:`PathNotAllowed`,
+  :class:`GuestPermissionDenied`;
 * limits: :class:`ResourceExhausted` (:class:`CapacityExhausted`, :class:`QuotaExceeded`,
   :class:`FileTooLarge`, :class:`DiskQuotaExceeded`);
-* the code you ran or the sandbox it ran in: :class:`ExecTimeout`, :class:`SandboxDead`
-  (:class:`GuestCrashed`, :class:`OomKilled`, :class:`SeccompViolation`);
+* the code you ran or the sandbox it ran in: :class:`StartFailed`, :class:`ExecTimeout`,
+  :class:`SandboxDead` (:class:`GuestCrashed`, :class:`OomKilled`, :class:`SeccompViolation`);
 * the platform: :class:`Unavailable`, :class:`InternalError`.
 """
 
@@ -36,6 +37,8 @@ __all__ = [
     "FileTooLarge",
     "DiskQuotaExceeded",
     "PathNotAllowed",
+    "GuestPermissionDenied",
+    "StartFailed",
     "ExecTimeout",
     "SandboxDead",
     "GuestCrashed",
@@ -167,6 +170,19 @@ class PathNotAllowed(AirlockError):
     reason_codes = ("PATH_NOT_ALLOWED",)
 
 
+class GuestPermissionDenied(AirlockError):
+    """The guest account the call acted as (``user``) may not touch the path."""
+
+    reason_codes = ("GUEST_PERMISSION_DENIED",)
+
+
+class StartFailed(AirlockError):
+    """The guest could not start the command: no such program, working directory or account,
+    or the account (``user``) may not run it there."""
+
+    reason_codes = ("START_FAILED",)
+
+
 class ExecTimeout(AirlockError):
     """An execution ran past its timeout and was ended by the daemon (``result`` has its output)."""
 
@@ -226,6 +242,8 @@ _BY_REASON = {
         FileTooLarge,
         DiskQuotaExceeded,
         PathNotAllowed,
+        GuestPermissionDenied,
+        StartFailed,
         ExecTimeout,
         SandboxDead,
         GuestCrashed,

@@ -46,8 +46,15 @@ def test_exec_result_fields(sandbox):
     assert r.duration_ms == r.ended_unix_ms - r.started_unix_ms
     assert r.cpu_user_us + r.cpu_system_us > 0
 
-    py = sandbox.run_code("import sys; print(6*7); print('e', file=sys.stderr)")
-    assert py.ok and py.stdout == "42\n" and py.stderr == "e\n"
+    py = sandbox.run_code("import os, sys; print(os.getuid()); print('e', file=sys.stderr)")
+    assert py.ok and py.stdout == "1000\n" and py.stderr == "e\n"
+    # Code is unprivileged unless it asks for root, and so are file calls.
+    root = sandbox.run_code("import os; print(os.getuid(), os.getcwd())", user="root")
+    assert root.stdout == "0 /root\n"
+    sandbox.files.write("/tmp/owned-by-root", "r", mode=0o600, user="root")
+    with pytest.raises(airlock.GuestPermissionDenied):
+        sandbox.files.read("/tmp/owned-by-root")
+    assert sandbox.files.read("/tmp/owned-by-root", user="root") == b"r"
 
     # The stored record and output, by id.
     again = sandbox._c.executions.get(r.execution_id)
@@ -313,7 +320,7 @@ def test_a_vmm_that_breaks_its_seccomp_filter_is_reported(client):
 def test_a_guest_kernel_panic_is_reported(client):
     sb = client.sandboxes.create()
     with pytest.raises(airlock.GuestCrashed) as e:
-        sb.exec(["sh", "-c", "echo c > /proc/sysrq-trigger"])
+        sb.exec(["sh", "-c", "echo c > /proc/sysrq-trigger"], user="root")
     assert e.value.reason == "GUEST_CRASHED"
     assert e.value.result.state == "failed"
     assert sb.refresh().state == "dead" and sb.end_reason == "GUEST_CRASHED"
