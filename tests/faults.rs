@@ -1,7 +1,8 @@
 //! The fault matrix, through a real gRPC client with real VMs: each fault ends in its
 //! documented state and error, and leaves nothing behind (no VMM process, cgroup or run
-//! directory of the sandbox it hit): a VMM killed mid-execution, a guest kernel panic, a fork
-//! bomb, a flood of output, and the host's data directory running full (creates fail with
+//! directory of the sandbox it hit): a VMM killed mid-execution, a guest kernel panic, the OOM
+//! killer in a VMM's cgroup, a fork bomb, a flood of output, and the host's data directory
+//! running full (creates fail with
 //! CAPACITY_EXHAUSTED `data_dir`, nothing is corrupted, and the service resumes when space
 //! returns). One daemon and template for all, its data directory on a tmpfs that can fill up.
 #![allow(clippy::unwrap_used)] // a failed step is a failed test
@@ -139,6 +140,64 @@ async fn a_guest_kernel_panic_ends_the_sandbox_as_guest_crashed() {
         .await
         .expect_err("a dead sandbox");
     assert_eq!(reason(&refused).0, "GUEST_CRASHED");
+    nothing_left_of(s, sb.vmm_pid);
+}
+
+/// The memory cgroup directory of process `pid` (cgroup v2, else the v1 memory hierarchy).
+fn memory_cgroup_of(pid: u32) -> std::path::PathBuf {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let line = |pred: &dyn Fn(&str) -> bool| {
+        text.lines().find_map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (_, ctl, path) = (f.next()?, f.next()?, f.next()?);
+            pred(ctl).then(|| path.trim_start_matches('/').to_owned())
+        })
+    };
+    match line(&|c| c.split(',').any(|x| x == "memory")) {
+        Some(p) => std::path::Path::new("/sys/fs/cgroup/memory").join(p),
+        None => std::path::Path::new("/sys/fs/cgroup").join(line(&|c| c.is_empty()).unwrap()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_oom_killer_in_a_vmms_cgroup_ends_it_as_oom_killed() {
+    let (_serial, s) = shared().await;
+    let mut c = s.client(None).await;
+    let sb = create_sandbox(&mut c, &s.log).await;
+    let neighbour = create_sandbox(&mut c, &s.log).await;
+    // The host's memory runs short for this VMM alone: its cgroup's limit drops to what it
+    // uses now plus 16 MiB, and the guest then touches 160 MiB it has never used.
+    let cg = memory_cgroup_of(sb.vmm_pid);
+    let (usage, limit) = if cg.join("memory.limit_in_bytes").exists() {
+        ("memory.usage_in_bytes", "memory.limit_in_bytes")
+    } else {
+        ("memory.current", "memory.max")
+    };
+    let now: u64 = std::fs::read_to_string(cg.join(usage))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    std::fs::write(cg.join(limit), ((now >> 20) + 16).to_string() + "M")
+        .unwrap_or_else(|e| panic!("lowering {}: {e}", cg.join(limit).display()));
+    let hog = "python3 -c \"a = b'x' * (160 << 20); print(len(a))\"";
+    let ex = c.exec(shell(&sb.id, hog, 0)).await.unwrap().into_inner();
+    let dead = ended_sandbox(&mut c, &sb.id).await;
+    assert_eq!(dead.state, SandboxState::Dead as i32, "{dead:?}");
+    assert_eq!(dead.end_reason, "OOM_KILLED", "{dead:?}");
+    let rec = ended_execution(&mut c, &ex.execution_id, 60)
+        .await
+        .execution
+        .unwrap();
+    assert_eq!(rec.state, ExecutionState::OomKilled as i32, "{rec:?}");
+    assert_eq!(rec.error_reason, "OOM_KILLED", "{rec:?}");
+    let (out, _, _) = run(&mut c, &neighbour.id, &["echo", "unharmed"]).await;
+    assert_eq!(out, "unharmed\n");
+    c.destroy_sandbox(DestroySandboxRequest {
+        sandbox_id: neighbour.id.clone(),
+    })
+    .await
+    .unwrap();
     nothing_left_of(s, sb.vmm_pid);
 }
 
