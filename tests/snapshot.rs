@@ -104,6 +104,8 @@ fn clones_of_a_snapshot_continue_its_state_with_their_own_identity() {
     step("state before the snapshot", &mut t);
 
     let snap = TempDir::new("snap-dir");
+    // The VMM creates no files once it runs: its caller prepares the snapshot's.
+    airlock_control::snapshot_dir::prepare(&snap.0, None).expect("prepare the snapshot dir");
     vm.control("pause");
     let answer = vm.control(&format!("snapshot {}", snap.0.display()));
     eprintln!("snapshot: {answer}");

@@ -70,7 +70,8 @@ process options (every VM subcommand):
   --no-seccomp              no per-thread seccomp filters (debugging only; by default every
                             thread installs its filter before the guest runs, and a system call
                             outside it ends the VMM with exit code 70)
-  --test-hooks              accept `probe open PATH`, `probe kill PID SIG` and `probe seccomp`
+  --test-hooks              accept `probe open PATH`, `probe kill PID SIG`, `probe seccomp` and
+                            `probe create PATH`
                             on the control socket (tests of the jail; never in production)
 environment: AIRLOCK_LOG=error|warn|info|debug (default info)";
 

@@ -4,11 +4,13 @@
 //! - `probe open PATH`: open a file read-only (a host file outside the jail must not open);
 //! - `probe kill PID SIG`: send a signal (another sandbox's VMM must be out of reach);
 //! - `probe seccomp`: make a system call outside the main thread's filter (`socket(AF_INET)`:
-//!   the filter allows only Unix sockets); the VMM must die with the violation exit code.
+//!   the filter allows only Unix sockets); the VMM must die with the violation exit code;
+//! - `probe create PATH`: create a file from the event loop (a running VMM creates none, so
+//!   that what it can write to disk stays bounded); it must die the same way.
 //!
 //! `open` and `kill` run on their own thread under the `probe` filter, which allows exactly
 //! those calls, so what refuses them is the jail (mount namespace, pivot_root, uid, PID
-//! namespace), not seccomp. `seccomp` runs on the event-loop thread. Nothing here is reachable
+//! namespace), not seccomp. `seccomp` and `create` run on the event-loop thread. Nothing here is reachable
 //! without `--test-hooks`, which only tests pass.
 
 use std::path::PathBuf;
@@ -27,6 +29,7 @@ pub enum Probe {
     Open(PathBuf),
     Kill { pid: i32, signal: i32 },
     Seccomp,
+    Create(PathBuf),
 }
 
 type Request = (Probe, Sender<CommandReply>);
@@ -67,7 +70,8 @@ pub fn parse(arg: &str) -> Result<Probe, String> {
             _ => Err("probe kill PID SIG: numbers".into()),
         },
         ["seccomp"] => Ok(Probe::Seccomp),
-        _ => Err("probe open PATH | probe kill PID SIG | probe seccomp".into()),
+        ["create", path] => Ok(Probe::Create(PathBuf::from(path))),
+        _ => Err("probe open PATH | probe kill PID SIG | probe seccomp | probe create PATH".into()),
     }
 }
 
@@ -75,6 +79,7 @@ pub fn parse(arg: &str) -> Result<Probe, String> {
 pub fn run(probe: Probe) -> CommandReply {
     match probe {
         Probe::Seccomp => Ok(Reply::Probe(forbidden_call())),
+        Probe::Create(path) => Ok(Reply::Probe(create_file(&path))),
         other => {
             let thread = PROBE_THREAD.get().ok_or("test hooks are off")?;
             let (tx, rx) = channel();
@@ -105,7 +110,20 @@ fn run_here(probe: &Probe) -> CommandReply {
                 json!({"sent": false, "errno": err.raw_os_error(), "error": err.to_string()})
             }))
         }
-        Probe::Seccomp => Err("probe seccomp runs on the event loop".into()),
+        Probe::Seccomp | Probe::Create(_) => Err("this probe runs on the event loop".into()),
+    }
+}
+
+/// Creates `path` on the calling thread (`openat` with `O_CREAT`, which the main thread's
+/// filter refuses).
+fn create_file(path: &std::path::Path) -> serde_json::Value {
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+    {
+        Ok(_) => json!({"created": true, "seccomp": crate::seccomp::enabled()}),
+        Err(e) => json!({"created": false, "errno": e.raw_os_error(), "error": e.to_string()}),
     }
 }
 

@@ -230,6 +230,11 @@ pub fn serve_control(vmm: &vmm::Vmm, path: Option<&Path>) -> Result<(), ExitCode
 
 /// `airlock-vmm snapshot`: boot, wait for the agent, pause, write the snapshot, end the VM.
 pub fn snapshot(opts: cli::SnapshotOptions, started: Instant) -> ExitCode {
+    // Before the VM runs: once it does, this process creates no files.
+    if let Err(e) = airlock_control::snapshot_dir::prepare(&opts.out, None) {
+        log::error!("snapshot directory {}: {e}", opts.out.display());
+        return ExitCode::from(code::VMM_ERROR);
+    }
     let mut run = opts.run;
     let Some((_tmp, console_path, uds)) = session_files(&mut run) else {
         return ExitCode::from(code::VMM_ERROR);

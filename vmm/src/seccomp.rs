@@ -259,6 +259,7 @@ mod tests {
             ("SIGABRT", libc::SIGABRT as u64),
             ("SIGRTMIN", crate::vcpu::kick_signal() as u64),
             ("prot & PROT_EXEC == 0", 0),
+            ("flags & (O_CREAT | __O_TMPFILE) == 0", 0),
         ];
         let pinned = pinned_values();
         assert!(pinned.iter().any(|(n, _)| n == "KVM_RUN"));
@@ -268,6 +269,38 @@ mod tests {
                 .find(|(n, _)| *n == name)
                 .unwrap_or_else(|| panic!("no expected value for the pinned argument {name:?}"));
             assert_eq!(value, want.1, "{name}: the JSON pins {value:#x}");
+        }
+    }
+
+    #[test]
+    fn no_thread_of_a_running_vmm_creates_files_or_directories() {
+        let doc: serde_json::Value = serde_json::from_str(JSON).unwrap();
+        // O_TMPFILE includes O_DIRECTORY, which opening a directory needs: mask its own bit.
+        let creating = (libc::O_CREAT | (libc::O_TMPFILE & !libc::O_DIRECTORY)) as u64;
+        for class in ["common", "vmm", "vcpu", "api", "client", "probe"] {
+            for rule in doc[class]["filter"].as_array().unwrap() {
+                let call = rule["syscall"].as_str().unwrap();
+                let creates = [
+                    "creat",
+                    "open",
+                    "mkdir",
+                    "mkdirat",
+                    "mknod",
+                    "mknodat",
+                    "link",
+                    "linkat",
+                    "symlink",
+                    "symlinkat",
+                    "fallocate",
+                ];
+                assert!(!creates.contains(&call), "{class} allows {call}");
+                if call == "openat" {
+                    let arg = &rule["args"][0];
+                    assert_eq!(arg["index"], 2, "{class}: openat's flags");
+                    assert_eq!(arg["op"]["masked_eq"], creating, "{class}: openat's mask");
+                    assert_eq!(arg["val"], 0, "{class}: openat's flags");
+                }
+            }
         }
     }
 

@@ -312,14 +312,15 @@ impl Vmm {
         Ok(())
     }
 
-    /// Writes a snapshot of the paused VM into `dir`: guest memory first, then the `state`
-    /// file (renamed into place last, so a directory with a `state` file is complete).
+    /// Writes a snapshot of the paused VM into `dir`, which the caller prepared (see
+    /// [`airlock_control::snapshot_dir`]: the VMM creates no files): guest memory first, then
+    /// the `state` file (renamed into place last, so a directory with a `state` file is
+    /// complete).
     pub fn snapshot(&mut self, dir: &std::path::Path) -> Result<SnapshotReply, String> {
         if !self.paused {
             return Err("pause the VM before taking a snapshot".into());
         }
         let began = Instant::now();
-        std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
         for v in &self.vcpus {
             v.send(VcpuEvent::SaveState);
         }

@@ -184,8 +184,14 @@ fn garbage_kernel_image_is_a_vmm_error() {
 /// (a system call outside the event loop's filter) and returns the process's output and the
 /// probe's answer (none if the VMM died first).
 fn probe_seccomp(tag: &str, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
-    common::require_kvm();
     let dir = TempDir::new(tag);
+    probe_vmm(&dir, "probe seccomp", extra)
+}
+
+/// Boots a spinning guest in `dir` with a control socket and the test hooks, sends `probe`
+/// and returns the process's output and the probe's answer (none if the VMM died first).
+fn probe_vmm(dir: &TempDir, probe: &str, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    common::require_kvm();
     let kernel = common::write_temp(&dir.0, "kernel.elf", &common::elf64(common::SPIN));
     let rootfs = common::write_temp(&dir.0, "root.img", &[0u8; 4096]);
     let control = dir.0.join("control.sock");
@@ -213,7 +219,7 @@ fn probe_seccomp(tag: &str, extra: &[&str]) -> (Output, Option<serde_json::Value
     while !control.exists() && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    let answer = vmm::control::send_command(&control, "probe seccomp").ok();
+    let answer = vmm::control::send_command(&control, probe).ok();
     if answer.is_some() {
         let _ = vmm::control::send_command(&control, "stop");
     }
@@ -250,6 +256,34 @@ fn without_seccomp_the_same_call_is_made_and_the_vmm_lives_on() {
         "{}",
         stderr(&out)
     );
+}
+
+#[test]
+fn a_running_vmm_that_creates_a_file_is_ended_with_the_seccomp_code() {
+    let dir = TempDir::new("create");
+    let target = dir.0.join("planted");
+    let (out, answer) = probe_vmm(&dir, &format!("probe create {}", target.display()), &[]);
+    assert_eq!(answer, None, "the VMM answered: it created a file");
+    assert!(!target.exists(), "the file was created");
+    assert_eq!(
+        out.status.code(),
+        Some(i32::from(code::SECCOMP_VIOLATION)),
+        "{}",
+        stderr(&out)
+    );
+    let openat = libc::SYS_openat.to_string();
+    assert!(
+        stderr(&out).contains(&format!("system call {openat} on a vmm thread")),
+        "{}",
+        stderr(&out)
+    );
+    // The probe itself works: without seccomp the file is made.
+    let dir = TempDir::new("create-noseccomp");
+    let target = dir.0.join("planted");
+    let probe = format!("probe create {}", target.display());
+    let (_, answer) = probe_vmm(&dir, &probe, &["--no-seccomp"]);
+    assert_eq!(answer.expect("an answer")["created"], true);
+    assert!(target.exists());
 }
 
 #[test]

@@ -86,7 +86,7 @@ fn snapshot_dir(tag: &str) -> PathBuf {
     let dir =
         std::env::temp_dir().join(format!("airlock-kvm-snapshot-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    airlock_control::snapshot_dir::prepare(&dir, None).unwrap();
     dir
 }
 

@@ -80,15 +80,24 @@ impl Sandboxes {
                 .await
                 .map_err(control_error("pause"))?;
         }
-        // The VMM writes into its run directory (the one place its jail can write); the
-        // snapshot then moves to the templates, owned by root.
+        // The VMM writes into its run directory (the one place its jail can write), into the
+        // files prepared here for it (a running VMM creates none); the snapshot then moves to
+        // the templates, owned by root.
         let staging = v.run_dir.join(format!("snapshot-{tid}"));
-        let written = vmm::control::snapshot(&v.control, &staging).await;
+        let vmm_ids = v.uid.map(|uid| (uid, uid));
+        let written = match airlock_control::snapshot_dir::prepare(&staging, vmm_ids) {
+            Ok(()) => vmm::control::snapshot(&v.control, &staging)
+                .await
+                .map_err(control_error("snapshot")),
+            Err(e) => Err(ApiError::Internal(format!(
+                "preparing the snapshot's directory: {e}"
+            ))),
+        };
         if state == SandboxState::Running {
             let _ = vmm::control::resume(&v.control).await;
         }
         // The VMM runs on and may hold descriptors of what it wrote: the template is a copy.
-        let imported = written.map_err(control_error("snapshot")).and_then(|_| {
+        let imported = written.and_then(|_| {
             crate::templates::import::import(&staging, &dir)
                 .map_err(|e| ApiError::Internal(format!("taking the snapshot: {e}")))
         });

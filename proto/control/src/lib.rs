@@ -6,7 +6,8 @@
 //! - the replies ([`StateReply`], [`StatusReply`], [`SnapshotReply`], [`RestoreReply`],
 //!   [`StopReply`]): one JSON object per answer, `{"ok":true,...}` or
 //!   `{"ok":false,"error":"..."}`, read with [`parse_reply`] into the type the request expects;
-//! - [`exit`]: the VMM's process exit codes and what each one means.
+//! - [`exit`]: the VMM's process exit codes and what each one means;
+//! - [`snapshot_dir`]: the directory a snapshot is written into, which its caller prepares.
 //!
 //! The I/O stays with each side (the VMM serves the socket on a thread under its seccomp filter,
 //! the daemon talks to it from its async runtime); [`call`] is a small blocking client for tools
@@ -16,6 +17,7 @@
 pub mod exit;
 mod reply;
 mod request;
+pub mod snapshot_dir;
 
 pub use reply::{
     ControlError, Reply, RestoreReply, SnapshotReply, StateReply, StatusReply, StopReply, VmState,

@@ -83,11 +83,16 @@ fn resident_pages(addr: *mut u8, len: usize) -> Vec<bool> {
     vec.iter().map(|b| b & 1 == 1).collect()
 }
 
-/// Writes guest memory into `path` (created or truncated) as a sparse file laid out by
-/// [`layout`]. Returns the number of bytes written (resident pages only).
+/// Writes guest memory into the prepared (existing, see [`airlock_control::snapshot_dir`])
+/// file `path`, truncated first, as a sparse file laid out by [`layout`]. Returns the number
+/// of bytes written (resident pages only).
 pub fn save(mem: &GuestMemoryMmap, path: &Path) -> Result<u64, MemoryError> {
     let werr = |e| MemoryError::Write(path.display().to_string(), e);
-    let file = File::create(path).map_err(werr)?;
+    let (dir, name) = match (path.parent(), path.file_name().and_then(|n| n.to_str())) {
+        (Some(d), Some(n)) => (d, n),
+        _ => return Err(werr(std::io::Error::from(std::io::ErrorKind::InvalidInput))),
+    };
+    let file = airlock_control::snapshot_dir::open_prepared(dir, name).map_err(werr)?;
     let mut written = 0u64;
     let mut buf = vec![0u8; CHUNK_PAGES * PAGE];
     for (region, l) in mem.iter().zip(layout(mem)) {
@@ -334,8 +339,11 @@ impl Drop for Reservation {
 mod tests {
     use super::*;
 
+    /// An empty file to save into (`save` writes only files its caller prepared).
     fn temp(name: &str) -> std::path::PathBuf {
-        std::env::temp_dir().join(format!("airlock-mem-{}-{name}", std::process::id()))
+        let p = std::env::temp_dir().join(format!("airlock-mem-{}-{name}", std::process::id()));
+        File::create(&p).unwrap();
+        p
     }
 
     #[test]

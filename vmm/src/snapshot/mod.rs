@@ -37,9 +37,9 @@ pub const MAX_STATE_BYTES: u64 = 16 << 20;
 pub const MAX_MEMORY_BYTES: u64 = 1 << 40;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8;
 
-/// File names inside a snapshot directory.
-pub const STATE_FILE: &str = "state";
-pub const MEMORY_FILE: &str = "memory";
+/// File names inside a snapshot directory (prepared by the caller: see
+/// [`airlock_control::snapshot_dir`]).
+pub use airlock_control::snapshot_dir::{MEMORY_FILE, STATE_FILE, STATE_TMP_FILE};
 
 /// Errors writing or reading a snapshot.
 #[derive(Debug, Error)]
@@ -267,7 +267,8 @@ impl Snapshot {
         Ok(())
     }
 
-    /// Writes the `state` file into `dir` (atomically: a temporary file renamed into place).
+    /// Writes the `state` file into `dir` (atomically: the prepared temporary file, renamed
+    /// into place).
     pub fn write_state(&self, dir: &Path) -> Result<u64, SnapshotError> {
         let payload =
             bincode::serde::encode_to_vec(self, codec()).map_err(SnapshotError::Encode)?;
@@ -278,12 +279,13 @@ impl Snapshot {
         out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
         out.extend_from_slice(&payload);
         let path = dir.join(STATE_FILE);
-        let tmp = dir.join(format!("{STATE_FILE}.tmp"));
+        let tmp = dir.join(STATE_TMP_FILE);
         let io = |p: &Path| {
             let p = p.to_path_buf();
             move |e| SnapshotError::Io(p, e)
         };
-        let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+        let mut f =
+            airlock_control::snapshot_dir::open_prepared(dir, STATE_TMP_FILE).map_err(io(&tmp))?;
         f.write_all(&out).map_err(io(&tmp))?;
         f.sync_all().map_err(io(&tmp))?;
         std::fs::rename(&tmp, &path).map_err(io(&path))?;
@@ -406,7 +408,7 @@ mod tests {
             std::process::id(),
             std::thread::current().id()
         ));
-        std::fs::create_dir_all(&dir).unwrap();
+        airlock_control::snapshot_dir::prepare(&dir, None).unwrap();
         s.write_state(&dir).unwrap();
         let bytes = std::fs::read(dir.join(STATE_FILE)).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
