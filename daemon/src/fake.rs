@@ -311,17 +311,31 @@ fn control_reply(vm: &FakeVm, line: &str) -> Result<Reply, String> {
             Ok(Reply::State(StateReply { state: *state }))
         }
         Request::Snapshot(dir) if *state == VmState::Paused => {
-            std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-            std::fs::write(dir.join("memory"), b"m").map_err(|e| e.to_string())?;
-            std::fs::write(dir.join("state"), b"s").map_err(|e| e.to_string())?;
+            // Like a real VMM: only into the files its caller prepared.
+            let prepared = |name| {
+                airlock_control::snapshot_dir::open_prepared(&dir, name).map_err(|e| e.to_string())
+            };
+            prepared("memory")?
+                .write_all(b"m")
+                .map_err(|e| e.to_string())?;
+            prepared("state.tmp")?
+                .write_all(b"s")
+                .map_err(|e| e.to_string())?;
+            std::fs::rename(dir.join("state.tmp"), dir.join("state")).map_err(|e| e.to_string())?;
             Ok(Reply::Snapshot(SnapshotReply {
                 dir: dir.display().to_string(),
                 memory_bytes_written: 1,
                 state_bytes: 1,
                 snapshot_ms: 1.0,
                 memory_ms: 1.0,
+                settle: None,
             }))
         }
+        Request::Settle(_) => Ok(Reply::Settle(airlock_control::SettleReply {
+            settled: true,
+            waited_ms: 0.0,
+            busy_ms: 0.0,
+        })),
         Request::Stop => Ok(Reply::Stop(Default::default())),
         other => Err(format!("the fake VM does not take {other} now")),
     }

@@ -113,6 +113,28 @@ impl AgentClient<UnixStream, UnixStream> {
     }
 }
 
+/// The Reseed that gives a restored clone its own identity: fresh host entropy
+/// ([`crate::identity`]), `sandbox_id` as its id and host name, and `tmp_size_bytes` as the
+/// size of its /tmp (0: unchanged).
+pub fn clone_identity(sandbox_id: &str, tmp_size_bytes: u64) -> Result<pb::Reseed, ClientError> {
+    let mut entropy = [0u8; crate::identity::CLONE_ENTROPY_BYTES];
+    crate::identity::random_bytes(&mut entropy).map_err(FrameError::Io)?;
+    Ok(pb::Reseed {
+        entropy: entropy.to_vec(),
+        hostname: sandbox_id.to_owned(),
+        sandbox_id: sandbox_id.to_owned(),
+        tmp_size_bytes,
+    })
+}
+
+/// How the answers to `req` arrive.
+fn pending_of(req: &Request) -> Pending {
+    match req.kind {
+        Some(request::Kind::Exec(_) | request::Kind::Attach(_)) => Pending::Exec,
+        _ => Pending::Single,
+    }
+}
+
 fn connect(path: &Path) -> Result<UnixStream, ClientError> {
     UnixStream::connect(path).map_err(|source| ClientError::Connect {
         path: path.display().to_string(),
@@ -145,6 +167,29 @@ impl<R: Read, W: Write> AgentClient<R, W> {
             stash_bytes: 0,
             side_requests: false,
         })
+    }
+
+    /// Like [`from_stream`](Self::from_stream), with a first request sent before the agent's
+    /// `Ready` is read: it travels with the connection's first exchange instead of a round
+    /// trip after it (the agent reads it once it has sent Ready). Returns the client and the
+    /// request's id; its answer comes with [`recv_for`](Self::recv_for) as usual.
+    pub fn from_stream_pipelined(
+        reader: R,
+        mut writer: W,
+        first: request::Kind,
+    ) -> Result<(Self, u64), ClientError> {
+        const FIRST_ID: u64 = 1;
+        let req = Request {
+            id: FIRST_ID,
+            kind: Some(first),
+        };
+        let pending = pending_of(&req);
+        write_frame(&mut writer, &req)?;
+        writer.flush().map_err(FrameError::Io)?;
+        let mut client = Self::from_stream(reader, writer)?;
+        client.last_id = FIRST_ID;
+        client.in_flight.insert(FIRST_ID, pending);
+        Ok((client, FIRST_ID))
     }
 
     /// The agent's `Ready` frame.
@@ -185,10 +230,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
         if self.in_flight.contains_key(&req.id) {
             return Err(ClientError::InvalidRequest("request id already in flight"));
         }
-        let pending = match req.kind {
-            Some(request::Kind::Exec(_) | request::Kind::Attach(_)) => Pending::Exec,
-            _ => Pending::Single,
-        };
+        let pending = pending_of(req);
         write_frame(&mut self.writer, req)?;
         self.writer.flush().map_err(FrameError::Io)?;
         self.in_flight.insert(req.id, pending);
@@ -512,14 +554,16 @@ impl<R: Read, W: Write> AgentClient<R, W> {
         sandbox_id: &str,
         tmp_size_bytes: u64,
     ) -> Result<Reseeded, ClientError> {
-        let mut entropy = [0u8; crate::identity::CLONE_ENTROPY_BYTES];
-        crate::identity::random_bytes(&mut entropy).map_err(FrameError::Io)?;
-        self.reseed_with(pb::Reseed {
-            entropy: entropy.to_vec(),
-            hostname: sandbox_id.to_owned(),
-            sandbox_id: sandbox_id.to_owned(),
-            tmp_size_bytes,
-        })
+        self.reseed_with(clone_identity(sandbox_id, tmp_size_bytes)?)
+    }
+
+    /// The answer to a Reseed sent as request `id` (for example pipelined with the
+    /// connection, see [`from_stream_pipelined`](Self::from_stream_pipelined)).
+    pub fn reseeded(&mut self, id: u64) -> Result<Reseeded, ClientError> {
+        match into_kind(self.recv_for(id)?)? {
+            response::Kind::Reseeded(done) => Ok(done),
+            other => Err(protocol(format!("expected Reseeded, got {other:?}"))),
+        }
     }
 
     /// [`reseed`](Self::reseed) with every field of the request (for example the size limit

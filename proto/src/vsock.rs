@@ -195,12 +195,44 @@ pub fn wait_ready(
     deadline: Instant,
     gone: impl Fn() -> Option<String>,
 ) -> Result<TimedClient, WaitError> {
+    retry_until_ready(deadline, gone, || connect(uds, port, deadline, |_| {}))
+}
+
+/// [`wait_ready`] with a first request that goes out with the connection, before the agent's
+/// Ready is read (see [`AgentClient::from_stream_pipelined`]): returns the client and the
+/// request's id. Nothing is sent on an attempt that the VMM or the agent refused.
+pub fn wait_ready_pipelined(
+    uds: &Path,
+    port: u32,
+    deadline: Instant,
+    gone: impl Fn() -> Option<String>,
+    first: &crate::pb::request::Kind,
+) -> Result<(TimedClient, u64), WaitError> {
+    retry_until_ready(deadline, gone, || {
+        let stream = UnixStream::connect(uds).map_err(|source| ClientError::Connect {
+            path: uds.display().to_string(),
+            source,
+        })?;
+        let (mut reader, mut writer) =
+            TimedStream::pair(stream, Some(deadline)).map_err(crate::FrameError::Io)?;
+        handshake(&mut reader, &mut writer, port)?;
+        AgentClient::from_stream_pipelined(reader, writer, first.clone())
+    })
+}
+
+/// Tries `attempt` every [`RETRY`] until it succeeds, `deadline` passes or `gone` says why
+/// to stop.
+fn retry_until_ready<T>(
+    deadline: Instant,
+    gone: impl Fn() -> Option<String>,
+    mut attempt: impl FnMut() -> Result<T, ClientError>,
+) -> Result<T, WaitError> {
     let mut last = String::from("no attempt");
     while Instant::now() < deadline {
         if let Some(why) = gone() {
             return Err(WaitError::Cancelled(why));
         }
-        match connect(uds, port, deadline, |_| {}) {
+        match attempt() {
             Ok(c) => return Ok(c),
             // An agent that answered and speaks another protocol will not change its mind.
             Err(e @ ClientError::Version { .. }) => return Err(WaitError::Agent(e)),
@@ -248,6 +280,50 @@ mod tests {
 
     fn far() -> Instant {
         Instant::now() + Duration::from_secs(30)
+    }
+
+    #[test]
+    fn a_pipelined_first_request_arrives_before_ready_is_read() {
+        // This agent reads the first request before it sends Ready: a client that waited for
+        // Ready first would wait until its deadline.
+        let path = std::env::temp_dir().join(format!(
+            "airlock-vsock-test-{}-pipelined.sock",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path).unwrap();
+        let agent = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            read_line(&mut s).unwrap();
+            s.write_all(b"OK 1\n").unwrap();
+            let first: crate::pb::Request = crate::frame::read_frame(&mut s).unwrap().unwrap();
+            let ready = Response {
+                id: 0,
+                kind: Some(response::Kind::Ready(Ready {
+                    protocol_version: crate::PROTOCOL_VERSION,
+                    ..Default::default()
+                })),
+            };
+            write_frame(&mut s, &ready).unwrap();
+            let done = Response {
+                id: first.id,
+                kind: Some(response::Kind::Reseeded(crate::pb::Reseeded::default())),
+            };
+            write_frame(&mut s, &done).unwrap();
+            first
+        });
+        let identity = crate::client::clone_identity("sb-1", 0).unwrap();
+        let first = crate::pb::request::Kind::Reseed(identity.clone());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let (mut c, id) = wait_ready_pipelined(&path, 52, deadline, || None, &first).unwrap();
+        c.within(Duration::from_secs(5), |c| c.reseeded(id))
+            .unwrap();
+        let sent = agent.join().unwrap();
+        assert_eq!(sent.id, id);
+        assert_eq!(sent.kind, Some(crate::pb::request::Kind::Reseed(identity)));
+        // Later requests take later ids.
+        assert_eq!(c.next_id(), id + 1);
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]

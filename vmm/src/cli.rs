@@ -28,8 +28,10 @@ snapshot instead of booting, gives the clone fresh entropy and a sandbox id (hos
 CMD.
 
 snapshot: boots, waits until the guest agent answers, runs --warmup 'SHELL COMMAND' if given (so
-that what it reads is in the snapshot's page cache; its failure fails the snapshot), pauses the
-VM, writes a snapshot into DIR (files `state` and `memory`), prints a JSON summary and ends the VM.
+that what it reads is in the snapshot's page cache; its failure fails the snapshot), waits until
+the guest is quiet (its vCPUs nearly idle for 200 ms; at most --settle-ms, default 10000, 0 for
+no wait: clones would redo what it had pending), pauses the VM, writes a snapshot into DIR
+(files `state` and `memory`), prints a JSON summary and ends the VM.
 
 restore: restores the snapshot in DIR into this process and runs the VM until it powers off or
 is stopped (SIGTERM, or `stop` on the control socket). Its vsock device needs --vsock PATH.
@@ -218,16 +220,24 @@ pub struct SnapshotOptions {
     pub out: PathBuf,
     /// A shell command run in the guest before the snapshot.
     pub warmup: Option<String>,
+    /// The longest wait for the guest to settle before the pause (0: none).
+    pub settle: std::time::Duration,
 }
 
 pub fn parse_snapshot(args: &[String]) -> Result<SnapshotOptions, String> {
     let mut rest = Vec::new();
     let mut out = None;
     let mut warmup = None;
+    let mut settle_ms = DEFAULT_SETTLE_MS;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         if a == "--out" {
             out = Some(PathBuf::from(it.next().ok_or("--out needs a value")?));
+        } else if a == "--settle-ms" {
+            let v = it.next().ok_or("--settle-ms needs a value")?;
+            settle_ms = v
+                .parse()
+                .map_err(|_| format!("invalid --settle-ms {v:?}"))?;
         } else if a == "--warmup" {
             warmup = Some(it.next().ok_or("--warmup needs a shell command")?.clone());
         } else {
@@ -240,8 +250,12 @@ pub fn parse_snapshot(args: &[String]) -> Result<SnapshotOptions, String> {
         run,
         out: out.ok_or("--out DIR is required")?,
         warmup: warmup.filter(|w| !w.is_empty()),
+        settle: std::time::Duration::from_millis(settle_ms),
     })
 }
+
+/// How long `snapshot` waits at most for the guest to settle, by default.
+pub const DEFAULT_SETTLE_MS: u64 = 10_000;
 
 /// `airlock-vmm restore`.
 #[derive(Debug)]

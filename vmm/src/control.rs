@@ -43,8 +43,11 @@ pub enum VmCommand {
     Pause,
     /// Let paused vCPUs run again.
     Resume,
-    /// Write a snapshot of the paused VM into the directory (created if missing).
+    /// Write a snapshot of the paused VM into the directory (prepared by the caller).
     Snapshot(PathBuf),
+    /// Wait until the guest is quiet (see [`crate::settle`]), at most this long. Served on
+    /// the caller's thread, never by the event loop (which keeps the devices going meanwhile).
+    Settle(Duration),
     /// Report state and shape.
     Status,
     /// End the VM ([`crate::VmExit::Stopped`]).
@@ -122,6 +125,7 @@ pub fn parse_command(line: &str) -> Result<VmCommand, String> {
         Request::Status => Ok(VmCommand::Status),
         Request::Stop => Ok(VmCommand::Stop),
         Request::Snapshot(dir) => Ok(VmCommand::Snapshot(dir)),
+        Request::Settle(ms) => Ok(VmCommand::Settle(Duration::from_millis(ms))),
         Request::Probe(words) if crate::probe::enabled() => {
             crate::probe::parse(&words).map(VmCommand::Probe)
         }
@@ -145,11 +149,19 @@ fn serve_one(stream: UnixStream, handle: &ControlHandle) {
     let reply = match read {
         Ok(_) if line.len() > MAX_LINE => Err(format!("command longer than {MAX_LINE} bytes")),
         Ok(0) => return,
-        Ok(_) => parse_command(&line).and_then(|cmd| handle.call(cmd)),
+        Ok(_) => parse_command(&line).and_then(|cmd| call_here_or_there(cmd, handle)),
         Err(e) => Err(format!("read the command: {e}")),
     };
     let mut w = write_half;
     let _ = w.write_all(reply_line(&reply).as_bytes());
+}
+
+/// Runs `cmd`: `settle` on this thread, everything else in the event loop.
+pub fn call_here_or_there(cmd: VmCommand, handle: &ControlHandle) -> CommandReply {
+    match cmd {
+        VmCommand::Settle(max) => Ok(Reply::Settle(crate::settle::wait_quiet(max))),
+        other => handle.call(other),
+    }
 }
 
 /// Binds `path` (replacing a stale socket file) and serves commands on a `control-api`
@@ -340,6 +352,7 @@ mod tests {
             state_bytes: 4096,
             snapshot_ms: 12.5,
             memory_ms: 10.25,
+            settle: None,
         });
         let cases: [(Reply, Value); 7] = [
             (

@@ -14,6 +14,7 @@ pub mod memstat;
 pub mod probe;
 pub mod profile;
 pub mod seccomp;
+pub mod settle;
 pub mod snapshot;
 pub mod vcpu;
 pub mod vm;

@@ -255,10 +255,10 @@ pub fn snapshot(opts: cli::SnapshotOptions, started: Instant) -> ExitCode {
     let vm_gone = Arc::new(AtomicBool::new(false));
     let gone = vm_gone.clone();
     let out = opts.out.clone();
-    let warmup = opts.warmup.clone();
+    let (warmup, settle) = (opts.warmup.clone(), opts.settle);
     let taker = std::thread::Builder::new()
         .name("snapshot".into())
-        .spawn(move || take_snapshot(&uds, &out, warmup, deadline, &gone, &handle));
+        .spawn(move || take_snapshot(&uds, &out, (warmup, settle), deadline, &gone, &handle));
     let taker = match taker {
         Ok(t) => t,
         Err(e) => {
@@ -300,7 +300,7 @@ pub fn snapshot(opts: cli::SnapshotOptions, started: Instant) -> ExitCode {
 fn take_snapshot(
     uds: &Path,
     out: &Path,
-    warmup: Option<String>,
+    (warmup, settle): (Option<String>, Duration),
     deadline: Option<Instant>,
     vm_gone: &AtomicBool,
     handle: &vmm::control::ControlHandle,
@@ -318,9 +318,24 @@ fn take_snapshot(
             warm_up(&mut client, &cmd)?;
         }
         drop(client);
+        // Clones redo whatever the guest still had pending: let it finish first.
+        let settled = vmm::settle::wait_quiet(settle);
+        log::info!(
+            "guest {} after {} ms ({} ms of CPU meanwhile)",
+            if settled.settled {
+                "settled"
+            } else {
+                "still busy"
+            },
+            settled.waited_ms,
+            settled.busy_ms
+        );
         handle.call(VmCommand::Pause)?;
         match handle.call(VmCommand::Snapshot(out.to_path_buf()))? {
-            Reply::Snapshot(summary) => Ok(summary),
+            Reply::Snapshot(summary) => Ok(airlock_control::SnapshotReply {
+                settle: Some(settled),
+                ..summary
+            }),
             other => Err(format!("the VM answered the snapshot with {other:?}")),
         }
     })();

@@ -243,6 +243,7 @@ impl Vmm {
                 userspace_up: Some(self.console.ready_after_us().is_some()),
             })),
             VmCommand::Probe(p) => crate::probe::run(p),
+            VmCommand::Settle(_) => Err("settle runs on the caller's thread".into()),
             VmCommand::Stop => {
                 let mut st = self.control.lock().unwrap_or_else(|e| e.into_inner());
                 st.exit.get_or_insert(VmExit::Stopped);
@@ -374,6 +375,7 @@ impl Vmm {
             state_bytes,
             snapshot_ms: ms,
             memory_ms: mem_ms,
+            settle: None,
         })
     }
 

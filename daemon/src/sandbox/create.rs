@@ -234,17 +234,26 @@ impl Sandboxes {
                     vmm.is_gone().then(|| "its VMM ended".to_owned())
                 }
             };
-            let mut client =
-                airlock_proto::vsock::wait_ready(&vmm.vsock, AGENT_VSOCK_PORT, deadline, gone)
-                    .map_err(|e| ApiError::AgentUnavailable {
-                        id: rt.id.clone(),
-                        message: crate::error::error_chain(&e),
-                    })?;
+            // The clone's identity goes out with the connection (no round trip after Ready).
+            let tmp_bytes = u64::from(spec.disk_mib) << 20;
+            let identity = airlock_proto::client::clone_identity(&rt.id, tmp_bytes)
+                .map_err(|e| from_agent(e, call))?;
+            let reseed = airlock_proto::pb::request::Kind::Reseed(identity);
+            let (mut client, reseed_id) = airlock_proto::vsock::wait_ready_pipelined(
+                &vmm.vsock,
+                AGENT_VSOCK_PORT,
+                deadline,
+                gone,
+                &reseed,
+            )
+            .map_err(|e| ApiError::AgentUnavailable {
+                id: rt.id.clone(),
+                message: crate::error::error_chain(&e),
+            })?;
             let ready_ms = running.elapsed().as_secs_f64() * 1000.0;
             let t = Instant::now();
-            let tmp_bytes = u64::from(spec.disk_mib) << 20;
             client
-                .within(CALL_TIMEOUT, |c| c.reseed_clone(&rt.id, tmp_bytes))
+                .within(CALL_TIMEOUT, |c| c.reseeded(reseed_id))
                 .map_err(|e| from_agent(e, call))?;
             for f in &spec.files {
                 let mode = if f.mode == 0 { 0o644 } else { f.mode };

@@ -10,6 +10,11 @@ use crate::reason::{EndReason, state_name};
 use crate::templates::{TemplateRt, disk_bytes};
 use crate::vmm;
 
+use tracing::{info, warn};
+
+/// The longest SnapshotSandbox waits for a running guest to settle before pausing it.
+const SETTLE_MAX: std::time::Duration = std::time::Duration::from_secs(3);
+
 fn control_error(what: &str) -> impl Fn(airlock_control::ControlError) -> ApiError + '_ {
     move |e| ApiError::Internal(format!("{what}: {e}"))
 }
@@ -76,6 +81,18 @@ impl Sandboxes {
         let tid = ids::new_id(ids::TEMPLATE)?;
         let dir = self.templates.dir_of(&tid);
         if state == SandboxState::Running {
+            // Clones redo whatever the guest still had pending: let it finish, within bounds
+            // (a sandbox running a busy process never settles).
+            match vmm::control::settle(&v.control, SETTLE_MAX).await {
+                Ok(s) => info!(
+                    sandbox = id,
+                    settled = s.settled,
+                    waited_ms = s.waited_ms,
+                    busy_ms = s.busy_ms,
+                    "settled before the snapshot"
+                ),
+                Err(e) => warn!(sandbox = id, "settling before the snapshot: {e}"),
+            }
             vmm::control::pause(&v.control)
                 .await
                 .map_err(control_error("pause"))?;

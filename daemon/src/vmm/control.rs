@@ -5,8 +5,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use airlock_control::{
-    ControlError, MAX_REPLY, Request, RestoreReply, SnapshotReply, StateReply, StatusReply,
-    parse_reply,
+    ControlError, MAX_REPLY, Request, RestoreReply, SettleReply, SnapshotReply, StateReply,
+    StatusReply, parse_reply,
 };
 use serde::de::DeserializeOwned;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -62,6 +62,12 @@ pub async fn resume(path: &Path) -> Result<StateReply, ControlError> {
 
 pub async fn snapshot(path: &Path, dir: &Path) -> Result<SnapshotReply, ControlError> {
     call(path, &Request::Snapshot(dir.to_path_buf())).await
+}
+
+/// Waits, at most `max`, until the VMM's guest is quiet.
+pub async fn settle(path: &Path, max: Duration) -> Result<SettleReply, ControlError> {
+    let ms = u64::try_from(max.as_millis()).unwrap_or(u64::MAX);
+    call(path, &Request::Settle(ms)).await
 }
 
 pub async fn status(path: &Path) -> Result<StatusReply, ControlError> {

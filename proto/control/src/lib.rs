@@ -20,8 +20,8 @@ mod request;
 pub mod snapshot_dir;
 
 pub use reply::{
-    ControlError, Reply, RestoreReply, SnapshotReply, StateReply, StatusReply, StopReply, VmState,
-    parse_reply, reply_line,
+    ControlError, Reply, RestoreReply, SettleReply, SnapshotReply, StateReply, StatusReply,
+    StopReply, VmState, parse_reply, reply_line,
 };
 pub use request::{MAX_LINE, Request};
 

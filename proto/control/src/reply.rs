@@ -47,6 +47,21 @@ pub struct SnapshotReply {
     pub state_bytes: u64,
     pub snapshot_ms: f64,
     pub memory_ms: f64,
+    /// How the guest settled before the pause, where the snapshot's taker waited for it
+    /// (`airlock-vmm snapshot`); the control socket's `snapshot DIR` leaves it out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settle: Option<SettleReply>,
+}
+
+/// The answer to `settle MS`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SettleReply {
+    /// The guest went quiet before the time was up.
+    pub settled: bool,
+    /// How long the VMM waited.
+    pub waited_ms: f64,
+    /// CPU time the VMM's threads used meanwhile.
+    pub busy_ms: f64,
 }
 
 /// The answer to `restore DIR`: sent once the clone's vCPUs run.
@@ -70,6 +85,7 @@ pub enum Reply {
     Snapshot(SnapshotReply),
     Restore(RestoreReply),
     Stop(StopReply),
+    Settle(SettleReply),
     /// A test hook's findings (free-form: tests read them).
     Probe(Value),
 }

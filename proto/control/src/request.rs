@@ -13,9 +13,13 @@ pub enum Request {
     Pause,
     /// Let paused vCPUs run again ([`crate::StateReply`]).
     Resume,
-    /// Write a snapshot of the paused VM into the directory, created if missing
-    /// ([`crate::SnapshotReply`]).
+    /// Write a snapshot of the paused VM into the directory, which the caller prepared
+    /// ([`crate::snapshot_dir::prepare`]; [`crate::SnapshotReply`]).
     Snapshot(PathBuf),
+    /// Wait, at most this many milliseconds, until the guest is quiet (the VMM's threads
+    /// nearly idle for a stretch), so that a snapshot taken next holds no pending work
+    /// ([`crate::SettleReply`]).
+    Settle(u64),
     /// State and shape ([`crate::StatusReply`]).
     Status,
     /// End the VM; the VMM exits with code 0 ([`crate::StopReply`]).
@@ -48,12 +52,17 @@ impl Request {
             ("snapshot", _) => dir("snapshot").map(Self::Snapshot),
             ("restore", _) => dir("restore").map(Self::Restore),
             ("probe", _) => Ok(Self::Probe(arg.to_owned())),
+            ("settle", _) => arg
+                .parse()
+                .map(Self::Settle)
+                .map_err(|_| "settle needs a number of milliseconds".to_owned()),
             ("", _) => Err("empty command".into()),
             (w @ ("pause" | "resume" | "status" | "stop"), false) => {
                 Err(format!("{w} takes no argument"))
             }
             (w, _) => Err(format!(
-                "unknown command {w:?} (pause, resume, snapshot DIR, status, stop, restore DIR)"
+                "unknown command {w:?} (pause, resume, settle MS, snapshot DIR, status, stop, \
+                 restore DIR)"
             )),
         }
     }
@@ -74,6 +83,7 @@ impl fmt::Display for Request {
             Self::Snapshot(d) => write!(f, "snapshot {}", d.display()),
             Self::Restore(d) => write!(f, "restore {}", d.display()),
             Self::Probe(words) => write!(f, "probe {words}"),
+            Self::Settle(ms) => write!(f, "settle {ms}"),
         }
     }
 }
@@ -92,6 +102,7 @@ mod tests {
             Request::Snapshot("/var/lib/airlock/run/vm-1/snap shot".into()),
             Request::Restore("/t/tpl-1".into()),
             Request::Probe("kill 1 9".into()),
+            Request::Settle(2000),
         ] {
             assert_eq!(Request::parse(&r.to_line()), Ok(r.clone()), "{r}");
         }
@@ -107,6 +118,8 @@ mod tests {
             "restore  ",
             "rm -rf /",
             "STATUS",
+            "settle",
+            "settle soon",
         ] {
             assert!(Request::parse(bad).is_err(), "{bad:?} was accepted");
         }
