@@ -66,7 +66,10 @@ options:
                             JSON line (see ARCHITECTURE.md)
 run options:
   --timeout SECS            kill CMD (its whole process tree) after SECS (default: none)
-  --cwd DIR                 working directory of CMD in the guest (default /)
+  --cwd DIR                 working directory of CMD in the guest (default: the home of its
+                            account)
+  --user NAME               the guest account CMD runs as (default: the agent's, `user`; `root`
+                            for root)
   --env KEY=VALUE           environment for CMD (repeatable)
 process options (every VM subcommand):
   --no-seccomp              no per-thread seccomp filters (debugging only; by default every
@@ -87,6 +90,8 @@ pub struct RunOptions {
     pub argv: Vec<String>,
     pub timeout: Option<Duration>,
     pub cwd: String,
+    /// The guest account (empty: the agent's default).
+    pub user: String,
     pub env: Vec<(String, String)>,
     /// Whether the user chose where the console goes.
     pub console_given: bool,
@@ -108,6 +113,7 @@ pub fn parse_vm_options(
         argv: Vec::new(),
         timeout: None,
         cwd: String::new(),
+        user: String::new(),
         env: Vec::new(),
         console_given: false,
     };
@@ -159,6 +165,7 @@ pub fn parse_vm_options(
                 run.timeout = Some(Duration::from_secs(num(value()?)?)).filter(|d| !d.is_zero())
             }
             "--cwd" if allow_run => run.cwd = value()?,
+            "--user" if allow_run => run.user = value()?,
             "--env" if allow_run => {
                 let kv = value()?;
                 let (k, v) = kv

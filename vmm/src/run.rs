@@ -130,6 +130,7 @@ fn build_exec(opts: &RunOptions) -> pb::Exec {
             args: opts.argv.clone(),
         })),
         cwd: opts.cwd.clone(),
+        user: opts.user.clone(),
         env: opts.env.iter().cloned().collect(),
         timeout_ms: opts.timeout.map_or(0, |t| t.as_millis() as u64),
         ..Default::default()
