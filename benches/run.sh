@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks. Usage: benches/run.sh boot|exec|restore|create|jail|soak
+# Benchmarks. Usage: benches/run.sh boot|exec|restore|create|jail|soak|plot
 #   boot  time from process start to `airlock: userspace up`, airlock-vmm vs QEMU microvm
 #         (same kernel, image, vCPUs and memory, interleaved runs), and the VMM's resident
 #         memory outside guest RAM. RUNS (default 5), VCPUS (1), MEM_MIB (256).
@@ -21,6 +21,10 @@
 #   jail  CreateSandbox -> ready with and without the VMM jail (namespaces, pivot_root, uid,
 #         seccomp), two daemons side by side, RUNS (default 30) creates each, alternating; and
 #         a warm VMM's start (spawn -> exec'd in its jail, -> ready) on each side.
+#   plot  OUT.png LABEL=RESULT.json...: the distributions in bench results (the JSON lines that
+#         create and exec print; say, one before a change and one after) as CDFs, one panel per
+#         measure and one curve per LABEL (benches/plot.py; matplotlib goes into a venv under
+#         the cache directory the first time).
 # AIRLOCK_KERNEL / AIRLOCK_ROOTFS default to the outputs of kernel-config/build.sh and
 # rootfs/build.sh. The last line of output is one JSON object.
 set -euo pipefail
@@ -110,8 +114,21 @@ bench_soak() {
     "$counted"
 }
 
+bench_plot() {
+  local venv="${AIRLOCK_CACHE_DIR:-/var/cache/airlock}/bench-python"
+  if ! "$venv/bin/python" -c 'import matplotlib' 2>/dev/null; then
+    python3 -m venv "$venv" >&2
+    "$venv/bin/pip" install --quiet matplotlib >&2
+  fi
+  "$venv/bin/python" "$root/benches/plot.py" "$@"
+}
+
 main() {
   case "${1:-}" in
+    plot)
+      shift
+      bench_plot "$@"
+      ;;
     boot) bench_boot ;;
     exec) bench_exec ;;
     restore) bench_restore ;;
@@ -119,7 +136,7 @@ main() {
     jail) bench_jail ;;
     soak) bench_soak ;;
     *)
-      sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac

@@ -113,6 +113,8 @@ fn summary(samples: &[f64]) -> serde_json::Value {
         "p99": r(percentile(&s, 99.0)),
         "min": r(s.first().copied().unwrap_or(f64::NAN)),
         "max": r(s.last().copied().unwrap_or(f64::NAN)),
+        // Every sample, sorted: benches/plot.py draws the distribution.
+        "samples": s.iter().map(|x| r(*x)).collect::<Vec<_>>(),
     })
 }
 
@@ -384,7 +386,9 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
         let hs = summary(&host);
         s["host_p50"] = hs["p50"].clone();
         s["host_p99"] = hs["p99"].clone();
-        s["guest_p50"] = summary(&guest)["p50"].clone();
+        let gs = summary(&guest);
+        s["guest_p50"] = gs["p50"].clone();
+        s["guest_samples"] = gs["samples"].clone();
         s["restore_p50"] = summary(&restore)["p50"].clone();
         s["queue_p50"] = summary(&queue)["p50"].clone();
         s["failures"] = failures.into();
