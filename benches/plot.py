@@ -3,7 +3,7 @@
 
 Usage: plot.py OUT.png LABEL=RESULT.json [LABEL=RESULT.json ...]
 
-Each RESULT.json is the last line a bench printed (`benches/run.sh create` or `exec`), for
+Each RESULT.json is the last line a bench printed (`benches/run.sh create`, `exec` or `settle`), for
 example one run before a change and one after. Every distribution found in them gets a panel
 (create -> ready at each concurrency, with its guest's share; exec round trip of `true`;
 stdout throughput), with one curve per LABEL, so before and after compare at a glance.
@@ -27,6 +27,11 @@ def distributions(result):
             r = result[key]
             out.append((f"create -> ready, concurrency {level}", "ms", r.get("samples", [])))
             out.append((f"guest's share, concurrency {level}", "ms", r.get("guest_samples", [])))
+    if result.get("bench") == "settle":
+        for kind in ("unsettled", "settled"):
+            r = result.get(kind, {})
+            out.append((f"restore -> agent Ready, {kind} snapshot", "ms",
+                        r.get("restore_to_ready_ms", {}).get("samples", [])))
     if result.get("bench") == "exec":
         out.append(("exec round trip of `true`", "ms", result["exec_true_ms"].get("samples", [])))
         runs = result.get("stdout_mib_s_runs", {})

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks. Usage: benches/run.sh boot|exec|restore|create|jail|soak|plot
+# Benchmarks. Usage: benches/run.sh boot|exec|restore|settle|create|jail|soak|plot
 #   boot  time from process start to `airlock: userspace up`, airlock-vmm vs QEMU microvm
 #         (same kernel, image, vCPUs and memory, interleaved runs), and the VMM's resident
 #         memory outside guest RAM. RUNS (default 5), VCPUS (1), MEM_MIB (256).
@@ -11,6 +11,9 @@
 #         agent answer, VMM overhead, PSS of 1 and of CLONES (20) idle clones, and QEMU
 #         restoring its own snapshot of the same guest in the same run. RUNS (default 10),
 #         VCPUS (1); two cold boots make the snapshots.
+#   settle  restore -> agent Ready of clones of a snapshot taken right after the warm-up and of
+#         one taken once the guest settled (`airlock-vmm snapshot --settle-ms`), alternating
+#         warm pool restores. RUNS (default 15).
 #   create  CreateSandbox -> ready through a live airlockd (gRPC, warm pool) at concurrency
 #         LEVELS (default 1,10,50), RUNS creates per level (default 20), the host's and the
 #         guest's share, creates/s, and the host memory (PSS) of IDLE (100) idle sandboxes.
@@ -81,6 +84,13 @@ bench_restore() {
     --runs "${RUNS:-10}" --clones "${CLONES:-20}" --vcpus "${VCPUS:-1}"
 }
 
+bench_settle() {
+  artifacts
+  build_release
+  python3 "$root/benches/settle.py" --vmm "$root/target/release/airlock-vmm" \
+    --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" --runs "${RUNS:-15}"
+}
+
 bench_create() {
   artifacts
   (cd "$root" && cargo build --release -q -p airlock-vmm -p airlockd -p airlock-bench >&2)
@@ -132,11 +142,12 @@ main() {
     boot) bench_boot ;;
     exec) bench_exec ;;
     restore) bench_restore ;;
+    settle) bench_settle ;;
     create) bench_create ;;
     jail) bench_jail ;;
     soak) bench_soak ;;
     *)
-      sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac
