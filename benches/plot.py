@@ -34,6 +34,8 @@ def distributions(result):
                         r.get("restore_to_ready_ms", {}).get("samples", [])))
     if result.get("bench") == "exec":
         out.append(("exec round trip of `true`", "ms", result["exec_true_ms"].get("samples", [])))
+        connect = result.get("connect_ready_ms", {}).get("samples", [])
+        out.append(("a fresh agent connection (handshake + Ready)", "ms", connect))
         runs = result.get("stdout_mib_s_runs", {})
         out.append((f"stdout ({result.get('stdout_mib', '?')} MiB)", "MiB/s", runs.get("samples", [])))
     return [d for d in out if d[2]]

@@ -4,7 +4,8 @@
 #         (same kernel, image, vCPUs and memory, interleaved runs), and the VMM's resident
 #         memory outside guest RAM. RUNS (default 5), VCPUS (1), MEM_MIB (256).
 #   exec  exec round trip of `true` and stdout throughput (`head -c MIB M /dev/zero`) through
-#         the guest agent over virtio-vsock, and the same agent on the host over a Unix socket
+#         the guest agent over virtio-vsock, a fresh agent connection (handshake and Ready:
+#         what airlockd pays per execution), and the same agent on the host over a Unix socket
 #         in the same run. RUNS (default 10), MIB (4), VCPUS (1), MEM_MIB (512); the guest kernel
 #         is emulated on nested-KVM build hosts, where a MiB of output takes seconds.
 #   restore  snapshot restore: VMM-side restore time at 256 MiB and 2 GiB, process spawn to
@@ -147,7 +148,7 @@ main() {
     jail) bench_jail ;;
     soak) bench_soak ;;
     *)
-      sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac

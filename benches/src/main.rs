@@ -190,7 +190,10 @@ fn measure(c: &mut Client, a: &Args) -> Result<(Vec<f64>, Vec<f64>), String> {
     Ok((rt, tp))
 }
 
-fn bench_vm(a: &Args, dir: &Path) -> Result<(Vec<f64>, Vec<f64>), String> {
+/// Round trips, throughputs and fresh connections of the agent in a VM.
+type VmResults = (Vec<f64>, Vec<f64>, Vec<f64>);
+
+fn bench_vm(a: &Args, dir: &Path) -> Result<VmResults, String> {
     let sock = dir.join("vsock.sock");
     let child = Command::new(&a.vmm)
         .arg("boot")
@@ -219,8 +222,18 @@ fn bench_vm(a: &Args, dir: &Path) -> Result<(Vec<f64>, Vec<f64>), String> {
     )?;
     eprintln!("vm agent ready; measuring");
     let r = measure(&mut c, a);
+    // What a fresh agent connection costs (the vsock handshake and Ready), as airlockd pays
+    // it once per execution.
+    let mut connects = Vec::with_capacity(a.runs);
+    for _ in 0..a.runs {
+        let t = Instant::now();
+        let fresh = AgentClient::connect_vsock(&sock, AGENT_VSOCK_PORT)
+            .map_err(|e| format!("a fresh connection: {e}"))?;
+        connects.push(t.elapsed().as_secs_f64() * 1e3);
+        drop(fresh);
+    }
     let _ = c.power_off();
-    r
+    r.map(|(rt, tp)| (rt, tp, connects))
 }
 
 fn bench_host(a: &Args, dir: &Path) -> Result<(Vec<f64>, Vec<f64>), String> {
@@ -254,18 +267,19 @@ fn main() -> ExitCode {
     let vm = bench_vm(&a, &dir);
     let _ = std::fs::remove_dir_all(&dir);
     match (vm, host) {
-        (Ok((vm_rt, vm_tp)), Ok((host_rt, host_tp))) => {
+        (Ok((vm_rt, vm_tp, vm_connect)), Ok((host_rt, host_tp))) => {
             let kvm = if Path::new("/sys/module/kvm_pvm").exists() {
                 "nested-pvm"
             } else {
                 "bare-metal"
             };
             println!(
-                "{{\"bench\":\"exec\",\"kvm\":\"{kvm}\",\"stdout_mib\":{},\"exec_true_ms\":{},\"stdout_mib_s\":{:.3},\"stdout_mib_s_runs\":{},\"host_agent\":{{\"exec_true_ms\":{},\"stdout_mib_s\":{:.3}}}}}",
+                "{{\"bench\":\"exec\",\"kvm\":\"{kvm}\",\"stdout_mib\":{},\"exec_true_ms\":{},\"stdout_mib_s\":{:.3},\"stdout_mib_s_runs\":{},\"connect_ready_ms\":{},\"host_agent\":{{\"exec_true_ms\":{},\"stdout_mib_s\":{:.3}}}}}",
                 a.mib,
                 summary(&vm_rt),
                 percentile(&vm_tp, 50.0),
                 summary(&vm_tp),
+                summary(&vm_connect),
                 summary(&host_rt),
                 percentile(&host_tp, 50.0),
             );

@@ -39,9 +39,6 @@ use crate::sys::{self, Reaped};
 
 /// How long output is drained after the main process exited.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(2);
-/// How long a small piece of output waits for more before it is sent (see
-/// [`Run::gather_more`]).
-pub const COALESCE_WAIT: Duration = Duration::from_millis(2);
 
 fn reply(id: u64, kind: response::Kind) -> Response {
     Response {
@@ -182,27 +179,8 @@ impl Run {
                 return;
             }
             let mut batch = Vec::new();
-            self.poll_once(now, None, &mut batch);
-            self.gather_more(&mut batch);
-            self.exec.delivery.deliver(merge_outputs(batch));
-        }
-    }
-
-    /// A process that writes in small pieces (most do: 4-8 KiB per write) would otherwise cost
-    /// a frame, a vsock packet and a host wake-up per piece. While the process runs and less
-    /// than [`MAX_OUTPUT_CHUNK`] has been read, wait up to [`COALESCE_WAIT`] for more.
-    fn gather_more(&mut self, batch: &mut Vec<Frame>) {
-        let until = Instant::now() + COALESCE_WAIT;
-        loop {
-            let have = output_bytes(batch);
-            let now = Instant::now();
-            if have == 0 || have >= MAX_OUTPUT_CHUNK || self.exited.is_some() || now >= until {
-                return;
-            }
-            self.poll_once(now, Some(until - now), batch);
-            if output_bytes(batch) == have {
-                return;
-            }
+            self.poll_once(now, &mut batch);
+            self.exec.delivery.deliver(batch);
         }
     }
 
@@ -219,9 +197,7 @@ impl Run {
         self.exited.is_some() && (drained || self.drain_until.is_some_and(|d| now >= d))
     }
 
-    /// One `poll` of the waker, the pipes and stdin, at most until the next deadline (and
-    /// `max`, if given), then whatever it found ready.
-    fn poll_once(&mut self, now: Instant, max: Option<Duration>, batch: &mut Vec<Frame>) {
+    fn poll_once(&mut self, now: Instant, batch: &mut Vec<Frame>) {
         let mut fds = vec![pollfd(self.exec.waker.as_raw_fd(), libc::POLLIN)];
         let mut slots = vec![Slot::Waker];
         for (i, s) in self.out.iter().enumerate() {
@@ -238,11 +214,7 @@ impl Run {
             .into_iter()
             .flatten()
             .min();
-        let timeout = [wake_at.map(|t| t.saturating_duration_since(now)), max]
-            .into_iter()
-            .flatten()
-            .min();
-        if let Err(e) = sys::poll(&mut fds, timeout) {
+        if let Err(e) = sys::poll(&mut fds, wake_at.map(|t| t.saturating_duration_since(now))) {
             // Cannot happen with valid descriptors; do not spin on it.
             eprintln!("airlock-agent: exec {}: poll: {e}", self.exec.exec_id);
             std::thread::sleep(Duration::from_millis(10));
@@ -456,35 +428,6 @@ fn emit(stream: &mut OutStream, exec_id: u64, data: &[u8], batch: &mut Vec<Frame
     kept.len() < data.len()
 }
 
-/// Bytes of output in `batch`.
-fn output_bytes(batch: &[Frame]) -> usize {
-    batch
-        .iter()
-        .map(|f| match f {
-            Frame::Output(o) => o.data.len(),
-            Frame::Reply(..) => 0,
-        })
-        .sum()
-}
-
-/// Joins Output frames of one stream that follow each other (in the batch and in the stream)
-/// into frames of up to [`MAX_OUTPUT_CHUNK`]; everything else keeps its place and order.
-fn merge_outputs(batch: Vec<Frame>) -> Vec<Frame> {
-    let mut merged: Vec<Frame> = Vec::with_capacity(batch.len());
-    for frame in batch {
-        if let (Some(Frame::Output(last)), Frame::Output(next)) = (merged.last_mut(), &frame)
-            && last.stream == next.stream
-            && last.offset + last.data.len() as u64 == next.offset
-            && last.data.len() + next.data.len() <= MAX_OUTPUT_CHUNK
-        {
-            last.data.extend_from_slice(&next.data);
-            continue;
-        }
-        merged.push(frame);
-    }
-    merged
-}
-
 fn pollfd(fd: i32, events: libc::c_short) -> libc::pollfd {
     libc::pollfd {
         fd,
@@ -521,41 +464,6 @@ mod tests {
                 other => panic!("{other:?}"),
             })
             .collect()
-    }
-
-    fn out(stream: StreamKind, offset: u64, len: usize) -> Frame {
-        Frame::Output(Output {
-            exec_id: 1,
-            stream: stream as i32,
-            offset,
-            data: vec![7; len],
-        })
-    }
-
-    #[test]
-    fn adjacent_pieces_of_one_stream_merge_up_to_a_chunk() {
-        let k = MAX_OUTPUT_CHUNK;
-        let batch = vec![
-            out(StreamKind::Stdout, 0, 4096),
-            out(StreamKind::Stdout, 4096, 4096),
-            out(StreamKind::Stderr, 0, 10),
-            out(StreamKind::Stderr, 10, 10),
-            out(StreamKind::Stdout, 8192, k - 8192),
-            out(StreamKind::Stdout, k as u64, 8193),
-        ];
-        let merged = merge_outputs(batch);
-        // The last piece would take its frame past a chunk: it stays apart.
-        assert_eq!(
-            outputs(&merged),
-            [(0, 8192), (0, 20), (8192, k - 8192), (k as u64, 8193)]
-        );
-        // Not contiguous: kept apart.
-        let gap = merge_outputs(vec![
-            out(StreamKind::Stdout, 0, 10),
-            out(StreamKind::Stdout, 20, 10),
-        ]);
-        assert_eq!(outputs(&gap), [(0, 10), (20, 10)]);
-        assert_eq!(output_bytes(&gap), 20);
     }
 
     #[test]
