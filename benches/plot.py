@@ -19,25 +19,28 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def distributions(result):
-    """(panel title, unit, samples) for every distribution in one bench result."""
+    """(panel title, unit, samples, curve suffix) for every distribution in one bench result."""
     out = []
     if result.get("bench") == "create" or any(k.startswith("create_ms_c") for k in result):
         for key in sorted(k for k in result if k.startswith("create_ms_c")):
             level = key[len("create_ms_c"):]
             r = result[key]
-            out.append((f"create -> ready, concurrency {level}", "ms", r.get("samples", [])))
-            out.append((f"guest's share, concurrency {level}", "ms", r.get("guest_samples", [])))
+            out.append((f"create -> ready, concurrency {level}", "ms", r.get("samples", []), ""))
+            out.append((f"guest's share, concurrency {level}", "ms", r.get("guest_samples", []),
+                        ""))
     if result.get("bench") == "settle":
         for kind in ("unsettled", "settled"):
             r = result.get(kind, {})
-            out.append((f"restore -> agent Ready, {kind} snapshot", "ms",
-                        r.get("restore_to_ready_ms", {}).get("samples", [])))
+            out.append(("restore -> agent Ready of a clone", "ms",
+                        r.get("restore_to_ready_ms", {}).get("samples", []), f" {kind}"))
     if result.get("bench") == "exec":
-        out.append(("exec round trip of `true`", "ms", result["exec_true_ms"].get("samples", [])))
+        out.append(("exec round trip of `true`", "ms", result["exec_true_ms"].get("samples", []),
+                    ""))
         connect = result.get("connect_ready_ms", {}).get("samples", [])
-        out.append(("a fresh agent connection (handshake + Ready)", "ms", connect))
+        out.append(("a fresh agent connection (handshake + Ready)", "ms", connect, ""))
         runs = result.get("stdout_mib_s_runs", {})
-        out.append((f"stdout ({result.get('stdout_mib', '?')} MiB)", "MiB/s", runs.get("samples", [])))
+        out.append((f"stdout ({result.get('stdout_mib', '?')} MiB)", "MiB/s",
+                    runs.get("samples", []), ""))
     return [d for d in out if d[2]]
 
 
@@ -45,7 +48,7 @@ def main(argv):
     if len(argv) < 3 or any("=" not in a for a in argv[2:]):
         sys.exit(__doc__)
     out_png = argv[1]
-    series = []  # (label, [(title, unit, samples)])
+    series = []  # (label, [(title, unit, samples, suffix)])
     for arg in argv[2:]:
         label, path = arg.split("=", 1)
         with open(path) as f:
@@ -53,7 +56,7 @@ def main(argv):
         series.append((label, distributions(json.loads(lines[-1]))))
     titles = []
     for _, dists in series:
-        for title, unit, _ in dists:
+        for title, unit, _, _ in dists:
             if (title, unit) not in titles:
                 titles.append((title, unit))
     if not titles:
@@ -64,13 +67,13 @@ def main(argv):
     for i, (title, unit) in enumerate(titles):
         ax = axes[i // cols][i % cols]
         for label, dists in series:
-            for t, u, samples in dists:
+            for t, u, samples, suffix in dists:
                 if (t, u) != (title, unit):
                     continue
                 xs = sorted(samples)
                 ys = [(k + 1) / len(xs) for k in range(len(xs))]
                 p50 = xs[(len(xs) - 1) // 2]
-                ax.step([xs[0]] + xs, [0.0] + ys, where="post", label=f"{label} (p50 {p50:.4g} {unit}, n={len(xs)})")
+                ax.step([xs[0]] + xs, [0.0] + ys, where="post", label=f"{label}{suffix} (p50 {p50:.4g} {unit}, n={len(xs)})")
         ax.set_title(title)
         ax.set_xlabel(unit)
         ax.set_ylabel("fraction of runs")

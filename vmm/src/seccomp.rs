@@ -107,10 +107,24 @@ thread_local! {
 /// Turns the filters on for this process: installs the `SIGSYS` handler that reports a
 /// violation; from now on [`apply`] installs filters. Call it before any thread starts.
 pub fn enable() -> Result<(), SeccompError> {
+    keep_thread_heaps();
     vmm_sys_util::signal::register_signal_handler(libc::SIGSYS, on_violation)
         .map_err(SeccompError::Handler)?;
     ENABLED.store(true, Ordering::Release);
     Ok(())
+}
+
+/// glibc gives each thread's arena heap back to the kernel when its top is free, and the first
+/// time it shrinks one it reads `/proc/sys/vm/overcommit_memory` (an `openat` that no thread's
+/// filter but the event loop's allows: a thread that freed a large buffer, such as a big agent
+/// frame, died of it). A trim threshold beyond any heap keeps heaps as they are (freed memory
+/// is reused; heaps that become wholly free are still unmapped) and also stops glibc from
+/// raising its mmap threshold, so large buffers stay separate mappings.
+fn keep_thread_heaps() {
+    // SAFETY: mallopt(3) only sets allocator parameters; called before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
+    }
 }
 
 /// Whether [`enable`] was called.
@@ -369,6 +383,40 @@ mod tests {
         // SAFETY: getppid(2) has no arguments or side effects; the filter traps it.
         unsafe { libc::getppid() };
         unreachable!("the filter let getppid through");
+    }
+
+    /// Run in a child process by the test below: under the client filter, frees buffers the
+    /// way a thread that reads big agent frames does: several under glibc's mmap threshold
+    /// (so from the thread's arena heap), then all at once (so the heap's free top is over the
+    /// trim threshold).
+    #[test]
+    fn heap_child() {
+        if std::env::var_os("AIRLOCK_SECCOMP_HEAP_CHILD").is_none() {
+            return;
+        }
+        enable().unwrap();
+        std::thread::spawn(|| {
+            apply(ThreadClass::Client).unwrap();
+            for round in 0..4u8 {
+                let bufs: Vec<Vec<u8>> = (0..8).map(|_| vec![round; 100 << 10]).collect();
+                assert_eq!(std::hint::black_box(&bufs)[7][7], round);
+                drop(bufs);
+            }
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn freeing_large_buffers_on_a_filtered_thread_is_no_violation() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "seccomp::tests::heap_child", "--nocapture"])
+            .args(["--test-threads", "1"])
+            .env("AIRLOCK_SECCOMP_HEAP_CHILD", "1")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{:?}: {stderr}", out.status.code());
     }
 
     #[test]
