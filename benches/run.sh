@@ -121,7 +121,7 @@ bench_soak() {
   counted=$(sed -n "s/^after $cycles cycles: //p" "$log" | tail -n1)
   rm -f "$log"
   printf '{"bench":"soak","cycles":%s,"seconds":%s,"cycles_per_s":%s,"leaks":0,"after":"%s"}\n' \
-    "$cycles" "${secs:-0}" "$(awk -v c="$cycles" -v s="${secs:-0}" 'BEGIN { printf "%.2f", s > 0 ? c / s : 0 }')" \
+    "$cycles" "${secs:-0}" "$(awk -v c="$cycles" -v s="${secs:-0}" 'BEGIN { printf "%.2f", (s > 0 ? c / s : 0) }')" \
     "$counted"
 }
 
