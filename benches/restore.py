@@ -52,12 +52,14 @@ class BenchError(Exception):
     pass
 
 
-def make_snapshot(vmm, kernel, rootfs, mem_mib, out, vcpus):
+def make_snapshot(vmm, kernel, rootfs, mem_mib, out, vcpus, extra=()):
+    """Boots once and snapshots into `out` (`extra`: more `airlock-vmm snapshot` options);
+    returns the snapshot's JSON summary."""
     log(f"cold boot + snapshot of a {mem_mib} MiB guest (tens of seconds on nested KVM)")
     t = time.monotonic()
     r = subprocess.run(
         [vmm, "snapshot", "--kernel", kernel, "--rootfs", rootfs, "--mem-mib", str(mem_mib),
-         "--vcpus", str(vcpus), "--out", out],
+         "--vcpus", str(vcpus), "--out", out, *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=900)
     if r.returncode != 0:
         raise BenchError(f"snapshot failed ({r.returncode}): {r.stderr.decode()[-3000:]}")

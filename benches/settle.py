@@ -16,12 +16,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
-from restore import Restored  # benches/restore.py
+from restore import Restored, make_snapshot  # benches/restore.py
 from stats import summary  # benches/stats.py
 
 WARMUP = "python3 -c pass"
@@ -33,14 +32,9 @@ def log(msg):
 
 def snapshot(vmm, kernel, rootfs, out, settle_ms):
     shutil.rmtree(out, ignore_errors=True)
-    log(f"cold boot + snapshot, --settle-ms {settle_ms}")
-    r = subprocess.run(
-        [vmm, "snapshot", "--kernel", kernel, "--rootfs", rootfs, "--mem-mib", "256",
-         "--out", out, "--warmup", WARMUP, "--settle-ms", str(settle_ms)],
-        capture_output=True, check=False, timeout=900)
-    if r.returncode != 0:
-        sys.exit(f"snapshot failed ({r.returncode}): {r.stderr.decode()[-2000:]}")
-    return json.loads(r.stdout.decode().strip().splitlines()[-1])
+    log(f"--settle-ms {settle_ms}")
+    return make_snapshot(vmm, kernel, rootfs, 256, out, 1,
+                         extra=("--warmup", WARMUP, "--settle-ms", str(settle_ms)))
 
 
 def main():

@@ -252,27 +252,37 @@ mod tests {
     use crate::frame::write_frame;
     use crate::pb::{DirListing, FileStat, Ready, Response, response};
 
-    /// A fake VMM socket with an agent behind it that answers `CONNECT`, sends Ready, then
-    /// hands the connection to `then`.
-    fn fake(tag: &str, then: impl FnOnce(UnixStream) + Send + 'static) -> std::path::PathBuf {
+    /// A listening socket at a fresh path for test `tag`.
+    fn listen(tag: &str) -> (std::path::PathBuf, UnixListener) {
         let path = std::env::temp_dir().join(format!(
             "airlock-vsock-test-{}-{tag}.sock",
             std::process::id()
         ));
         let _ = std::fs::remove_file(&path);
         let listener = UnixListener::bind(&path).unwrap();
+        (path, listener)
+    }
+
+    /// The agent's first frame.
+    fn ready_frame() -> Response {
+        Response {
+            id: 0,
+            kind: Some(response::Kind::Ready(Ready {
+                protocol_version: crate::PROTOCOL_VERSION,
+                ..Default::default()
+            })),
+        }
+    }
+
+    /// A fake VMM socket with an agent behind it that answers `CONNECT`, sends Ready, then
+    /// hands the connection to `then`.
+    fn fake(tag: &str, then: impl FnOnce(UnixStream) + Send + 'static) -> std::path::PathBuf {
+        let (path, listener) = listen(tag);
         std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
             read_line(&mut s).unwrap();
             s.write_all(b"OK 1\n").unwrap();
-            let ready = Response {
-                id: 0,
-                kind: Some(response::Kind::Ready(Ready {
-                    protocol_version: crate::PROTOCOL_VERSION,
-                    ..Default::default()
-                })),
-            };
-            write_frame(&mut s, &ready).unwrap();
+            write_frame(&mut s, &ready_frame()).unwrap();
             then(s);
         });
         path
@@ -286,25 +296,13 @@ mod tests {
     fn a_pipelined_first_request_arrives_before_ready_is_read() {
         // This agent reads the first request before it sends Ready: a client that waited for
         // Ready first would wait until its deadline.
-        let path = std::env::temp_dir().join(format!(
-            "airlock-vsock-test-{}-pipelined.sock",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_file(&path);
-        let listener = UnixListener::bind(&path).unwrap();
+        let (path, listener) = listen("pipelined");
         let agent = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
             read_line(&mut s).unwrap();
             s.write_all(b"OK 1\n").unwrap();
             let first: crate::pb::Request = crate::frame::read_frame(&mut s).unwrap().unwrap();
-            let ready = Response {
-                id: 0,
-                kind: Some(response::Kind::Ready(Ready {
-                    protocol_version: crate::PROTOCOL_VERSION,
-                    ..Default::default()
-                })),
-            };
-            write_frame(&mut s, &ready).unwrap();
+            write_frame(&mut s, &ready_frame()).unwrap();
             let done = Response {
                 id: first.id,
                 kind: Some(response::Kind::Reseeded(crate::pb::Reseeded::default())),
@@ -352,12 +350,7 @@ mod tests {
 
     #[test]
     fn a_guest_that_never_answers_the_handshake_is_cut_at_the_deadline() {
-        let path = std::env::temp_dir().join(format!(
-            "airlock-vsock-test-{}-stall.sock",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_file(&path);
-        let listener = UnixListener::bind(&path).unwrap();
+        let (path, listener) = listen("stall");
         let holder = std::thread::spawn(move || listener.accept().map(|(s, _)| s));
         let t = Instant::now();
         let mut seen = None;
