@@ -6,7 +6,7 @@
 //! also gets SIGTERM from the kernel if the process dies without exiting).
 #![allow(clippy::unwrap_used)] // a failed step is a failed test
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -181,6 +181,22 @@ fn build_template(s: &Shared) -> Template {
     .unwrap()
 }
 
+/// Prints what the daemon logged of guests that crashed (with their consoles), so that a
+/// crash in any test of this process shows its cause in the test output.
+fn report_guest_crashes(log: &Path) {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let crashes: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("GUEST_CRASHED") || l.contains("the guest's console ended"))
+        .collect();
+    if !crashes.is_empty() {
+        eprintln!(
+            "guest crashes in the shared daemon's log:\n{}",
+            crashes.join("\n")
+        );
+    }
+}
+
 /// Stops the shared daemon (SIGTERM, then SIGKILL after 60 s) and removes what it had.
 extern "C" fn stop_at_exit() {
     let Some(s) = SHARED.get() else { return };
@@ -200,6 +216,7 @@ extern "C" fn stop_at_exit() {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    report_guest_crashes(&s.log);
     remove_parent_cgroups(&s.cgroup_parent);
     // A tmpfs the data directory may be on (nothing when it is not a mount point).
     let _ = Command::new("umount")

@@ -170,6 +170,10 @@ fn main() {
 
 /// Starts everything and serves; returns only if serving cannot start.
 fn run(pid1: bool, options: &Options) -> StartError {
+    // A fault in PID 1 panics the guest kernel; the console should say where it was.
+    if let Err(e) = sys::report_faults() {
+        eprintln!("airlock-agent: no fault reports: {e}");
+    }
     // Before any thread exists, so that every thread inherits the mask.
     if let Err(e) = sys::block_sigchld() {
         return StartError::Signals(e);

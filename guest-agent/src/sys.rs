@@ -7,8 +7,10 @@
     reason = "the one module of the agent that calls libc directly"
 )]
 
+mod fatal;
 mod ids;
 
+pub use fatal::report_faults;
 pub use ids::{Credentials, FsIds};
 
 use std::ffi::{CStr, CString};

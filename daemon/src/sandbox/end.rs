@@ -73,6 +73,12 @@ impl Sandboxes {
             .is_some_and(crate::cgroup::Cgroup::oom_killed);
         let (reason, message) = vmm::exit::describe(ev.status, oom, &ev.vmm.log());
         warn!(sandbox = %id, reason = reason.code(), "{message}");
+        if reason == EndReason::GuestCrashed {
+            // The console is the guest's (a tenant's) text: the operator's log only, never an
+            // API error. Read before `end` removes the run directory.
+            let console = vmm::last_lines(&ev.vmm.console(), 25);
+            warn!(sandbox = %id, "the guest's console ended: {console}");
+        }
         let _ = self.end(&rt, reason, &message).await;
     }
 

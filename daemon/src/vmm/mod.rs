@@ -175,6 +175,11 @@ impl VmmProcess {
         self.run_dir.join("vmm.log")
     }
 
+    /// The guest's serial console, as the VMM writes it.
+    pub fn console(&self) -> PathBuf {
+        self.run_dir.join(CONSOLE_FILE)
+    }
+
     /// Removes what it had on the host: its cgroup and run directory (call once it is gone).
     pub fn remove_leftovers(&self) {
         if let Some(cg) = &self.cgroup
@@ -253,7 +258,7 @@ pub fn pool_launch(
     for (flag, path) in [
         ("--control", run_dir.join("control.sock")),
         ("--vsock", run_dir.join("vsock.sock")),
-        ("--console", run_dir.join("console.log")),
+        ("--console", run_dir.join(CONSOLE_FILE)),
         ("--snapshot", spec.snapshot_dir.clone()),
     ] {
         args.push(flag.into());
@@ -300,6 +305,9 @@ pub fn kill_verified(pid: u32, ticks: u64) -> bool {
     unsafe { libc::kill(pid, libc::SIGKILL) == 0 }
 }
 
+/// The guest's console in a VMM's run directory.
+const CONSOLE_FILE: &str = "console.log";
+
 /// How much of the end of a log file is read (a VMM's log is the VMM's to write: it may be
 /// large, and it is never read whole).
 const LOG_TAIL_BYTES: u64 = 64 << 10;
@@ -323,8 +331,13 @@ fn read_tail(path: &Path) -> String {
 
 /// The last lines of a log file, for error messages.
 pub fn log_tail(path: &Path) -> String {
+    last_lines(path, 5)
+}
+
+/// The last `n` lines of a log file's tail, joined with " | ".
+pub fn last_lines(path: &Path, n: usize) -> String {
     let text = read_tail(path);
-    let lines: Vec<&str> = text.lines().rev().take(5).collect();
+    let lines: Vec<&str> = text.lines().rev().take(n).collect();
     lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
 }
 
