@@ -84,6 +84,27 @@ pub fn init_system() {
         }
     }
     set_hostname(Path::new("/etc/hostname"));
+    init_network(Path::new("/sys/class/net/eth0"));
+}
+
+/// Brings up `lo`, and, if the VM has a network card (`eth0`), gives it the guest's address
+/// and the default route through the gateway (the same in every sandbox; see
+/// `airlock_proto::GUEST_IPV4`).
+fn init_network(eth0: &Path) {
+    if let Err(e) = sys::configure_interface(c"lo", None) {
+        eprintln!("airlock-agent: bringing up lo: {e}");
+    }
+    if !eth0.exists() {
+        return;
+    }
+    let addr = (airlock_proto::GUEST_IPV4, airlock_proto::GUEST_PREFIX);
+    if let Err(e) = sys::configure_interface(c"eth0", Some(addr)) {
+        eprintln!("airlock-agent: configuring eth0: {e}");
+        return;
+    }
+    if let Err(e) = sys::add_default_route(airlock_proto::GATEWAY_IPV4) {
+        eprintln!("airlock-agent: default route: {e}");
+    }
 }
 
 fn set_hostname(file: &Path) {

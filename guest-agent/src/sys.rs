@@ -9,9 +9,11 @@
 
 mod fatal;
 mod ids;
+mod net;
 
 pub use fatal::report_faults;
 pub use ids::{Credentials, FsIds};
+pub use net::{add_default_route, configure_interface};
 
 use std::ffi::{CStr, CString};
 use std::io;

@@ -60,6 +60,15 @@ pub use frame::{
 
 /// The vsock port the agent listens on inside the guest.
 pub const AGENT_VSOCK_PORT: u32 = 52;
+
+/// The guest's network, the same in every sandbox (each has a network namespace of its own on
+/// the host, so nothing changes at restore): the guest's address on its `eth0`, a /30 whose
+/// other address is the gateway (the host side of its TAP), the default route.
+pub const GUEST_IPV4: std::net::Ipv4Addr = std::net::Ipv4Addr::new(100, 96, 0, 2);
+/// The gateway: the TAP's host side.
+pub const GATEWAY_IPV4: std::net::Ipv4Addr = std::net::Ipv4Addr::new(100, 96, 0, 1);
+/// The prefix length of the guest's link.
+pub const GUEST_PREFIX: u8 = 30;
 /// `Ready.protocol_version` of this crate's protocol.
 pub const PROTOCOL_VERSION: u32 = 1;
 /// Largest `Output.data` chunk the agent sends.

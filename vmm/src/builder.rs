@@ -18,11 +18,14 @@ use crate::arch::layout::{
     VIRTIO_MMIO_MAX_SLOTS, VIRTIO_MMIO_SLOT_SIZE, virtio_irq, virtio_mmio_addr,
 };
 use crate::arch::{boot, mptable, regs};
-use crate::config::{ConfigError, ConsoleOutput, DiskConfig, VmConfig, VsockConfig, build_cmdline};
+use crate::config::{
+    ConfigError, ConsoleOutput, DiskConfig, NetConfig, VmConfig, VsockConfig, build_cmdline,
+};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::legacy::{ConsoleSink, EventFdTrigger, I8042, SerialDevice};
 use crate::devices::virtio::block::{Block, BlockError, BlockEventHandler};
 use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::net::{Net, NetError, NetEventHandler, format_mac, parse_mac};
 use crate::devices::virtio::vsock::{Vsock, VsockError, VsockEventHandler};
 use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
 use crate::snapshot::{
@@ -55,6 +58,10 @@ pub enum BuildError {
     Block(#[from] BlockError),
     #[error("attach the vsock device")]
     Vsock(#[from] VsockError),
+    #[error("attach the network device")]
+    Net(#[from] NetError),
+    #[error("duplicate the TAP descriptor")]
+    DupTap(#[source] std::io::Error),
     #[error("place a device on the bus")]
     Bus(#[from] BusError),
     #[error("too many virtio devices (at most {VIRTIO_MMIO_MAX_SLOTS})")]
@@ -130,6 +137,9 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
     }
     if let Some(vsock) = &config.vsock {
         attach_vsock_device(&vm, &mut devices, vsock)?;
+    }
+    if let Some(net) = &config.net {
+        attach_net_device(&vm, &mut devices, net)?;
     }
 
     let entry = load_kernel(&vm, config)?;
@@ -243,6 +253,8 @@ pub struct RestoreConfig {
     pub console: ConsoleOutput,
     pub console_limit: u64,
     pub cpu_template: Option<CpuTemplate>,
+    /// The TAP of the network card, required when the snapshot has one.
+    pub net_tap: Option<Arc<std::os::fd::OwnedFd>>,
 }
 
 /// Builds a VM from a snapshot directory and leaves its vCPUs paused; `run` starts them.
@@ -337,6 +349,14 @@ pub fn restore_microvm(
                     uds_path,
                 };
                 attach_vsock_device(&vm, &mut devices, &cfg)?
+            }
+            DeviceKind::Net { mac } => {
+                let tap = config.net_tap.clone().ok_or_else(|| {
+                    BuildError::Restore("the snapshot has a network card: give its TAP".into())
+                })?;
+                let mac = parse_mac(mac)
+                    .ok_or_else(|| BuildError::Restore(format!("bad MAC address {mac:?}")))?;
+                attach_net_device(&vm, &mut devices, &NetConfig { tap, mac })?
             }
         };
         transport
@@ -519,6 +539,23 @@ fn attach_vsock_device(
     let handler = VsockEventHandler::new(vsock.clone()).map_err(BuildError::EventFd)?;
     devices.subscribers.push(Arc::new(Mutex::new(handler)));
     devices.vsock = Some(vsock);
+    Ok(transport)
+}
+
+/// Adds the virtio-net device on (a duplicate of) the configured TAP.
+fn attach_net_device(
+    vm: &Vm,
+    devices: &mut DeviceSet,
+    config: &NetConfig,
+) -> Result<Arc<Mutex<MmioTransport>>, BuildError> {
+    let tap = config.tap.try_clone().map_err(BuildError::DupTap)?;
+    let net = Arc::new(Mutex::new(Net::new(tap, config.mac)?));
+    let kind = DeviceKind::Net {
+        mac: format_mac(&config.mac),
+    };
+    let transport = attach_virtio_device(vm, devices, net.clone(), kind)?;
+    let handler = NetEventHandler::new(net).map_err(BuildError::EventFd)?;
+    devices.subscribers.push(Arc::new(Mutex::new(handler)));
     Ok(transport)
 }
 

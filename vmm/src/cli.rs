@@ -3,8 +3,11 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::Arc;
 use vmm::arch::cpuid::CpuTemplate;
-use vmm::config::{ConsoleOutput, DiskConfig, VmConfig, VsockConfig};
+
+use vmm::config::{ConsoleOutput, DEFAULT_MAC, DiskConfig, NetConfig, VmConfig, VsockConfig};
 use vmm::exit::VmExit;
 
 pub const USAGE: &str = "\
@@ -12,9 +15,10 @@ usage: airlock-vmm boot --kernel PATH --rootfs PATH [options]
        airlock-vmm run  --kernel PATH --rootfs PATH [options] [run options] -- CMD [ARGS...]
        airlock-vmm run  --snapshot DIR [run options] -- CMD [ARGS...]
        airlock-vmm snapshot --kernel PATH --rootfs PATH --out DIR [options]
-       airlock-vmm restore --snapshot DIR [--vsock PATH] [--control PATH] [--console PATH]
+       airlock-vmm restore --snapshot DIR [--vsock PATH] [--net-fd FD] [--control PATH]
+                           [--console PATH]
        airlock-vmm pool --control PATH [--vcpus N] [--mem-mib M | --snapshot DIR] [--vsock PATH]
-                        [--console PATH] [--cpu-template T]
+                        [--net-fd FD] [--console PATH] [--cpu-template T]
        airlock-vmm control PATH pause|resume|status|stop|snapshot DIR|restore DIR
 
 boot: boots the kernel with the root filesystem image as /dev/vda (read-only) and exits when the
@@ -34,7 +38,8 @@ no wait: clones would redo what it had pending), pauses the VM, writes a snapsho
 (files `state` and `memory`), prints a JSON summary and ends the VM.
 
 restore: restores the snapshot in DIR into this process and runs the VM until it powers off or
-is stopped (SIGTERM, or `stop` on the control socket). Its vsock device needs --vsock PATH.
+is stopped (SIGTERM, or `stop` on the control socket). Its vsock device needs --vsock PATH, its
+network card (if it has one) --net-fd FD.
 
 pool: a warm process for a later restore: creates the KVM VM, its irqchip and N vCPUs now, then
 waits on the control socket for `restore DIR` (answered once the clone runs, with the restore
@@ -61,6 +66,10 @@ options:
                             connections to host port P arrive at PATH_P); run: default a
                             temporary socket
   --vsock-cid N             the guest's vsock CID (default 3)
+  --net-fd FD               add a virtio-net device on the TAP descriptor FD, inherited from the
+                            parent (IFF_TAP | IFF_NO_PI, no IFF_VNET_HDR); the VMM never opens
+                            /dev/net/tun itself
+  --mac MAC                 the network card's MAC address (default 02:a1:0c:00:00:02)
   --control PATH            serve the control socket at PATH: one command per connection,
                             `pause`, `resume`, `snapshot DIR`, `status`, `stop`; answers one
                             JSON line (see ARCHITECTURE.md)
@@ -118,6 +127,7 @@ pub fn parse_vm_options(
         console_given: false,
     };
     let mut vsock_cid = 3;
+    let mut mac = None;
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut value = || {
@@ -159,6 +169,21 @@ pub fn parse_vm_options(
                 })
             }
             "--vsock-cid" => vsock_cid = num(value()?)?,
+            "--net-fd" => {
+                if cfg.net.is_some() {
+                    return Err("--net-fd: one network card at most".into());
+                }
+                cfg.net = Some(NetConfig {
+                    tap: adopt_fd(&value()?)?,
+                    mac: DEFAULT_MAC,
+                });
+            }
+            "--mac" => {
+                mac = Some(
+                    vmm::devices::virtio::net::parse_mac(&value()?)
+                        .ok_or("--mac: a unicast address like 02:a1:0c:00:00:02")?,
+                )
+            }
             "--control" => run.control = Some(PathBuf::from(value()?)),
             "--snapshot" if allow_run => run.snapshot = Some(PathBuf::from(value()?)),
             "--timeout" if allow_run => {
@@ -189,6 +214,11 @@ pub fn parse_vm_options(
     cfg.disks[0].path = rootfs.ok_or("--rootfs is required")?;
     if let Some(v) = cfg.vsock.as_mut() {
         v.guest_cid = vsock_cid;
+    }
+    match (cfg.net.as_mut(), mac) {
+        (Some(net), Some(mac)) => net.mac = mac,
+        (None, Some(_)) => return Err("--mac needs --net-fd".into()),
+        _ => {}
     }
     cfg.validate().map_err(|e| e.to_string())?;
     Ok((cfg, run))
@@ -279,6 +309,7 @@ pub fn parse_restore(args: &[String]) -> Result<RestoreOptions, String> {
             console: ConsoleOutput::Stdout,
             console_limit: 64 << 20,
             cpu_template: None,
+            net_tap: None,
         },
         control: None,
     };
@@ -293,6 +324,9 @@ pub fn parse_restore(args: &[String]) -> Result<RestoreOptions, String> {
         match flag.as_str() {
             "--snapshot" => snapshot = Some(PathBuf::from(value()?)),
             "--vsock" => opts.restore.vsock_uds = Some(PathBuf::from(value()?)),
+            "--net-fd" if opts.restore.net_tap.is_none() => {
+                opts.restore.net_tap = Some(adopt_fd(&value()?)?)
+            }
             "--control" => opts.control = Some(PathBuf::from(value()?)),
             "--console" => opts.restore.console = ConsoleOutput::File(PathBuf::from(value()?)),
             "--cpu-template" => opts.restore.cpu_template = parse_template(&value()?)?,
@@ -318,6 +352,8 @@ pub struct PoolOptions {
     pub snapshot: Option<PathBuf>,
     pub control: PathBuf,
     pub vsock: Option<PathBuf>,
+    /// The TAP of the snapshot's network card, if it has one.
+    pub net_tap: Option<Arc<OwnedFd>>,
     pub console: ConsoleOutput,
     /// The CPU template the snapshot must have been taken with (default: detected).
     pub cpu_template: Option<CpuTemplate>,
@@ -329,6 +365,7 @@ pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
     let mut snapshot = None;
     let mut control = None;
     let mut vsock = None;
+    let mut net_tap = None;
     let mut console = ConsoleOutput::Stdout;
     let mut cpu_template = None;
     let mut it = args.iter();
@@ -363,6 +400,7 @@ pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
             "--snapshot" => snapshot = Some(PathBuf::from(value()?)),
             "--control" => control = Some(PathBuf::from(value()?)),
             "--vsock" => vsock = Some(PathBuf::from(value()?)),
+            "--net-fd" if net_tap.is_none() => net_tap = Some(adopt_fd(&value()?)?),
             "--console" => console = ConsoleOutput::File(PathBuf::from(value()?)),
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown option {other}")),
@@ -377,9 +415,24 @@ pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
         snapshot,
         control: control.ok_or("--control PATH is required")?,
         vsock,
+        net_tap,
         console,
         cpu_template,
     })
+}
+
+/// Takes ownership of descriptor `value`, which this process inherited (checked open; not 0, 1
+/// or 2). Each flag that adopts one may appear once, so no descriptor is owned twice.
+fn adopt_fd(value: &str) -> Result<Arc<OwnedFd>, String> {
+    let fd: i32 = value.parse().ok().filter(|fd| *fd > 2).ok_or(format!(
+        "--net-fd: not a descriptor number above 2: {value}"
+    ))?;
+    // SAFETY: fcntl(F_GETFD) only asks whether `fd` is open.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(format!("--net-fd {fd}: not an open descriptor"));
+    }
+    // SAFETY: `fd` is open, was inherited for this device, and is adopted only here, once.
+    Ok(Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
 /// Flags of the whole process, accepted by every VM subcommand (before a `run` command's `--`).

@@ -49,6 +49,19 @@ pub struct VsockConfig {
     pub uds_path: PathBuf,
 }
 
+/// A virtio-net device on a TAP descriptor the process was given (it never opens
+/// `/dev/net/tun` itself).
+#[derive(Clone, Debug)]
+pub struct NetConfig {
+    /// The TAP (`IFF_TAP | IFF_NO_PI`); the device works on a duplicate.
+    pub tap: std::sync::Arc<std::os::fd::OwnedFd>,
+    pub mac: [u8; 6],
+}
+
+/// The MAC address guests get unless told otherwise: locally administered, unicast. Every
+/// sandbox has a network of its own, so they may all have the same one.
+pub const DEFAULT_MAC: [u8; 6] = [0x02, 0xa1, 0x0c, 0x00, 0x00, 0x02];
+
 /// Everything needed to boot one VM.
 #[derive(Clone, Debug)]
 pub struct VmConfig {
@@ -57,6 +70,8 @@ pub struct VmConfig {
     pub disks: Vec<DiskConfig>,
     /// The vsock device, if any (the guest agent is reached through it).
     pub vsock: Option<VsockConfig>,
+    /// The network card, if any.
+    pub net: Option<NetConfig>,
     pub vcpus: u8,
     pub mem_mib: u64,
     /// Appended to the default command line.
@@ -81,6 +96,7 @@ impl VmConfig {
                 id: "airlock-root".into(),
             }],
             vsock: None,
+            net: None,
             vcpus: 1,
             mem_mib: 256,
             cmdline_extra: String::new(),

@@ -130,6 +130,7 @@ fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
         console: opts.console.clone(),
         console_limit: 64 << 20,
         cpu_template: opts.cpu_template,
+        net_tap: opts.net_tap.clone(),
     };
     let built = vmm::restore_microvm(&config, started, Some(prepared), asked).and_then(|v| {
         let handle = v.control_handle().map_err(vmm::BuildError::EventFd)?;

@@ -90,6 +90,7 @@ pub fn run(mut opts: RunOptions, started: Instant) -> ExitCode {
                 console: opts.vm.console.clone(),
                 console_limit: opts.vm.console_limit,
                 cpu_template: opts.vm.cpu_template,
+                net_tap: opts.vm.net.as_ref().map(|n| n.tap.clone()),
             },
             started,
         ),

@@ -200,6 +200,9 @@ pub enum DeviceKind {
     /// The vsock device; host-side connections do not survive a restore (the guest is told by
     /// a transport-reset event).
     Vsock { guest_cid: u64 },
+    /// The network card: restored on the TAP the restoring process is given, with the same
+    /// MAC address (`aa:bb:...`).
+    Net { mac: String },
 }
 
 /// One virtio device in its mmio slot (slots are restored in the same order).

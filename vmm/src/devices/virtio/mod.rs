@@ -2,6 +2,7 @@
 
 pub mod block;
 pub mod mmio;
+pub mod net;
 pub mod vsock;
 
 use std::sync::Arc;
