@@ -1,0 +1,262 @@
+//! System test of the guest's network card (virtio-net on a TAP) in real VMs: one cold boot
+//! with a card, whose warm-up talks TCP to a server on the TAP's host side, then a snapshot;
+//! two clones of that snapshot, each on a TAP of its own in a network namespace of its own,
+//! each reaching its own server — and only its own.
+//!
+//! Traffic stays on this machine: every TAP lives in a network namespace this test makes, the
+//! servers listen there on the gateway address, and nothing is routed out of them.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+use airlock_proto::{GATEWAY_IPV4, GUEST_IPV4, GUEST_PREFIX};
+use airlock_system_tests::{TempDir, binary, kernel, require_kvm, rootfs, step};
+
+const PORT: u16 = 8080;
+const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+
+/// A network namespace of this test with a TAP (`tap0`, the gateway address, up) and a TCP
+/// server on the gateway address that answers each connection's first line with
+/// `pong <namespace> <line>` and reports who connected.
+struct TestNet {
+    name: String,
+    tap: OwnedFd,
+    peers: Receiver<(SocketAddr, String)>,
+}
+
+impl TestNet {
+    fn new(tag: &str) -> Self {
+        let name = format!("airlock-net-{}-{tag}", std::process::id());
+        // A namespace of the same name left by a killed earlier run.
+        let _ = Command::new("ip")
+            .args(["netns", "del", &name])
+            .stderr(Stdio::null())
+            .status();
+        ip(&["netns", "add", &name]);
+        let ns = name.clone();
+        let tap = in_netns(&name, move || open_tap("tap0"));
+        let gw = format!("{GATEWAY_IPV4}/{GUEST_PREFIX}");
+        ip(&["-n", &ns, "addr", "add", &gw, "dev", "tap0"]);
+        ip(&["-n", &ns, "link", "set", "tap0", "up"]);
+        ip(&["-n", &ns, "link", "set", "lo", "up"]);
+        let listener = in_netns(&name, || {
+            TcpListener::bind((GATEWAY_IPV4, PORT)).expect("bind the server on the gateway")
+        });
+        let (tx, peers) = channel();
+        let label = name.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                let peer = conn.peer_addr().expect("peer address");
+                let mut line = Vec::new();
+                let mut byte = [0u8; 1];
+                while conn.read(&mut byte).unwrap_or(0) == 1 && byte[0] != b'\n' {
+                    line.push(byte[0]);
+                }
+                let line = String::from_utf8_lossy(&line).into_owned();
+                let _ = writeln!(conn, "pong {label} {line}");
+                if tx.send((peer, line)).is_err() {
+                    return;
+                }
+            }
+        });
+        Self { name, tap, peers }
+    }
+
+    fn tap_fd(&self) -> RawFd {
+        self.tap.as_raw_fd()
+    }
+
+    /// The next connection the server answered: who, and what it said.
+    fn next_peer(&self) -> (SocketAddr, String) {
+        self.peers
+            .recv_timeout(Duration::from_secs(5))
+            .unwrap_or_else(|_| panic!("no connection reached the server in {}", self.name))
+    }
+
+    /// Whether no connection came at all.
+    fn saw_nothing(&self) -> bool {
+        self.peers.try_recv().is_err()
+    }
+}
+
+impl Drop for TestNet {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+fn ip(args: &[&str]) {
+    let st = Command::new("ip")
+        .args(args)
+        .status()
+        .unwrap_or_else(|e| panic!("ip {args:?}: {e} (apt-get install iproute2)"));
+    assert!(st.success(), "ip {args:?}: {st}");
+}
+
+/// Runs `f` on a thread that has entered network namespace `name` (sockets and TAPs made there
+/// stay there).
+fn in_netns<T: Send + 'static>(name: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = Path::new("/run/netns").join(name);
+    std::thread::spawn(move || {
+        let ns = File::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        // SAFETY: setns(2) on a namespace descriptor moves only this thread.
+        let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
+        f()
+    })
+    .join()
+    .expect("netns thread")
+}
+
+/// Opens `/dev/net/tun` as TAP `name` (`IFF_TAP | IFF_NO_PI`).
+fn open_tap(name: &str) -> OwnedFd {
+    let tun = File::options()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")
+        .expect("/dev/net/tun");
+    // struct ifreq: 16 bytes of name, then the flags.
+    let mut req = [0u8; 40];
+    req[..name.len()].copy_from_slice(name.as_bytes());
+    let flags = (libc::IFF_TAP | libc::IFF_NO_PI) as u16;
+    req[16..18].copy_from_slice(&flags.to_ne_bytes());
+    // SAFETY: TUNSETIFF reads (and writes back) an ifreq-sized buffer that outlives the call.
+    let rc = unsafe { libc::ioctl(tun.as_raw_fd(), TUNSETIFF, req.as_mut_ptr()) };
+    assert_eq!(rc, 0, "TUNSETIFF: {}", std::io::Error::last_os_error());
+    OwnedFd::from(tun)
+}
+
+/// `airlock-vmm ARGS` with the TAP `tap` inherited (its close-on-exec flag cleared in the
+/// child), to its end.
+fn vmm_with_tap(tap: RawFd, args: &[&str]) -> Output {
+    let mut cmd = Command::new(binary("airlock-vmm"));
+    let (sub, rest) = args.split_first().expect("a subcommand");
+    // Right after the subcommand: `run` passes what follows `--` to the guest.
+    cmd.arg(sub)
+        .arg("--net-fd")
+        .arg(tap.to_string())
+        .args(rest)
+        .stdin(Stdio::null());
+    let keep = move || {
+        // SAFETY: fcntl(2) is async-signal-safe; it only clears FD_CLOEXEC on `tap`.
+        if unsafe { libc::fcntl(tap, libc::F_SETFD, 0) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    };
+    // SAFETY: the hook makes one async-signal-safe system call between fork and exec.
+    unsafe { cmd.pre_exec(keep) };
+    cmd.output().expect("spawn airlock-vmm")
+}
+
+/// A guest program that connects to the gateway's server, says `line` and prints the answer.
+fn client_code(line: &str) -> String {
+    format!(
+        "import socket; s = socket.create_connection(('{GATEWAY_IPV4}', {PORT}), timeout=60); \
+         s.sendall(b'{line}\\n'); print(s.makefile().readline().strip())"
+    )
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "status {}\nstdout: {}\nstderr tail: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .rev()
+            .take(15)
+            .collect::<Vec<_>>()
+            .join("\n")
+    )
+}
+
+#[test]
+fn clones_of_a_guest_with_a_network_card_each_reach_their_own_network() {
+    require_kvm();
+    // A fresh boot can only have been told its network by its agent: check what it uses.
+    assert_eq!(GUEST_IPV4, Ipv4Addr::new(100, 96, 0, 2));
+    let mut t = Instant::now();
+    let dir = TempDir::new("net");
+    let snap = dir.0.join("snapshot");
+    let origin = TestNet::new("origin");
+    let warmup = format!("python3 -c \"{}\"", client_code("origin"));
+    let out = vmm_with_tap(
+        origin.tap_fd(),
+        &[
+            "snapshot",
+            "--kernel",
+            kernel().to_str().unwrap(),
+            "--rootfs",
+            rootfs().to_str().unwrap(),
+            "--out",
+            snap.to_str().unwrap(),
+            "--warmup",
+            &warmup,
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "snapshot with a network card: {}",
+        text(&out)
+    );
+    let (peer, said) = origin.next_peer();
+    assert_eq!(peer.ip(), GUEST_IPV4, "the booted guest's address");
+    assert_eq!(said, "origin");
+    step("boot, a TCP exchange over the card, snapshot", &mut t);
+
+    let nets: Vec<TestNet> = (0..2).map(|i| TestNet::new(&format!("clone{i}"))).collect();
+    let outs: Vec<Output> = std::thread::scope(|s| {
+        let runs: Vec<_> = nets
+            .iter()
+            .enumerate()
+            .map(|(i, net)| {
+                let (snap, code) = (&snap, client_code(&format!("clone{i}")));
+                let tap = net.tap_fd();
+                s.spawn(move || {
+                    vmm_with_tap(
+                        tap,
+                        &[
+                            "run",
+                            "--snapshot",
+                            snap.to_str().unwrap(),
+                            "--",
+                            "python3",
+                            "-c",
+                            &code,
+                        ],
+                    )
+                })
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().expect("clone")).collect()
+    });
+    step("two clones restored, each a TCP exchange", &mut t);
+    for (i, (net, out)) in nets.iter().zip(&outs).enumerate() {
+        assert!(out.status.success(), "clone {i}: {}", text(out));
+        let answer = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            answer.trim(),
+            format!("pong {} clone{i}", net.name),
+            "clone {i} must reach the server of its own network"
+        );
+        let (peer, said) = net.next_peer();
+        assert_eq!(peer.ip(), GUEST_IPV4);
+        assert_eq!(said, format!("clone{i}"));
+        assert!(net.saw_nothing(), "one connection per clone");
+    }
+    assert!(
+        origin.saw_nothing(),
+        "no clone reached the origin's network"
+    );
+}
