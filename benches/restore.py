@@ -52,15 +52,15 @@ class BenchError(Exception):
     pass
 
 
-def make_snapshot(vmm, kernel, rootfs, mem_mib, out, vcpus, extra=()):
-    """Boots once and snapshots into `out` (`extra`: more `airlock-vmm snapshot` options);
-    returns the snapshot's JSON summary."""
+def make_snapshot(vmm, kernel, rootfs, mem_mib, out, vcpus, extra=(), pass_fds=()):
+    """Boots once and snapshots into `out` (`extra`: more `airlock-vmm snapshot` options,
+    `pass_fds`: descriptors they name); returns the snapshot's JSON summary."""
     log(f"cold boot + snapshot of a {mem_mib} MiB guest (tens of seconds on nested KVM)")
     t = time.monotonic()
     r = subprocess.run(
         [vmm, "snapshot", "--kernel", kernel, "--rootfs", rootfs, "--mem-mib", str(mem_mib),
          "--vcpus", str(vcpus), "--out", out, *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=900)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=900, pass_fds=pass_fds)
     if r.returncode != 0:
         raise BenchError(f"snapshot failed ({r.returncode}): {r.stderr.decode()[-3000:]}")
     summary_line = json.loads(r.stdout.decode().strip().splitlines()[-1])
@@ -127,7 +127,7 @@ class Restored:
     """One restored VM: `airlock-vmm restore` (cold process) or, with `pool=True`, a warm
     `airlock-vmm pool` process that is asked to restore once it has prepared its VM."""
 
-    def __init__(self, vmm, snapshot, workdir, tag, pool=None, mem_mib=None):
+    def __init__(self, vmm, snapshot, workdir, tag, pool=None, mem_mib=None, tap_fd=None):
         self.sock = os.path.join(workdir, f"{tag}.vsock")
         self.ctl = os.path.join(workdir, f"{tag}.ctl")
         self.err_path = os.path.join(workdir, f"{tag}.log")
@@ -149,7 +149,13 @@ class Restored:
         else:
             argv = [vmm, "restore", "--snapshot", snapshot, "--vsock", self.sock, "--console",
                     console]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self.err)
+        fds = ()
+        if tap_fd is not None:
+            # The network card's TAP, inherited (airlock-vmm never opens /dev/net/tun).
+            argv += ["--net-fd", str(tap_fd)]
+            fds = (tap_fd,)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self.err,
+                                     pass_fds=fds)
         self.conn = None
         if pool:
             deadline = time.monotonic() + 30

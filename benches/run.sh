@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks. Usage: benches/run.sh boot|exec|restore|settle|create|jail|soak|plot
+# Benchmarks. Usage: benches/run.sh boot|exec|restore|settle|net|create|jail|soak|plot
 #   boot  time from process start to `airlock: userspace up`, airlock-vmm vs QEMU microvm
 #         (same kernel, image, vCPUs and memory, interleaved runs), and the VMM's resident
 #         memory outside guest RAM. RUNS (default 5), VCPUS (1), MEM_MIB (256).
@@ -15,6 +15,10 @@
 #   settle  restore -> agent Ready of clones of a snapshot taken right after the warm-up and of
 #         one taken once the guest settled (`airlock-vmm snapshot --settle-ms`), alternating
 #         warm pool restores. RUNS (default 15).
+#   net   restore with the network card on and off: the VMM's restore time and process spawn
+#         -> agent Ready of clones of a snapshot booted with a virtio-net card (each clone on a
+#         TAP of its own, in a network namespace the bench makes) and of one without, fresh
+#         `airlock-vmm restore` processes, alternating. RUNS (default 10), VCPUS (1).
 #   create  CreateSandbox -> ready through a live airlockd (gRPC, warm pool) at concurrency
 #         LEVELS (default 1,10,50), RUNS creates per level (default 20), the host's and the
 #         guest's share, creates/s, and the host memory (PSS) of IDLE (100) idle sandboxes.
@@ -85,6 +89,18 @@ bench_restore() {
     --runs "${RUNS:-10}" --clones "${CLONES:-20}" --vcpus "${VCPUS:-1}"
 }
 
+bench_net() {
+  command -v ip >/dev/null || {
+    echo "ip is missing: apt-get install -y iproute2" >&2
+    exit 1
+  }
+  artifacts
+  build_release
+  python3 "$root/benches/net.py" --vmm "$root/target/release/airlock-vmm" \
+    --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" --runs "${RUNS:-10}" \
+    --vcpus "${VCPUS:-1}"
+}
+
 bench_settle() {
   artifacts
   build_release
@@ -144,11 +160,12 @@ main() {
     exec) bench_exec ;;
     restore) bench_restore ;;
     settle) bench_settle ;;
+    net) bench_net ;;
     create) bench_create ;;
     jail) bench_jail ;;
     soak) bench_soak ;;
     *)
-      sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac

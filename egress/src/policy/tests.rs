@@ -1,0 +1,197 @@
+use std::net::IpAddr;
+
+use super::*;
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+fn attempt<'a>(
+    addr: &str,
+    port: u16,
+    name: Option<&'a str>,
+    resolved: &'a [IpAddr],
+) -> Attempt<'a> {
+    Attempt {
+        addr: ip(addr),
+        port,
+        name,
+        resolved,
+    }
+}
+
+fn rules(list: &[Rule]) -> Policy {
+    Policy::Rules(list.to_vec())
+}
+
+#[test]
+fn deny_all_is_the_default_and_denies_everything() {
+    let p = Policy::default();
+    assert_eq!(p, Policy::DenyAll);
+    let r = [ip("93.184.215.14")];
+    assert_eq!(
+        p.check(&attempt("93.184.215.14", 443, Some("example.com"), &r)),
+        Err(Denial::DenyAll)
+    );
+    assert!(!p.may_resolve("example.com"));
+}
+
+#[test]
+fn a_domain_rule_needs_the_name_its_port_and_the_proxys_own_resolution() {
+    let p = rules(&[Rule::domain("example.com", &[443]).unwrap()]);
+    let good = [ip("93.184.215.14")];
+    let ok = p.check(&attempt("93.184.215.14", 443, Some("example.com"), &good));
+    assert_eq!(ok, Ok(Allowance::Rule("example.com:443".into())));
+    // The wrong port.
+    assert_eq!(
+        p.check(&attempt("93.184.215.14", 80, Some("example.com"), &good)),
+        Err(Denial::NoRule)
+    );
+    // A lie in DNS: the guest connects somewhere the proxy did not resolve the name to.
+    assert_eq!(
+        p.check(&attempt("8.8.8.8", 443, Some("example.com"), &good)),
+        Err(Denial::NotResolvedTo("example.com".into()))
+    );
+    // A literal address without a name.
+    assert_eq!(
+        p.check(&attempt("93.184.215.14", 443, None, &[])),
+        Err(Denial::NoName)
+    );
+    // Another name.
+    assert_eq!(
+        p.check(&attempt("93.184.215.14", 443, Some("example.org"), &good)),
+        Err(Denial::NoRule)
+    );
+    assert!(p.may_resolve("example.com"));
+    assert!(!p.may_resolve("example.org"));
+}
+
+#[test]
+fn wildcards_match_below_the_name_only() {
+    let w = DomainPattern::parse("*.githubusercontent.com").unwrap();
+    assert!(w.matches("raw.githubusercontent.com"));
+    assert!(w.matches("a.b.githubusercontent.com"));
+    assert!(!w.matches("githubusercontent.com"));
+    assert!(!w.matches("evilgithubusercontent.com"));
+    assert!(!w.matches("raw.githubusercontent.com.evil.net"));
+    assert_eq!(w.to_string(), "*.githubusercontent.com");
+    let e = DomainPattern::parse("Example.COM.").unwrap();
+    assert!(e.matches("example.com"));
+    assert!(!e.matches("www.example.com"));
+}
+
+#[test]
+fn bad_patterns_and_ports_are_refused() {
+    for bad in [
+        "",
+        "*",
+        "*.com",
+        "a..b",
+        "exa mple.com",
+        "*.*.example.com",
+        "ex/ample.com",
+    ] {
+        assert!(DomainPattern::parse(bad).is_err(), "{bad:?}");
+    }
+    assert!(DomainPattern::parse(&"a.".repeat(130)).is_err(), "too long");
+    assert_eq!(Rule::domain("example.com", &[0]), Err(PolicyError::Port));
+    assert!(Rule::cidr("10.0.0.0/33", &[]).is_err());
+    assert!(Rule::cidr("not-an-address", &[]).is_err());
+    let many = Policy::Rules(vec![Rule::cidr("1.1.1.1", &[]).unwrap(); MAX_RULES + 1]);
+    assert_eq!(
+        many.validate(),
+        Err(PolicyError::TooManyRules(MAX_RULES + 1))
+    );
+}
+
+#[test]
+fn the_metadata_address_and_private_ranges_stay_closed_to_wildcards_domains_and_the_internet() {
+    let metadata = [ip("169.254.169.254")];
+    let p = rules(&[
+        Rule::domain("*.example.com", &[]).unwrap(),
+        Rule::cidr("0.0.0.0/0", &[]).unwrap(),
+    ]);
+    // A name allowed by a wildcard that resolves to the metadata address.
+    assert_eq!(
+        p.check(&attempt(
+            "169.254.169.254",
+            80,
+            Some("meta.example.com"),
+            &metadata
+        )),
+        Err(Denial::Guarded("169.254.0.0/16".parse().unwrap()))
+    );
+    for addr in [
+        "10.1.2.3",
+        "127.0.0.1",
+        "192.168.1.1",
+        "172.20.0.1",
+        "100.96.0.1",
+        "::1",
+        "fd00::1",
+        "fe80::1",
+        "::ffff:10.0.0.1",
+        "64:ff9b::a00:1",
+        "224.0.0.1",
+    ] {
+        let r = [ip(addr)];
+        for policy in [&p, &Policy::AllowInternet] {
+            let v = policy.check(&attempt(addr, 443, Some("x.example.com"), &r));
+            assert!(
+                matches!(v, Err(Denial::Guarded(_))),
+                "{addr} under {policy:?}: {v:?}"
+            );
+        }
+    }
+    // Public addresses: the /0 rule and allow-internet let them through.
+    assert!(p.check(&attempt("1.1.1.1", 443, None, &[])).is_ok());
+    assert_eq!(
+        Policy::AllowInternet.check(&attempt("2606:4700::1111", 443, None, &[])),
+        Ok(Allowance::Internet)
+    );
+}
+
+#[test]
+fn an_explicit_cidr_inside_a_guarded_range_opens_exactly_it() {
+    let p = rules(&[
+        Rule::cidr("10.1.0.0/16", &[5432]).unwrap(),
+        Rule::cidr("169.254.169.254", &[80]).unwrap(),
+    ]);
+    assert_eq!(
+        p.check(&attempt("10.1.2.3", 5432, None, &[])),
+        Ok(Allowance::Rule("10.1.0.0/16:5432".into()))
+    );
+    assert!(matches!(
+        p.check(&attempt("10.1.2.3", 22, None, &[])),
+        Err(Denial::Guarded(_))
+    ));
+    assert!(matches!(
+        p.check(&attempt("10.2.0.1", 5432, None, &[])),
+        Err(Denial::Guarded(_))
+    ));
+    assert!(p.check(&attempt("169.254.169.254", 80, None, &[])).is_ok());
+    // A CIDR wider than the guarded range does not count as listing it.
+    let wide = rules(&[Rule::cidr("8.0.0.0/5", &[]).unwrap()]);
+    assert!(matches!(
+        wide.check(&attempt("10.0.0.1", 80, None, &[])),
+        Err(Denial::Guarded(_))
+    ));
+    assert!(wide.check(&attempt("9.9.9.9", 80, None, &[])).is_ok());
+}
+
+#[test]
+fn names_are_normalised_and_checked() {
+    assert_eq!(
+        normalise_name("WWW.Example.com."),
+        Some("www.example.com".into())
+    );
+    assert_eq!(normalise_name(""), None);
+    assert_eq!(normalise_name("a..b"), None);
+    assert_eq!(normalise_name(&"a".repeat(64)), None);
+    assert_eq!(normalise_name("bad name"), None);
+    assert_eq!(guarded_range(ip("8.8.8.8")), None);
+    assert_eq!(
+        guarded_range(ip("169.254.169.254")),
+        Some("169.254.0.0/16".parse().unwrap())
+    );
+}
