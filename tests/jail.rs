@@ -136,6 +136,28 @@ async fn destroy(c: &mut Client, id: &str) {
     .unwrap_or_else(|e| panic!("destroy {id}: {e:?}"));
 }
 
+/// Asserts that the VMM's network namespace, its sandbox's, holds `lo` and the TAP of its
+/// card and nothing else, and has no route out: only the TAP's /30 (the guest's link).
+fn assert_network_is_its_own(pid: u32) {
+    let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
+    let mut names: Vec<&str> = dev
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split(':').next())
+        .map(str::trim)
+        .collect();
+    names.sort_unstable();
+    assert_eq!(names, ["lo", "tap0"], "interfaces of {pid}'s namespace");
+    let route = std::fs::read_to_string(format!("/proc/{pid}/net/route")).unwrap();
+    let routes: Vec<&str> = route.lines().skip(1).collect();
+    assert_eq!(routes.len(), 1, "routes of {pid}'s namespace: {routes:?}");
+    // 100.96.0.0/30 on tap0 (little-endian hex), no gateway.
+    assert!(
+        routes[0].starts_with("tap0\t00006064\t00000000\t"),
+        "{routes:?}"
+    );
+}
+
 /// Asserts what the host sees of a sandbox's VMM: credentials, filters, namespaces, cgroup,
 /// limits, environment and descriptors.
 fn assert_confined(pid: u32, data_dir: &Path, log: &Path, cgroup_parent: &str) {
@@ -188,6 +210,7 @@ fn assert_confined(pid: u32, data_dir: &Path, log: &Path, cgroup_parent: &str) {
         status_field(pid, "NSpid").last().map(String::as_str),
         Some("1")
     );
+    assert_network_is_its_own(pid);
     let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
     assert!(
         cgroups.contains(&format!("/{cgroup_parent}/vm-")),
@@ -506,6 +529,14 @@ async fn every_vmm_is_jailed_filtered_and_cleaned_up() {
     );
     let namespaces: HashSet<PathBuf> = pool.iter().map(|p| ns(&p.to_string(), "pid")).collect();
     assert_eq!(namespaces.len(), POOL, "PID namespaces beyond the pool's");
+    // A network namespace lives as long as its VMM (the daemon keeps no descriptor of it,
+    // which the count above checks): each of the pool's has its own.
+    let nets: HashSet<PathBuf> = pool.iter().map(|p| ns(&p.to_string(), "net")).collect();
+    assert_eq!(
+        nets.len(),
+        POOL,
+        "the pool's VMMs share a network namespace"
+    );
     eprintln!(
         "after {n} cycles: daemon descriptors {fds_before} -> {fds_after}, {} jail processes, \
          {} cgroups, {} uids",

@@ -1,7 +1,9 @@
-//! System test of the guest's network card (virtio-net on a TAP) in real VMs: one cold boot
-//! with a card, whose warm-up talks TCP to a server on the TAP's host side, then a snapshot;
-//! two clones of that snapshot, each on a TAP of its own in a network namespace of its own,
-//! each reaching its own server — and only its own.
+//! System tests of the guest's network card (virtio-net on a TAP) in real VMs:
+//! - `airlock-vmm` alone: one cold boot with a card, whose warm-up talks TCP to a server on the
+//!   TAP's host side, then a snapshot; two clones of that snapshot, each on a TAP of its own in
+//!   a network namespace of its own, each reaching its own server — and only its own;
+//! - through airlockd: a sandbox's guest has `eth0` on the network its VMM's jail made, where
+//!   the gateway answers (nothing listens: refused at once) and nothing else is reachable.
 //!
 //! Traffic stays on this machine: every TAP lives in a network namespace this test makes, the
 //! servers listen there on the gateway address, and nothing is routed out of them.
@@ -17,10 +19,11 @@ use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
 use airlock_proto::{GATEWAY_IPV4, GUEST_IPV4, GUEST_PREFIX};
+use airlock_system_tests::harness::{create_sandbox, run};
+use airlock_system_tests::shared::scenario;
 use airlock_system_tests::{TempDir, binary, kernel, require_kvm, rootfs, step};
 
 const PORT: u16 = 8080;
-const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
 
 /// A network namespace of this test with a TAP (`tap0`, the gateway address, up) and a TCP
 /// server on the gateway address that answers each connection's first line with
@@ -41,7 +44,7 @@ impl TestNet {
             .status();
         ip(&["netns", "add", &name]);
         let ns = name.clone();
-        let tap = in_netns(&name, move || open_tap("tap0"));
+        let tap = in_netns(&name, || airlock_netcfg::open_tap(c"tap0").expect("a TAP"));
         let gw = format!("{GATEWAY_IPV4}/{GUEST_PREFIX}");
         ip(&["-n", &ns, "addr", "add", &gw, "dev", "tap0"]);
         ip(&["-n", &ns, "link", "set", "tap0", "up"]);
@@ -116,24 +119,6 @@ fn in_netns<T: Send + 'static>(name: &str, f: impl FnOnce() -> T + Send + 'stati
     })
     .join()
     .expect("netns thread")
-}
-
-/// Opens `/dev/net/tun` as TAP `name` (`IFF_TAP | IFF_NO_PI`).
-fn open_tap(name: &str) -> OwnedFd {
-    let tun = File::options()
-        .read(true)
-        .write(true)
-        .open("/dev/net/tun")
-        .expect("/dev/net/tun");
-    // struct ifreq: 16 bytes of name, then the flags.
-    let mut req = [0u8; 40];
-    req[..name.len()].copy_from_slice(name.as_bytes());
-    let flags = (libc::IFF_TAP | libc::IFF_NO_PI) as u16;
-    req[16..18].copy_from_slice(&flags.to_ne_bytes());
-    // SAFETY: TUNSETIFF reads (and writes back) an ifreq-sized buffer that outlives the call.
-    let rc = unsafe { libc::ioctl(tun.as_raw_fd(), TUNSETIFF, req.as_mut_ptr()) };
-    assert_eq!(rc, 0, "TUNSETIFF: {}", std::io::Error::last_os_error());
-    OwnedFd::from(tun)
 }
 
 /// `airlock-vmm ARGS` with the TAP `tap` inherited (its close-on-exec flag cleared in the
@@ -258,5 +243,42 @@ fn clones_of_a_guest_with_a_network_card_each_reach_their_own_network() {
     assert!(
         origin.saw_nothing(),
         "no clone reached the origin's network"
+    );
+}
+
+/// In the guest: eth0's address; a connection to the gateway (refused at once: nothing
+/// listens there); one to a documentation address (192.0.2.1, never routed: the sandbox's
+/// namespace has no route out and drops it, so it times out).
+const PROBE: &str = "import fcntl, socket, struct, time
+s = socket.socket()
+print('eth0', socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack('256s', b'eth0'))[20:24]))
+t = time.monotonic()
+try:
+    socket.create_connection(('100.96.0.1', 80), timeout=20)
+    print('gateway open')
+except ConnectionRefusedError:
+    print('gateway refused', 'fast' if time.monotonic() - t < 10 else 'slow')
+try:
+    socket.create_connection(('192.0.2.1', 80), timeout=3)
+    print('outside open')
+except OSError as e:
+    print('outside', type(e).__name__)
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_has_a_card_on_a_network_of_its_own_with_no_way_out() {
+    let (_serial, s) = scenario("pool_size = 1\n").await;
+    let mut c = s.client(None).await;
+    let sb = create_sandbox(&mut c, &s.log).await;
+    let (out, err, rec) = run(&mut c, &sb.id, &["python3", "-c", PROBE]).await;
+    assert_eq!(rec.exit_code, 0, "{rec:?}\nstderr: {err}\n{}", s.log_tail());
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        [
+            format!("eth0 {GUEST_IPV4}").as_str(),
+            "gateway refused fast",
+            "outside TimeoutError"
+        ],
+        "stderr: {err}"
     );
 }

@@ -9,11 +9,10 @@
 
 mod fatal;
 mod ids;
-mod net;
 
+pub use airlock_netcfg::{add_default_route, configure_interface};
 pub use fatal::report_faults;
 pub use ids::{Credentials, FsIds};
-pub use net::{add_default_route, configure_interface};
 
 use std::ffi::{CStr, CString};
 use std::io;

@@ -71,6 +71,11 @@ pub struct JailConfig {
     pub seccomp: bool,
     /// Passes `--test-hooks` (the `probe` control commands) to every VMM: tests only.
     pub test_hooks: bool,
+    /// A network card for every VMM: it starts in a network namespace made for it, which holds
+    /// `lo` and a TAP (`tap0`, the guest's gateway address 100.96.0.1/30) and no route out,
+    /// and gets the TAP's descriptor (`--net-fd`). Needs `/dev/net/tun`. Templates built with
+    /// it on have a card, and every sandbox of theirs a network of its own.
+    pub network: bool,
 }
 
 impl Default for JailConfig {
@@ -83,6 +88,7 @@ impl Default for JailConfig {
             max_threads: 128,
             seccomp: true,
             test_hooks: false,
+            network: true,
         }
     }
 }
@@ -236,7 +242,19 @@ impl Jailer {
             None
         };
         make_run_dir(&launch.run_dir, lease.as_ref().map(|l| l.uid))?;
-        let plan = self.plan(&launch, lease.as_ref().map(|l| l.uid))?;
+        let net = if self.cfg.network {
+            Some(
+                airlock_netcfg::new_netns_with_tap(
+                    c"tap0",
+                    airlock_proto::GATEWAY_IPV4,
+                    airlock_proto::GUEST_PREFIX,
+                )
+                .map_err(|e| io::Error::new(e.kind(), format!("the sandbox's network: {e}")))?,
+            )
+        } else {
+            None
+        };
+        let plan = self.plan(&launch, lease.as_ref().map(|l| l.uid), net)?;
         let child = sys::clone_child(&plan)?;
         if let Some(cg) = &launch.cgroup
             && let Err(e) = cg.add(child.pid)
@@ -313,11 +331,22 @@ impl Jailer {
         Ok(Some((handle, Box::pin(exit))))
     }
 
-    fn plan(&self, launch: &Launch, uid: Option<u32>) -> io::Result<sys::Plan> {
+    /// The child's plan; with `net`, the VMM enters that namespace and gets its TAP
+    /// (`--net-fd`, the descriptor's number, kept open across exec).
+    fn plan(
+        &self,
+        launch: &Launch,
+        uid: Option<u32>,
+        net: Option<airlock_netcfg::NetnsWithTap>,
+    ) -> io::Result<sys::Plan> {
         let binary = cstring(self.binary.as_os_str().as_bytes())?;
         let mut argv_owned = vec![binary.clone()];
         for a in &launch.args {
             argv_owned.push(cstring(a.as_bytes())?);
+        }
+        if let Some(n) = &net {
+            argv_owned.push(cstring(b"--net-fd")?);
+            argv_owned.push(cstring(n.tap.as_raw_fd().to_string().as_bytes())?);
         }
         let env_owned = launch
             .env
@@ -350,6 +379,11 @@ impl Jailer {
             _envp: env_owned,
             stdio: [stdin.as_raw_fd(), stdout.as_raw_fd(), stderr.as_raw_fd()],
             _stdio: [stdin, stdout, stderr],
+            net: net.as_ref().map(|n| sys::NetFds {
+                netns: n.netns.as_raw_fd(),
+                tap: n.tap.as_raw_fd(),
+            }),
+            _net: net,
         };
         Ok(plan)
     }

@@ -29,6 +29,17 @@ pub struct Plan {
     /// Descriptors that become 0, 1 and 2, and the files that keep them open.
     pub stdio: [RawFd; 3],
     pub _stdio: [std::fs::File; 3],
+    /// The network namespace to enter instead of a new empty one, and the TAP to keep open
+    /// (at its number) across exec; `_net` keeps both open until the child has them.
+    pub net: Option<NetFds>,
+    pub _net: Option<airlock_netcfg::NetnsWithTap>,
+}
+
+/// The descriptors of a VMM's network (see [`Plan::net`]).
+#[derive(Debug, Clone, Copy)]
+pub struct NetFds {
+    pub netns: RawFd,
+    pub tap: RawFd,
 }
 
 /// The jail part of a [`Plan`].
@@ -62,6 +73,8 @@ pub struct Bind {
 /// The child's steps, for the error message (index = step number).
 pub const STEPS: &[&str] = &[
     "set up stdin/stdout/stderr",
+    "enter the sandbox's network namespace",
+    "keep the TAP open across exec",
     "close inherited descriptors",
     "wait for the parent",
     "make the mount tree private",
@@ -128,13 +141,23 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok((above_stdio(read)?, above_stdio(write)?))
 }
 
+/// The namespaces the child is cloned into: none without a jail; with one, all of
+/// [`NAMESPACES`] but the network namespace when the plan brings its own.
+fn namespaces(plan: &Plan) -> u64 {
+    match (&plan.jail, &plan.net) {
+        (None, _) => 0,
+        (Some(_), None) => NAMESPACES,
+        (Some(_), Some(_)) => NAMESPACES & !(libc::CLONE_NEWNET as u64),
+    }
+}
+
 /// Clones the child (in new namespaces when `plan.jail` is set); it waits until [`Child::go`].
 pub fn clone_child(plan: &Plan) -> io::Result<Child> {
     let (go_read, go) = pipe()?;
     let (errors, err_write) = pipe()?;
     let mut pidfd: RawFd = -1;
     let mut args = libc::clone_args {
-        flags: libc::CLONE_PIDFD as u64 | if plan.jail.is_some() { NAMESPACES } else { 0 },
+        flags: libc::CLONE_PIDFD as u64 | namespaces(plan),
         pidfd: std::ptr::addr_of_mut!(pidfd) as u64,
         child_tid: 0,
         parent_tid: 0,
@@ -324,18 +347,32 @@ fn child_main(plan: &Plan, go: RawFd, errors: RawFd) -> ! {
         try_step!(libc::dup2(*fd, target as i32));
     }
     step += 1;
-    // The daemon's descriptors (its listeners among them) go first: should the daemon die
-    // now, none of them outlives it in this child. The two pipes stay; both are close-on-exec.
-    let (lo, hi) = (go.min(errors) as u32, go.max(errors) as u32);
-    for (first, last) in [
-        (3, lo.wrapping_sub(1)),
-        (lo + 1, hi - 1),
-        (hi + 1, u32::MAX),
-    ] {
-        if first <= last {
-            try_step!(libc::syscall(libc::SYS_close_range, first, last, 0u32) as i32);
-        }
+    if let Some(net) = &plan.net {
+        try_step!(libc::setns(net.netns, libc::CLONE_NEWNET));
+        step += 1;
+        try_step!(libc::fcntl(net.tap, libc::F_SETFD, 0));
+        step += 1;
+    } else {
+        step += 2;
     }
+    // The daemon's descriptors (its listeners among them) go first: should the daemon die
+    // now, none of them outlives it in this child. The two pipes stay (both close-on-exec),
+    // and the TAP, if there is one (for the VMM).
+    let tap = plan.net.map_or(-1, |n| n.tap);
+    let mut keep = [go, errors, tap];
+    keep.sort_unstable();
+    let mut first: u32 = 3;
+    for fd in keep {
+        let Ok(fd) = u32::try_from(fd) else { continue };
+        if fd < first {
+            continue;
+        }
+        if fd > first {
+            try_step!(libc::syscall(libc::SYS_close_range, first, fd - 1, 0u32) as i32);
+        }
+        first = fd + 1;
+    }
+    try_step!(libc::syscall(libc::SYS_close_range, first, u32::MAX, 0u32) as i32);
     step += 1;
     let mut byte = 0u8;
     loop {
