@@ -18,7 +18,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
-use airlock_proto::{GATEWAY_IPV4, GUEST_IPV4, GUEST_PREFIX};
+use airlock_proto::{GATEWAY_IPV4, GATEWAY_MAC, GUEST_IPV4, GUEST_PREFIX};
 use airlock_system_tests::harness::{create_sandbox, run};
 use airlock_system_tests::shared::scenario;
 use airlock_system_tests::{TempDir, binary, kernel, require_kvm, rootfs, step};
@@ -44,7 +44,13 @@ impl TestNet {
             .status();
         ip(&["netns", "add", &name]);
         let ns = name.clone();
-        let tap = in_netns(&name, || airlock_netcfg::open_tap(c"tap0").expect("a TAP"));
+        let tap = in_netns(&name, || {
+            let tap = airlock_netcfg::open_tap(c"tap0").expect("a TAP");
+            // Every network's gateway has the same MAC, as airlockd's do: a clone restored
+            // with the gateway in its ARP cache must reach its own at once.
+            airlock_netcfg::set_hwaddr(c"tap0", GATEWAY_MAC).expect("the gateway's MAC");
+            tap
+        });
         let gw = format!("{GATEWAY_IPV4}/{GUEST_PREFIX}");
         ip(&["-n", &ns, "addr", "add", &gw, "dev", "tap0"]);
         ip(&["-n", &ns, "link", "set", "tap0", "up"]);

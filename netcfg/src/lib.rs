@@ -82,6 +82,20 @@ pub fn configure_interface(name: &CStr, addr: Option<(Ipv4Addr, u8)>) -> io::Res
     ioctl(&sock, libc::SIOCSIFFLAGS, (&raw mut req).cast())
 }
 
+/// Sets the hardware (MAC) address of Ethernet interface `name`.
+pub fn set_hwaddr(name: &CStr, mac: [u8; 6]) -> io::Result<()> {
+    let sock = ioctl_socket()?;
+    let mut req = ifreq(name)?;
+    // SAFETY: sockaddr is plain old data; all zeroes is a valid value.
+    let mut hw: libc::sockaddr = unsafe { std::mem::zeroed() };
+    hw.sa_family = libc::ARPHRD_ETHER;
+    for (dst, src) in hw.sa_data.iter_mut().zip(mac) {
+        *dst = src as libc::c_char;
+    }
+    req.ifr_ifru.ifru_hwaddr = hw;
+    ioctl(&sock, libc::SIOCSIFHWADDR, (&raw mut req).cast())
+}
+
 /// Adds the default route through `gateway`.
 pub fn add_default_route(gateway: Ipv4Addr) -> io::Result<()> {
     let sock = ioctl_socket()?;
@@ -124,11 +138,12 @@ pub struct NetnsWithTap {
     pub tap: OwnedFd,
 }
 
-/// Makes a network namespace with `lo` up and TAP `tap_name` up with `addr`/`prefix`, on a
-/// thread of its own (unshare(2) moves only the calling thread; that thread then ends, so no
-/// other thread of the process ever runs in the new namespace).
+/// Makes a network namespace with `lo` up and TAP `tap_name` up with `mac` and
+/// `addr`/`prefix`, on a thread of its own (unshare(2) moves only the calling thread; that
+/// thread then ends, so no other thread of the process ever runs in the new namespace).
 pub fn new_netns_with_tap(
     tap_name: &'static CStr,
+    mac: [u8; 6],
     addr: Ipv4Addr,
     prefix: u8,
 ) -> io::Result<NetnsWithTap> {
@@ -153,6 +168,7 @@ pub fn new_netns_with_tap(
             let netns = unsafe { OwnedFd::from_raw_fd(fd) };
             configure_interface(c"lo", None)?;
             let tap = open_tap(tap_name)?;
+            set_hwaddr(tap_name, mac)?;
             configure_interface(tap_name, Some((addr, prefix)))?;
             Ok(NetnsWithTap { netns, tap })
         })?
@@ -172,15 +188,27 @@ mod tests {
             root && std::path::Path::new("/dev/net/tun").exists(),
             "this test needs root and /dev/net/tun (run the tests as root)"
         );
-        let made = new_netns_with_tap(c"tap0", Ipv4Addr::new(100, 96, 0, 1), 30).unwrap();
+        let mac = [0x02, 0xa1, 0x0c, 0, 0, 1];
+        let made = new_netns_with_tap(c"tap0", mac, Ipv4Addr::new(100, 96, 0, 1), 30).unwrap();
         // Look at the namespace from a thread that enters it.
         let ns = made.netns.as_raw_fd();
-        let (devices, routes) = std::thread::spawn(move || {
+        let (devices, routes, address) = std::thread::spawn(move || {
             // SAFETY: setns(2) moves only this thread, which ends right after.
             assert_eq!(unsafe { libc::setns(ns, libc::CLONE_NEWNET) }, 0);
             (
                 std::fs::read_to_string("/proc/thread-self/net/dev").unwrap(),
                 std::fs::read_to_string("/proc/thread-self/net/route").unwrap(),
+                {
+                    let sock = ioctl_socket().unwrap();
+                    let mut req = ifreq(c"tap0").unwrap();
+                    ioctl(&sock, libc::SIOCGIFHWADDR, (&raw mut req).cast()).unwrap();
+                    // SAFETY: SIOCGIFHWADDR filled in the hwaddr member of the union.
+                    let hw = unsafe { req.ifr_ifru.ifru_hwaddr };
+                    hw.sa_data[..6]
+                        .iter()
+                        .map(|b| *b as u8)
+                        .collect::<Vec<u8>>()
+                },
             )
         })
         .join()
@@ -193,6 +221,7 @@ mod tests {
             .collect();
         names.sort_unstable();
         assert_eq!(names, ["lo", "tap0"]);
+        assert_eq!(address, mac, "the TAP's MAC address");
         // One route: the /30 on tap0 (no default route: nothing leaves the namespace).
         let routes: Vec<&str> = routes.lines().skip(1).collect();
         assert_eq!(routes.len(), 1, "{routes:?}");

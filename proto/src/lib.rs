@@ -69,6 +69,9 @@ pub const GUEST_IPV4: std::net::Ipv4Addr = std::net::Ipv4Addr::new(100, 96, 0, 2
 pub const GATEWAY_IPV4: std::net::Ipv4Addr = std::net::Ipv4Addr::new(100, 96, 0, 1);
 /// The prefix length of the guest's link.
 pub const GUEST_PREFIX: u8 = 30;
+/// The gateway's MAC address (the TAP's), the same in every sandbox too: a clone restored with
+/// the gateway in its ARP cache reaches the gateway of its own network at once.
+pub const GATEWAY_MAC: [u8; 6] = [0x02, 0xa1, 0x0c, 0x00, 0x00, 0x01];
 /// `Ready.protocol_version` of this crate's protocol.
 pub const PROTOCOL_VERSION: u32 = 1;
 /// Largest `Output.data` chunk the agent sends.

@@ -246,6 +246,7 @@ impl Jailer {
             Some(
                 airlock_netcfg::new_netns_with_tap(
                     c"tap0",
+                    airlock_proto::GATEWAY_MAC,
                     airlock_proto::GATEWAY_IPV4,
                     airlock_proto::GUEST_PREFIX,
                 )
