@@ -138,8 +138,8 @@ pub struct NetnsWithTap {
     pub tap: OwnedFd,
 }
 
-/// Makes a network namespace with `lo` up and TAP `tap_name` up with `mac` and
-/// `addr`/`prefix`, on a thread of its own (unshare(2) moves only the calling thread; that
+/// Makes a network namespace with `lo` up, IPv4 forwarding on (with nowhere to forward to: see
+/// the code) and TAP `tap_name` up with `mac` and `addr`/`prefix`, on a thread of its own (unshare(2) moves only the calling thread; that
 /// thread then ends, so no other thread of the process ever runs in the new namespace).
 pub fn new_netns_with_tap(
     tap_name: &'static CStr,
@@ -167,6 +167,12 @@ pub fn new_netns_with_tap(
             // SAFETY: `fd` is a new descriptor that nothing else owns.
             let netns = unsafe { OwnedFd::from_raw_fd(fd) };
             configure_interface(c"lo", None)?;
+            // Forwarding on, and no route but the TAP's own link: a packet for anywhere else
+            // finds no route, and the namespace answers with an ICMP "network unreachable", so
+            // the guest's connection fails at once instead of timing out. Nothing can be
+            // forwarded: there is nowhere to forward to. (/proc/sys/net is this thread's
+            // namespace's.)
+            std::fs::write("/proc/sys/net/ipv4/ip_forward", b"1")?;
             let tap = open_tap(tap_name)?;
             set_hwaddr(tap_name, mac)?;
             configure_interface(tap_name, Some((addr, prefix)))?;
@@ -192,7 +198,7 @@ mod tests {
         let made = new_netns_with_tap(c"tap0", mac, Ipv4Addr::new(100, 96, 0, 1), 30).unwrap();
         // Look at the namespace from a thread that enters it.
         let ns = made.netns.as_raw_fd();
-        let (devices, routes, address) = std::thread::spawn(move || {
+        let (devices, routes, address, forwarding) = std::thread::spawn(move || {
             // SAFETY: setns(2) moves only this thread, which ends right after.
             assert_eq!(unsafe { libc::setns(ns, libc::CLONE_NEWNET) }, 0);
             (
@@ -209,6 +215,7 @@ mod tests {
                         .map(|b| *b as u8)
                         .collect::<Vec<u8>>()
                 },
+                std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward").unwrap(),
             )
         })
         .join()
@@ -222,6 +229,13 @@ mod tests {
         names.sort_unstable();
         assert_eq!(names, ["lo", "tap0"]);
         assert_eq!(address, mac, "the TAP's MAC address");
+        assert_eq!(forwarding.trim(), "1", "forwarding, with nowhere to forward to");
+        // This thread's namespace is untouched.
+        let ours = std::fs::read_to_string("/proc/thread-self/net/dev").unwrap();
+        assert!(
+            !ours.lines().any(|l| l.trim_start().starts_with("tap0:")),
+            "the TAP is in the caller's namespace: {ours}"
+        );
         // One route: the /30 on tap0 (no default route: nothing leaves the namespace).
         let routes: Vec<&str> = routes.lines().skip(1).collect();
         assert_eq!(routes.len(), 1, "{routes:?}");
