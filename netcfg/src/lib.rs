@@ -229,7 +229,11 @@ mod tests {
         names.sort_unstable();
         assert_eq!(names, ["lo", "tap0"]);
         assert_eq!(address, mac, "the TAP's MAC address");
-        assert_eq!(forwarding.trim(), "1", "forwarding, with nowhere to forward to");
+        assert_eq!(
+            forwarding.trim(),
+            "1",
+            "forwarding, with nowhere to forward to"
+        );
         // This thread's namespace is untouched.
         let ours = std::fs::read_to_string("/proc/thread-self/net/dev").unwrap();
         assert!(
