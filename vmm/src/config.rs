@@ -133,8 +133,18 @@ impl VmConfig {
 ///   nested host emulates guest kernel code and miscalibrates); kvm-clock survives snapshots.
 /// - `io_delay=none`: no port-0x80 writes (a VM exit each) as I/O delays.
 /// - `root=/dev/vda ro rootfstype=ext4`: the read-only base image.
+/// - `GLIBC_TUNABLES=glibc.pthread.stack_cache_size=0`: an environment variable of init (the
+///   kernel passes unknown `name=value` words to it), read by the agent's static glibc: no
+///   cache of exited threads' stacks. With the cache, clones of a snapshot crashed now and
+///   then (about one in twenty under the daemon's tests): `pthread_create` in the agent's
+///   main thread, reusing a stack cached before the snapshot, freed a garbage pointer from
+///   that stack's TLS vector (free(0x6); the agent's fault report gave the call chain), and
+///   PID 1 died. Without the cache a thread's stack is unmapped when it exits and a new one
+///   mapped for each thread. The agent builds every execution's environment itself, so the
+///   variable reaches no user process.
 pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet tsc=reliable \
-    no_timer_check clocksource=kvm-clock io_delay=none root=/dev/vda ro rootfstype=ext4";
+    no_timer_check clocksource=kvm-clock io_delay=none root=/dev/vda ro rootfstype=ext4 \
+    GLIBC_TUNABLES=glibc.pthread.stack_cache_size=0";
 
 /// Guest arguments on the nested paravirtual KVM (`kvm_pvm`, the build machines).
 ///
