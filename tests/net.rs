@@ -253,18 +253,18 @@ fn clones_of_a_guest_with_a_network_card_each_reach_their_own_network() {
     );
 }
 
-/// In the guest: eth0's address; a connection to the gateway (refused at once: nothing
-/// listens there); one to a documentation address (192.0.2.1, never routed: the sandbox's
-/// namespace has no route for it and answers "network unreachable" at once).
+/// In the guest: eth0's address; a connection to the gateway (refused: nothing listens there;
+/// not timed, as it also resolves the gateway's MAC, which a loaded nested host can make take
+/// seconds); one to a documentation address (192.0.2.1, never routed: the sandbox's namespace
+/// has no route for it and answers "network unreachable" at once).
 const PROBE: &str = "import errno, fcntl, socket, struct, time
 s = socket.socket()
 print('eth0', socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack('256s', b'eth0'))[20:24]))
-t = time.monotonic()
 try:
-    socket.create_connection(('100.96.0.1', 80), timeout=20)
+    socket.create_connection(('100.96.0.1', 80), timeout=60)
     print('gateway open')
 except ConnectionRefusedError:
-    print('gateway refused', 'fast' if time.monotonic() - t < 10 else 'slow')
+    print('gateway refused')
 t = time.monotonic()
 try:
     socket.create_connection(('192.0.2.1', 80), timeout=20)
@@ -284,7 +284,7 @@ async fn a_sandbox_has_a_card_on_a_network_of_its_own_with_no_way_out() {
         out.lines().collect::<Vec<_>>(),
         [
             format!("eth0 {GUEST_IPV4}").as_str(),
-            "gateway refused fast",
+            "gateway refused",
             "outside ENETUNREACH fast"
         ],
         "stderr: {err}"
