@@ -25,7 +25,7 @@ use crate::devices::bus::{Bus, BusError};
 use crate::devices::legacy::{ConsoleSink, EventFdTrigger, I8042, SerialDevice};
 use crate::devices::virtio::block::{Block, BlockError, BlockEventHandler};
 use crate::devices::virtio::mmio::MmioTransport;
-use crate::devices::virtio::net::{Net, NetError, NetEventHandler, format_mac, parse_mac};
+use crate::devices::virtio::net::{Net, NetError, NetEventHandler};
 use crate::devices::virtio::vsock::{Vsock, VsockError, VsockEventHandler};
 use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
 use crate::snapshot::{
@@ -354,9 +354,7 @@ pub fn restore_microvm(
                 let tap = config.net_tap.clone().ok_or_else(|| {
                     BuildError::Restore("the snapshot has a network card: give its TAP".into())
                 })?;
-                let mac = parse_mac(mac)
-                    .ok_or_else(|| BuildError::Restore(format!("bad MAC address {mac:?}")))?;
-                attach_net_device(&vm, &mut devices, &NetConfig { tap, mac })?
+                attach_net_device(&vm, &mut devices, &NetConfig { tap, mac: *mac })?
             }
         };
         transport
@@ -550,9 +548,7 @@ fn attach_net_device(
 ) -> Result<Arc<Mutex<MmioTransport>>, BuildError> {
     let tap = config.tap.try_clone().map_err(BuildError::DupTap)?;
     let net = Arc::new(Mutex::new(Net::new(tap, config.mac)?));
-    let kind = DeviceKind::Net {
-        mac: format_mac(&config.mac),
-    };
+    let kind = DeviceKind::Net { mac: config.mac };
     let transport = attach_virtio_device(vm, devices, net.clone(), kind)?;
     let handler = NetEventHandler::new(net).map_err(BuildError::EventFd)?;
     devices.subscribers.push(Arc::new(Mutex::new(handler)));

@@ -201,8 +201,8 @@ pub enum DeviceKind {
     /// a transport-reset event).
     Vsock { guest_cid: u64 },
     /// The network card: restored on the TAP the restoring process is given, with the same
-    /// MAC address (`aa:bb:...`).
-    Net { mac: String },
+    /// MAC address.
+    Net { mac: [u8; 6] },
 }
 
 /// One virtio device in its mmio slot (slots are restored in the same order).
