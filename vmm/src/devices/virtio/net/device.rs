@@ -7,8 +7,9 @@
 //! 12-byte `virtio_net_hdr_v1`, which the device adds on receive and strips on transmit.
 //!
 //! Receive (tap → guest): frames are read while the guest has buffers; a frame read while it
-//! has none waits in `pending` until the guest adds some (the rx queue notification), and the
-//! tap is not read meanwhile (the kernel queues or drops, as for a slow NIC). Transmit (guest →
+//! has none waits in the read buffer (no copy) until the guest adds some (the rx queue
+//! notification), and the tap is not read meanwhile (the kernel queues or drops, as for a slow
+//! NIC). Transmit (guest →
 //! tap): each chain is one frame. A malformed or oversized chain is completed with length 0 and
 //! counted; a ring that cannot be read marks the queue broken until the driver resets it.
 
@@ -69,9 +70,10 @@ pub struct Net {
     acked_features: u64,
     queue_evts: Vec<EventFd>,
     active: Option<Active>,
-    /// A frame read from the tap that waits for a receive buffer.
-    pending: Option<Vec<u8>>,
-    /// Receive buffer for the next frame from the tap.
+    /// The length of a frame in `frame` that waits for a receive buffer (the tap is not read
+    /// meanwhile, so the buffer holds it without a copy).
+    pending: Option<usize>,
+    /// The frame last read from the tap.
     frame: Vec<u8>,
     pub metrics: Arc<NetMetrics>,
 }
@@ -150,11 +152,11 @@ impl Net {
         let m = &self.metrics;
         let mut delivered = 0usize;
         loop {
-            let frame = match self.pending.take() {
-                Some(f) => f,
+            let len = match self.pending.take() {
+                Some(n) => n,
                 None => match self.tap.read(&mut self.frame) {
                     Ok(0) => break,
-                    Ok(n) => self.frame[..n].to_vec(),
+                    Ok(n) => n,
                     Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                     Err(e) => {
@@ -174,16 +176,17 @@ impl Net {
             let Some(chain) = chain else {
                 // No buffer: keep the frame until the driver adds some (it notifies the rx
                 // queue, whose notifications stay enabled).
-                self.pending = Some(frame);
+                self.pending = Some(len);
                 break;
             };
+            let frame = self.frame.get(..len).unwrap_or_default();
             let head = chain.head_index();
             let used = match chain.writer(&active.mem) {
                 Ok(mut w) if w.available_bytes() >= NET_HDR_LEN + frame.len() => {
                     let mut hdr = [0u8; NET_HDR_LEN];
                     // num_buffers = 1 (the last two bytes of virtio_net_hdr_v1).
                     hdr[10] = 1;
-                    match w.write_all(&hdr).and_then(|()| w.write_all(&frame)) {
+                    match w.write_all(&hdr).and_then(|()| w.write_all(frame)) {
                         Ok(()) => {
                             m.rx_frames.fetch_add(1, Ordering::Relaxed);
                             m.rx_bytes.fetch_add(frame.len() as u64, Ordering::Relaxed);
