@@ -23,7 +23,7 @@ build_pkgs=(
 # Only tests and benchmarks need these.
 test_pkgs=(
   qemu-system-x86   # the reference VMM of benches/run.sh boot and restore
-  iproute2          # tests/net.rs: network namespaces and TAP addresses of its own
+  iproute2          # benches/run.sh net: network namespaces of its own
 )
 
 tests=0 list=0

@@ -6,15 +6,14 @@
 //!   the gateway answers (nothing listens: refused at once) and nothing else is reachable
 //!   (unreachable at once, decided in the sandbox's namespace).
 //!
-//! Traffic stays on this machine: every TAP lives in a network namespace this test makes, the
-//! servers listen there on the gateway address, and nothing is routed out of them.
+//! Traffic stays on this machine: every TAP lives in a network namespace this test makes (as
+//! the jail does), the servers listen there on the gateway address, and nothing is routed out
+//! of them.
 
-use std::fs::File;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
-use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
@@ -26,9 +25,11 @@ use airlock_system_tests::{TempDir, binary, kernel, require_kvm, rootfs, step};
 
 const PORT: u16 = 8080;
 
-/// A network namespace of this test with a TAP (`tap0`, the gateway address, up) and a TCP
-/// server on the gateway address that answers each connection's first line with
-/// `pong <namespace> <line>` and reports who connected.
+/// A network namespace of this test, made as airlockd's jail makes a sandbox's
+/// (`airlock_netcfg::new_netns_with_tap`: `lo` and `tap0` with the gateway's address and MAC,
+/// no route out), and a TCP server on the gateway address there that answers each
+/// connection's first line with `pong <name> <line>` and reports who connected. The namespace
+/// lives as long as its server's socket (this test process).
 struct TestNet {
     name: String,
     tap: OwnedFd,
@@ -37,26 +38,11 @@ struct TestNet {
 
 impl TestNet {
     fn new(tag: &str) -> Self {
-        let name = format!("airlock-net-{}-{tag}", std::process::id());
-        // A namespace of the same name left by a killed earlier run.
-        let _ = Command::new("ip")
-            .args(["netns", "del", &name])
-            .stderr(Stdio::null())
-            .status();
-        ip(&["netns", "add", &name]);
-        let ns = name.clone();
-        let tap = in_netns(&name, || {
-            let tap = airlock_netcfg::open_tap(c"tap0").expect("a TAP");
-            // Every network's gateway has the same MAC, as airlockd's do: a clone restored
-            // with the gateway in its ARP cache must reach its own at once.
-            airlock_netcfg::set_hwaddr(c"tap0", GATEWAY_MAC).expect("the gateway's MAC");
-            tap
-        });
-        let gw = format!("{GATEWAY_IPV4}/{GUEST_PREFIX}");
-        ip(&["-n", &ns, "addr", "add", &gw, "dev", "tap0"]);
-        ip(&["-n", &ns, "link", "set", "tap0", "up"]);
-        ip(&["-n", &ns, "link", "set", "lo", "up"]);
-        let listener = in_netns(&name, || {
+        let name = format!("net-{tag}");
+        let made =
+            airlock_netcfg::new_netns_with_tap(c"tap0", GATEWAY_MAC, GATEWAY_IPV4, GUEST_PREFIX)
+                .expect("a network namespace with a TAP (root and /dev/net/tun)");
+        let listener = in_netns(&made.netns, || {
             TcpListener::bind((GATEWAY_IPV4, PORT)).expect("bind the server on the gateway")
         });
         let (tx, peers) = channel();
@@ -77,7 +63,11 @@ impl TestNet {
                 }
             }
         });
-        Self { name, tap, peers }
+        Self {
+            name,
+            tap: made.tap,
+            peers,
+        }
     }
 
     fn tap_fd(&self) -> RawFd {
@@ -97,28 +87,11 @@ impl TestNet {
     }
 }
 
-impl Drop for TestNet {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .status();
-    }
-}
-
-fn ip(args: &[&str]) {
-    let st = Command::new("ip")
-        .args(args)
-        .status()
-        .unwrap_or_else(|e| panic!("ip {args:?}: {e} (apt-get install iproute2)"));
-    assert!(st.success(), "ip {args:?}: {st}");
-}
-
-/// Runs `f` on a thread that has entered network namespace `name` (sockets and TAPs made there
-/// stay there).
-fn in_netns<T: Send + 'static>(name: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let path = Path::new("/run/netns").join(name);
+/// Runs `f` on a thread that has entered network namespace `ns` (sockets made there stay
+/// there).
+fn in_netns<T: Send + 'static>(ns: &OwnedFd, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let ns = ns.try_clone().expect("dup the namespace descriptor");
     std::thread::spawn(move || {
-        let ns = File::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         // SAFETY: setns(2) on a namespace descriptor moves only this thread.
         let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
         assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
