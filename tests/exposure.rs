@@ -96,6 +96,8 @@ async fn the_tcp_listener_speaks_only_mutual_tls_and_metrics_need_their_token() 
         .arg(format!("tcp://127.0.0.1:{port}"));
     let daemon = airlock_system_tests::ChildGuard::spawn(&mut setup.command);
     harness::wait_listening(&setup.socket, &setup.log);
+    harness::wait_tcp_listening(port, &setup.log);
+    harness::wait_tcp_listening(metrics_port, &setup.log);
     let tcp = format!("https://localhost:{port}");
 
     tls_env(&dir, true);

@@ -98,6 +98,20 @@ pub fn wait_listening(socket: &Path, log: &Path) {
     }
 }
 
+/// Waits (up to 30 s) until something accepts TCP connections on loopback `port` (a daemon's
+/// TCP listeners start after its Unix socket, so [`wait_listening`] does not cover them).
+pub fn wait_tcp_listening(port: u16, log: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "airlockd did not listen on port {port}: {}",
+            tail(log)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Starts `airlockd` as [`daemon_setup`] describes it and waits until it listens.
 pub fn start_daemon(dir: &Path, cgroup_parent: &str, extra: &str) -> Daemon {
     let mut setup = daemon_setup(dir, cgroup_parent, extra);
