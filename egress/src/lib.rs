@@ -2,6 +2,7 @@
 //! the egress policy ([`policy`]) and the parsers that read the name a connection states
 //! ([`sniff`]: TLS SNI, HTTP `Host`), each on bounded input.
 
+pub mod dns;
 pub mod policy;
 pub mod sniff;
 

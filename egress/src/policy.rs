@@ -212,6 +212,9 @@ pub enum Denial {
     DenyAll,
     /// The address is in a guarded range and no CIDR rule inside that range allows it.
     Guarded(IpNet),
+    /// The address is one of the host's own (an address of one of its interfaces), and no
+    /// CIDR rule of exactly that address allows it.
+    HostAddress(IpAddr),
     /// The connection named no host (no SNI, no `Host`) and no CIDR rule allows its address.
     NoName,
     /// The name is allowed, but the proxy did not resolve it to this address.
@@ -228,6 +231,11 @@ impl fmt::Display for Denial {
                 f,
                 "{net} is only reachable through a CIDR rule inside it (not by a domain, a \
                  wildcard or allow-internet)"
+            ),
+            Self::HostAddress(addr) => write!(
+                f,
+                "{addr} is an address of the host itself, only reachable through a CIDR rule of \
+                 exactly that address"
             ),
             Self::NoName => write!(f, "the connection names no host and no CIDR rule allows it"),
             Self::NotResolvedTo(name) => {
@@ -255,6 +263,13 @@ pub struct Attempt<'a> {
     pub name: Option<&'a str>,
     /// The addresses the proxy itself resolved `name` to (empty without a name).
     pub resolved: &'a [IpAddr],
+    /// `resolved` comes from the operator's static host map, not from DNS: a guarded address
+    /// there is the operator's explicit choice for that name, and an exact domain rule for the
+    /// name (never a wildcard, never allow-internet) may reach it.
+    pub pinned: bool,
+    /// `addr` is one of the host's own addresses (the caller knows its interfaces): guarded
+    /// like a range of its own, a single address wide, whatever range it is in.
+    pub host: bool,
 }
 
 impl Policy {
@@ -277,8 +292,9 @@ impl Policy {
             Self::AllowInternet => &[],
         };
         // A CIDR rule decides on the address alone; inside a guarded range only a rule that
-        // lies inside that range counts.
-        let guard = guarded_range(addr);
+        // lies inside that range counts (for the host's own address: that address alone).
+        let own = attempt.host.then(|| IpNet::from(addr));
+        let guard = own.or_else(|| guarded_range(addr));
         for rule in rules {
             if let Rule::Cidr { net, ports } = rule
                 && net.contains(&addr)
@@ -289,7 +305,20 @@ impl Policy {
             }
         }
         if let Some(g) = guard {
-            return Err(Denial::Guarded(g));
+            if attempt.pinned
+                && let Some(name) = attempt.name
+                && attempt.resolved.iter().any(|r| canonical(*r) == addr)
+                && let Some(rule) = rules.iter().find(|r| {
+                    matches!(r, Rule::Domain { pattern: DomainPattern::Exact(n), ports }
+                        if n == name && port_ok(ports, attempt.port))
+                })
+            {
+                return Ok(Allowance::Rule(rule.to_string()));
+            }
+            return Err(match own {
+                Some(_) => Denial::HostAddress(addr),
+                None => Denial::Guarded(g),
+            });
         }
         if matches!(self, Self::AllowInternet) {
             return Ok(Allowance::Internet);
@@ -328,6 +357,79 @@ impl Policy {
                 Rule::Cidr { .. } => false,
             }),
         }
+    }
+}
+
+impl Policy {
+    /// Whether everything `requested` allows, this policy (an operator's ceiling) allows too;
+    /// otherwise the first rule that goes beyond it. Allow-internet covers every domain rule
+    /// and every CIDR outside the guarded ranges; a rule list covers a domain rule with a
+    /// pattern at least as wide and a CIDR rule inside one of its CIDRs, on the ports it
+    /// allows.
+    pub fn covers(&self, requested: &Policy) -> Result<(), String> {
+        let wanted = match requested {
+            Self::DenyAll => return Ok(()),
+            Self::AllowInternet => {
+                return match self {
+                    Self::AllowInternet => Ok(()),
+                    _ => Err("allow-internet".to_owned()),
+                };
+            }
+            Self::Rules(rules) => rules,
+        };
+        for rule in wanted {
+            let ok = match (self, rule) {
+                (Self::DenyAll, _) => false,
+                (Self::AllowInternet, Rule::Domain { .. }) => true,
+                (Self::AllowInternet, Rule::Cidr { net, .. }) => !GUARDED
+                    .iter()
+                    .filter_map(|s| s.parse::<IpNet>().ok())
+                    .any(|g| g.contains(net) || net.contains(&g)),
+                (Self::Rules(ceiling), _) => ceiling.iter().any(|c| rule_covers(c, rule)),
+            };
+            if !ok {
+                return Err(rule.to_string());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether ceiling rule `c` allows everything rule `r` allows.
+fn rule_covers(c: &Rule, r: &Rule) -> bool {
+    let ports = |cp: &[u16], rp: &[u16]| {
+        cp.is_empty() || (!rp.is_empty() && rp.iter().all(|p| cp.contains(p)))
+    };
+    match (c, r) {
+        (
+            Rule::Domain {
+                pattern: cp,
+                ports: cports,
+            },
+            Rule::Domain {
+                pattern: rp,
+                ports: rports,
+            },
+        ) => {
+            let wide_enough = match (cp, rp) {
+                (DomainPattern::Exact(a), DomainPattern::Exact(b)) => a == b,
+                (DomainPattern::Exact(_), DomainPattern::Below(_)) => false,
+                (DomainPattern::Below(_), DomainPattern::Exact(b)) => cp.matches(b),
+                (DomainPattern::Below(a), DomainPattern::Below(b)) => a == b || cp.matches(b),
+            };
+            wide_enough && ports(cports, rports)
+        }
+        (
+            Rule::Cidr {
+                net: cn,
+                ports: cports,
+            },
+            Rule::Cidr {
+                net: rn,
+                ports: rports,
+            },
+        ) => cn.contains(rn) && ports(cports, rports),
+        _ => false,
     }
 }
 

@@ -17,6 +17,8 @@ fn attempt<'a>(
         port,
         name,
         resolved,
+        pinned: false,
+        host: false,
     }
 }
 
@@ -193,5 +195,144 @@ fn names_are_normalised_and_checked() {
     assert_eq!(
         guarded_range(ip("169.254.169.254")),
         Some("169.254.0.0/16".parse().unwrap())
+    );
+}
+
+#[test]
+fn a_pinned_guarded_address_needs_an_exact_rule_for_its_name() {
+    let r = [ip("10.213.0.2")];
+    let pinned = |p: &Policy, name: &str| {
+        p.check(&Attempt {
+            pinned: true,
+            ..attempt("10.213.0.2", 80, Some(name), &r)
+        })
+    };
+    let exact = rules(&[Rule::domain("upstream.test", &[80]).unwrap()]);
+    assert!(pinned(&exact, "upstream.test").is_ok());
+    // Not from the host map: the guard holds.
+    assert!(matches!(
+        exact.check(&attempt("10.213.0.2", 80, Some("upstream.test"), &r)),
+        Err(Denial::Guarded(_))
+    ));
+    // Another port, a wildcard, allow-internet: the guard holds.
+    let other_port = Policy::Rules(vec![Rule::domain("upstream.test", &[443]).unwrap()]);
+    assert!(matches!(
+        pinned(&other_port, "upstream.test"),
+        Err(Denial::Guarded(_))
+    ));
+    let wildcard = rules(&[Rule::domain("*.upstream.test", &[]).unwrap()]);
+    assert!(matches!(
+        pinned(&wildcard, "a.upstream.test"),
+        Err(Denial::Guarded(_))
+    ));
+    assert!(matches!(
+        pinned(&Policy::AllowInternet, "upstream.test"),
+        Err(Denial::Guarded(_))
+    ));
+}
+
+#[test]
+fn a_ceiling_covers_only_what_is_inside_it() {
+    let internet = Policy::AllowInternet;
+    let list = |l: &[Rule]| Policy::Rules(l.to_vec());
+    assert_eq!(internet.covers(&Policy::DenyAll), Ok(()));
+    assert_eq!(internet.covers(&Policy::AllowInternet), Ok(()));
+    assert_eq!(
+        internet.covers(&list(&[Rule::domain("*.example.com", &[]).unwrap()])),
+        Ok(())
+    );
+    assert_eq!(
+        internet.covers(&list(&[Rule::cidr("8.8.8.0/24", &[53]).unwrap()])),
+        Ok(())
+    );
+    // A guarded range, or one that contains one, is the operator's to open.
+    assert_eq!(
+        internet.covers(&list(&[Rule::cidr("10.1.0.0/16", &[]).unwrap()])),
+        Err("10.1.0.0/16".to_owned())
+    );
+    assert!(
+        internet
+            .covers(&list(&[Rule::cidr("0.0.0.0/0", &[]).unwrap()]))
+            .is_err()
+    );
+    assert!(
+        Policy::DenyAll
+            .covers(&list(&[Rule::domain("a.com", &[]).unwrap()]))
+            .is_err()
+    );
+    let ceiling = list(&[
+        Rule::domain("*.example.com", &[443]).unwrap(),
+        Rule::domain("pypi.org", &[]).unwrap(),
+        Rule::cidr("10.1.0.0/16", &[]).unwrap(),
+    ]);
+    assert_eq!(
+        ceiling.covers(&list(&[Rule::domain("api.example.com", &[443]).unwrap()])),
+        Ok(())
+    );
+    assert_eq!(
+        ceiling.covers(&list(&[Rule::domain("*.a.example.com", &[443]).unwrap()])),
+        Ok(())
+    );
+    assert_eq!(
+        ceiling.covers(&list(&[Rule::domain("*.example.com", &[443]).unwrap()])),
+        Ok(())
+    );
+    assert_eq!(
+        ceiling.covers(&list(&[Rule::domain("pypi.org", &[80, 443]).unwrap()])),
+        Ok(())
+    );
+    assert_eq!(
+        ceiling.covers(&list(&[Rule::cidr("10.1.2.3", &[22]).unwrap()])),
+        Ok(())
+    );
+    for wider in [
+        Rule::domain("api.example.com", &[]).unwrap(), // every port: wider than 443
+        Rule::domain("example.com", &[443]).unwrap(),  // not below *.example.com
+        Rule::domain("*.pypi.org", &[]).unwrap(),
+        Rule::cidr("10.0.0.0/8", &[]).unwrap(),
+    ] {
+        let s = wider.to_string();
+        assert_eq!(ceiling.covers(&list(&[wider])), Err(s));
+    }
+    assert_eq!(
+        ceiling.covers(&Policy::AllowInternet),
+        Err("allow-internet".to_owned())
+    );
+}
+
+#[test]
+fn the_hosts_own_public_address_is_opened_only_by_a_cidr_rule_of_that_address() {
+    // 198.51.200.7 stands for a public address the host has on one of its interfaces.
+    let r = [ip("198.51.200.7")];
+    let own = |p: &Policy, name: Option<&str>| {
+        p.check(&Attempt {
+            host: true,
+            ..attempt("198.51.200.7", 443, name, &r)
+        })
+    };
+    let denied = Err(Denial::HostAddress(ip("198.51.200.7")));
+    assert_eq!(own(&Policy::AllowInternet, None), denied);
+    let by_name = rules(&[Rule::domain("host.example", &[]).unwrap()]);
+    assert_eq!(
+        own(&by_name, Some("host.example")),
+        denied,
+        "a name resolving there"
+    );
+    let wide = rules(&[Rule::cidr("198.51.0.0/16", &[]).unwrap()]);
+    assert_eq!(own(&wide, None), denied, "a CIDR rule around it");
+    let exact = rules(&[Rule::cidr("198.51.200.7/32", &[443]).unwrap()]);
+    assert_eq!(
+        own(&exact, None),
+        Ok(Allowance::Rule("198.51.200.7/32:443".into()))
+    );
+    // The same address, not the host's: allow-internet reaches it.
+    assert_eq!(
+        Policy::AllowInternet.check(&attempt("198.51.200.7", 443, None, &r)),
+        Ok(Allowance::Internet)
+    );
+    assert!(
+        Denial::HostAddress(ip("198.51.200.7"))
+            .to_string()
+            .contains("the host itself")
     );
 }
