@@ -222,8 +222,13 @@ write_system_files() {
 127.0.1.1	airlock
 ::1	localhost ip6-localhost ip6-loopback
 EOF
-  # Placeholder only: debootstrap copies the build machine's resolv.conf, which must not leak.
-  printf '# Airlock: written at sandbox start when the sandbox has a network.\n' >"$tree/etc/resolv.conf"
+  # The sandbox's gateway answers DNS (airlockd's server, by the sandbox's egress policy); every
+  # sandbox has the same gateway address in a network of its own. (debootstrap copied the
+  # build machine's resolv.conf, which must not leak: this replaces it.)
+  cat >"$tree/etc/resolv.conf" <<'EOF'
+nameserver 100.96.0.1
+options timeout:2 attempts:2
+EOF
   cat >"$tree/etc/fstab" <<'EOF'
 # Airlock: the kernel mounts the root file system; airlock-agent (/sbin/init) mounts /proc, /sys
 # and /dev itself. Nothing else is mounted from here.

@@ -19,11 +19,12 @@ build_pkgs=(
   debootstrap busybox-static e2fsprogs file              # base image (rootfs/build.sh)
   protobuf-compiler                                      # proto/ (prost, tonic)
   python3 python3-venv                                   # sdk/python/venv.sh
+  nftables                                               # airlockd: each sandbox network's ruleset
 )
 # Only tests and benchmarks need these.
 test_pkgs=(
   qemu-system-x86   # the reference VMM of benches/run.sh boot and restore
-  iproute2          # benches/run.sh net: network namespaces of its own
+  iproute2          # tests/egress.rs, benches/run.sh net: namespaces and veths of their own
 )
 
 tests=0 list=0

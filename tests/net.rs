@@ -3,8 +3,8 @@
 //!   TAP's host side, then a snapshot; two clones of that snapshot, each on a TAP of its own in
 //!   a network namespace of its own, each reaching its own server — and only its own;
 //! - through airlockd: a sandbox's guest has `eth0` on the network its VMM's jail made, where
-//!   the gateway answers (nothing listens: refused at once) and nothing else is reachable
-//!   (unreachable at once, decided in the sandbox's namespace).
+//!   every connection ends at the daemon's egress proxy, which resets it at once under the
+//!   default deny-all policy (tests/egress.rs tests the policies).
 //!
 //! Traffic stays on this machine: every TAP lives in a network namespace this test makes (as
 //! the jail does), the servers listen there on the gateway address, and nothing is routed out
@@ -39,12 +39,14 @@ struct TestNet {
 impl TestNet {
     fn new(tag: &str) -> Self {
         let name = format!("net-{tag}");
-        let made =
-            airlock_netcfg::new_netns_with_tap(c"tap0", GATEWAY_MAC, GATEWAY_IPV4, GUEST_PREFIX)
-                .expect("a network namespace with a TAP (root and /dev/net/tun)");
-        let listener = in_netns(&made.netns, || {
-            TcpListener::bind((GATEWAY_IPV4, PORT)).expect("bind the server on the gateway")
-        });
+        let (made, listener) = airlock_netcfg::new_netns_with_tap(
+            c"tap0",
+            GATEWAY_MAC,
+            GATEWAY_IPV4,
+            GUEST_PREFIX,
+            || TcpListener::bind((GATEWAY_IPV4, PORT)),
+        )
+        .expect("a network namespace with a TAP and a server on the gateway (root, /dev/net/tun)");
         let (tx, peers) = channel();
         let label = name.clone();
         std::thread::spawn(move || {
@@ -85,20 +87,6 @@ impl TestNet {
     fn saw_nothing(&self) -> bool {
         self.peers.try_recv().is_err()
     }
-}
-
-/// Runs `f` on a thread that has entered network namespace `ns` (sockets made there stay
-/// there).
-fn in_netns<T: Send + 'static>(ns: &OwnedFd, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let ns = ns.try_clone().expect("dup the namespace descriptor");
-    std::thread::spawn(move || {
-        // SAFETY: setns(2) on a namespace descriptor moves only this thread.
-        let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
-        f()
-    })
-    .join()
-    .expect("netns thread")
 }
 
 /// `airlock-vmm ARGS` with the TAP `tap` inherited (its close-on-exec flag cleared in the
@@ -226,24 +214,25 @@ fn clones_of_a_guest_with_a_network_card_each_reach_their_own_network() {
     );
 }
 
-/// In the guest: eth0's address; a connection to the gateway (refused: nothing listens there;
-/// not timed, as it also resolves the gateway's MAC, which a loaded nested host can make take
-/// seconds); one to a documentation address (192.0.2.1, never routed: the sandbox's namespace
-/// has no route for it and answers "network unreachable" at once).
+/// In the guest: eth0's address; a connection to the gateway and one to a documentation
+/// address (192.0.2.1): both reach only the sandbox's egress proxy (the namespace's ruleset
+/// redirects every TCP connection to it), which resets them, the policy being deny-all. The
+/// first is not timed (it also resolves the gateway's MAC, which a loaded nested host can make
+/// take seconds).
 const PROBE: &str = "import errno, fcntl, socket, struct, time
 s = socket.socket()
 print('eth0', socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack('256s', b'eth0'))[20:24]))
-try:
-    socket.create_connection(('100.96.0.1', 80), timeout=60)
-    print('gateway open')
-except ConnectionRefusedError:
-    print('gateway refused')
-t = time.monotonic()
-try:
-    socket.create_connection(('192.0.2.1', 80), timeout=20)
-    print('outside open')
-except OSError as e:
-    print('outside', errno.errorcode.get(e.errno, e), 'fast' if time.monotonic() - t < 10 else 'slow')
+def probe(addr):
+    t = time.monotonic()
+    try:
+        c = socket.create_connection((addr, 80), timeout=60)
+        c.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n')
+        r = 'open' if c.recv(10) else 'closed'
+    except OSError as e:
+        r = type(e).__name__
+    return r, 'fast' if time.monotonic() - t < 10 else 'slow'
+print('gateway', probe('100.96.0.1')[0])
+print('outside', *probe('192.0.2.1'))
 ";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -257,8 +246,8 @@ async fn a_sandbox_has_a_card_on_a_network_of_its_own_with_no_way_out() {
         out.lines().collect::<Vec<_>>(),
         [
             format!("eth0 {GUEST_IPV4}").as_str(),
-            "gateway refused",
-            "outside ENETUNREACH fast"
+            "gateway ConnectionResetError",
+            "outside ConnectionResetError fast"
         ],
         "stderr: {err}"
     );

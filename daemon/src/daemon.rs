@@ -154,7 +154,7 @@ impl Daemon {
             pool.clone(),
             host.clone(),
             executions.clone(),
-        ));
+        )?);
         let retention = Arc::new(Retention {
             cfg: cfg.clone(),
             store: store.clone(),

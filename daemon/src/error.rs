@@ -62,6 +62,9 @@ pub enum ApiError {
     },
     #[error("the guest agent of sandbox {id} did not answer: {message}")]
     AgentUnavailable { id: String, message: String },
+    /// A network policy asks for more than the tenant's ceiling allows.
+    #[error("egress rule {rule} is beyond what the operator allows tenant {tenant}")]
+    NetworkNotAllowed { tenant: String, rule: String },
     /// The daemon's data directory (records, output, snapshots) has no space left.
     #[error("the host's data directory is full: {0}")]
     DataDirFull(String),
@@ -74,6 +77,7 @@ impl ApiError {
     pub fn reason(&self) -> &str {
         match self {
             Self::InvalidArgument(_) => "INVALID_ARGUMENT",
+            Self::NetworkNotAllowed { .. } => "NETWORK_NOT_ALLOWED",
             Self::Unauthenticated(_) => "UNAUTHENTICATED",
             Self::SandboxNotFound(_) => "SANDBOX_NOT_FOUND",
             Self::ExecutionNotFound(_) => "EXECUTION_NOT_FOUND",
@@ -108,7 +112,9 @@ impl ApiError {
             | Self::Quota { .. }
             | Self::FileTooLarge { .. }
             | Self::DiskQuota { .. } => Code::ResourceExhausted,
-            Self::PathNotAllowed { .. } | Self::GuestPermission { .. } => Code::PermissionDenied,
+            Self::PathNotAllowed { .. }
+            | Self::GuestPermission { .. }
+            | Self::NetworkNotAllowed { .. } => Code::PermissionDenied,
             Self::Dead { .. } | Self::AgentUnavailable { .. } => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
         }
@@ -163,6 +169,10 @@ impl ApiError {
             }
             Self::DataDirFull(_) => {
                 m.insert("resource".into(), "data_dir".into());
+            }
+            Self::NetworkNotAllowed { tenant, rule } => {
+                m.insert("tenant".into(), tenant.clone());
+                m.insert("rule".into(), rule.clone());
             }
             Self::InvalidArgument(_) | Self::Unauthenticated(_) | Self::Internal(_) => {}
         }

@@ -161,6 +161,7 @@ impl FakeLauncher {
             start_ticks: 0,
             uid: None,
             handle: Arc::new(FakeKill(vm.clone())),
+            exits: None,
             exit: Box::pin(async move {
                 let raw = rx.await.unwrap_or(libc::SIGKILL);
                 Ok(Some(ExitStatus::from_raw(raw)))
@@ -198,6 +199,7 @@ impl Launcher for FakeLauncher {
                 start_ticks: 0,
                 uid: None,
                 handle: Arc::new(NoKill),
+                exits: None,
                 exit: Box::pin(async move {
                     let _ = rx.await;
                     Ok(Some(ExitStatus::from_raw(code << 8)))
@@ -242,6 +244,7 @@ fn hanging_build(pid: u32) -> Launched {
         start_ticks: 0,
         uid: None,
         handle: Arc::new(KillOnce(Mutex::new(Some(tx)))),
+        exits: None,
         exit: Box::pin(async move {
             let _ = rx.await;
             Ok(Some(ExitStatus::from_raw(libc::SIGKILL)))

@@ -126,7 +126,7 @@ impl VmmHost {
             Ok(launch) => vmm::launch(&self.launcher, launch).await,
             Err(e) => Err(e),
         };
-        let launched = match started {
+        let mut launched = match started {
             Ok(l) => l,
             Err(e) => {
                 if let Some(cg) = &cgroup {
@@ -140,7 +140,7 @@ impl VmmHost {
             }
         };
         let spawn_s = t0.elapsed().as_secs_f64();
-        let p = VmmProcess::new(id, run_dir, cgroup, &launched);
+        let p = VmmProcess::new(id, run_dir, cgroup, &mut launched);
         // Watched at once: whatever fails from here on, its exit cleans up after it.
         self.supervisor.watch(&p, launched.exit, owner)?;
         if self.stopping() {

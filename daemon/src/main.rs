@@ -25,6 +25,7 @@ mod jail;
 mod janitor;
 mod limits;
 mod metrics;
+mod net;
 mod pool;
 mod reason;
 mod recovery;

@@ -52,6 +52,9 @@ struct Inner {
     vmm_ready_seconds: Histogram,
     executions: BTreeMap<String, u64>,
     creates_failed: BTreeMap<String, u64>,
+    /// Egress events by (tenant, kind, verdict) and bytes by (tenant, direction).
+    egress: BTreeMap<(String, &'static str, &'static str), u64>,
+    egress_bytes: BTreeMap<(String, &'static str), u64>,
 }
 
 /// The daemon's metrics.
@@ -95,6 +98,30 @@ impl Metrics {
             .executions
             .entry(outcome.to_owned())
             .or_default() += 1;
+    }
+
+    /// A sandbox of `tenant` made a DNS query or a TCP connection (`kind`: dns, tcp).
+    pub fn egress_event(
+        &self,
+        tenant: &str,
+        kind: &'static str,
+        allowed: bool,
+        out: u64,
+        inn: u64,
+    ) {
+        let mut i = self.inner();
+        let verdict = if allowed { "allowed" } else { "denied" };
+        *i.egress
+            .entry((tenant.to_owned(), kind, verdict))
+            .or_default() += 1;
+        if out > 0 {
+            *i.egress_bytes
+                .entry((tenant.to_owned(), "out"))
+                .or_default() += out;
+        }
+        if inn > 0 {
+            *i.egress_bytes.entry((tenant.to_owned(), "in")).or_default() += inn;
+        }
     }
 
     /// The exposition text, with the sandbox gauges given by the caller.
@@ -151,6 +178,26 @@ impl Metrics {
         );
         for (r, n) in &i.creates_failed {
             let _ = writeln!(out, "airlock_create_failures_total{{reason=\"{r}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP airlock_egress_events_total Sandbox DNS queries and TCP connections by verdict.\n# TYPE airlock_egress_events_total counter"
+        );
+        for ((tenant, kind, verdict), n) in &i.egress {
+            let _ = writeln!(
+                out,
+                "airlock_egress_events_total{{tenant=\"{tenant}\",kind=\"{kind}\",verdict=\"{verdict}\"}} {n}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP airlock_egress_bytes_total Bytes through the sandboxes' egress proxies (out: sent by the guest).\n# TYPE airlock_egress_bytes_total counter"
+        );
+        for ((tenant, dir), n) in &i.egress_bytes {
+            let _ = writeln!(
+                out,
+                "airlock_egress_bytes_total{{tenant=\"{tenant}\",direction=\"{dir}\"}} {n}"
+            );
         }
         let _ = writeln!(
             out,

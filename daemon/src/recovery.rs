@@ -108,9 +108,10 @@ impl Recovery<'_> {
         let spec = self.store.sandbox_spec(id)?.unwrap_or_default();
         let launcher = self.host.launcher.clone();
         let (pid, ticks, uid) = (rec.pid, rec.start_ticks, rec.uid);
-        let Some(launched) = tokio::task::spawn_blocking(move || launcher.adopt(pid, ticks, uid))
-            .await
-            .map_err(|e| ApiError::Internal(e.to_string()))??
+        let Some(mut launched) =
+            tokio::task::spawn_blocking(move || launcher.adopt(pid, ticks, uid))
+                .await
+                .map_err(|e| ApiError::Internal(e.to_string()))??
         else {
             return Ok(false);
         };
@@ -122,7 +123,7 @@ impl Recovery<'_> {
             rec.id.clone(),
             PathBuf::from(&rec.run_dir),
             cgroup,
-            &launched,
+            &mut launched,
         );
         self.host
             .supervisor
@@ -147,7 +148,22 @@ impl Recovery<'_> {
         };
         let age_ms = u64::try_from(ids::now_ms() - record.created_unix_ms).unwrap_or(0);
         let policy = spec.file_policy.unwrap_or_default();
+        let network = record.network.clone().unwrap_or_default();
         let rt = SandboxRt::new(record, spec.env, policy, Duration::from_millis(age_ms));
+        if let Some(exits) = vmm.take_exits() {
+            // Its policy was within its tenant's ceiling when it was set; a ceiling lowered
+            // since then wins (deny-all where it no longer allows the policy).
+            let egress = &self.sandboxes.egress;
+            let policy = egress.check(&rt.tenant, &network).unwrap_or_else(|e| {
+                warn!(sandbox = %id, "its network policy: {e}; denying all egress");
+                airlock_egress::Policy::DenyAll
+            });
+            let logged = egress.logged(&rt.id);
+            match egress.start(&rt.id, &rt.tenant, exits, policy, Some(logged)) {
+                Ok(net) => rt.set_net(net),
+                Err(e) => warn!(sandbox = %id, "serving its network: {e}"),
+            }
+        }
         rt.set_vmm(vmm);
         self.store.put_sandbox(&rt.snapshot())?;
         self.sandboxes.insert(Arc::new(rt));

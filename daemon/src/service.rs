@@ -410,6 +410,54 @@ impl Airlock for Service {
         .await
     }
 
+    async fn set_network_policy(
+        &self,
+        req: Request<SetNetworkPolicyRequest>,
+    ) -> Result<Response<Sandbox>, Status> {
+        let tenant = tenant(&req)?;
+        let r = req.into_inner();
+        traced(
+            "SetNetworkPolicy",
+            &tenant,
+            self.daemon.sandboxes.set_network(
+                &tenant,
+                &r.sandbox_id,
+                r.network.unwrap_or_default(),
+            ),
+        )
+        .await
+    }
+
+    async fn get_egress_log(
+        &self,
+        req: Request<GetEgressLogRequest>,
+    ) -> Result<Response<GetEgressLogResponse>, Status> {
+        let tenant = tenant(&req)?;
+        let r = req.into_inner();
+        traced("GetEgressLog", &tenant, async {
+            let (events, dropped) =
+                self.daemon
+                    .sandboxes
+                    .egress_log(&tenant, &r.sandbox_id, r.after_seq, r.limit)?;
+            Ok(GetEgressLogResponse { events, dropped })
+        })
+        .await
+    }
+
+    async fn expose_port(
+        &self,
+        req: Request<ExposePortRequest>,
+    ) -> Result<Response<Exposure>, Status> {
+        let tenant = tenant(&req)?;
+        let r = req.into_inner();
+        traced("ExposePort", &tenant, async {
+            self.daemon
+                .sandboxes
+                .expose(&tenant, &r.sandbox_id, r.guest_port, r.ttl_s)
+        })
+        .await
+    }
+
     async fn get_usage(&self, req: Request<GetUsageRequest>) -> Result<Response<Usage>, Status> {
         let tenant = tenant(&req)?;
         let d = self.daemon.clone();

@@ -139,14 +139,17 @@ pub struct NetnsWithTap {
 }
 
 /// Makes a network namespace with `lo` up, IPv4 forwarding on (with nowhere to forward to: see
-/// the code) and TAP `tap_name` up with `mac` and `addr`/`prefix`, on a thread of its own (unshare(2) moves only the calling thread; that
-/// thread then ends, so no other thread of the process ever runs in the new namespace).
-pub fn new_netns_with_tap(
+/// the code) and TAP `tap_name` up with `mac` and `addr`/`prefix`, then runs `inside` in it
+/// (firewall rules, sockets that are to live there), on a thread of its own (unshare(2) moves
+/// only the calling thread; that thread then ends, so no other thread of the process ever runs
+/// in the new namespace).
+pub fn new_netns_with_tap<T: Send + 'static>(
     tap_name: &'static CStr,
     mac: [u8; 6],
     addr: Ipv4Addr,
     prefix: u8,
-) -> io::Result<NetnsWithTap> {
+    inside: impl FnOnce() -> io::Result<T> + Send + 'static,
+) -> io::Result<(NetnsWithTap, T)> {
     std::thread::Builder::new()
         .name("netns".into())
         .spawn(move || {
@@ -176,7 +179,30 @@ pub fn new_netns_with_tap(
             let tap = open_tap(tap_name)?;
             set_hwaddr(tap_name, mac)?;
             configure_interface(tap_name, Some((addr, prefix)))?;
-            Ok(NetnsWithTap { netns, tap })
+            let made = inside()?;
+            Ok((NetnsWithTap { netns, tap }, made))
+        })?
+        .join()
+        .map_err(|_| io::Error::other("the namespace thread panicked"))?
+}
+
+/// Runs `f` in the network namespace `ns` refers to (a namespace descriptor, or a pidfd: then
+/// the namespace that process is in), on a short-lived thread of its own, and returns what it
+/// returns (sockets made there stay in that namespace).
+pub fn in_netns<T: Send + 'static>(
+    ns: std::os::fd::BorrowedFd<'_>,
+    f: impl FnOnce() -> io::Result<T> + Send + 'static,
+) -> io::Result<T> {
+    let ns = ns.try_clone_to_owned()?;
+    std::thread::Builder::new()
+        .name("netns".into())
+        .spawn(move || {
+            // SAFETY: setns(2) moves only this thread, which ends when `f` returns.
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            drop(ns);
+            f()
         })?
         .join()
         .map_err(|_| io::Error::other("the namespace thread panicked"))?
@@ -195,13 +221,19 @@ mod tests {
             "this test needs root and /dev/net/tun (run the tests as root)"
         );
         let mac = [0x02, 0xa1, 0x0c, 0, 0, 1];
-        let made = new_netns_with_tap(c"tap0", mac, Ipv4Addr::new(100, 96, 0, 1), 30).unwrap();
+        let (made, inside) =
+            new_netns_with_tap(c"tap0", mac, Ipv4Addr::new(100, 96, 0, 1), 30, || {
+                std::fs::read_to_string("/proc/thread-self/net/dev")
+            })
+            .unwrap();
+        assert!(
+            inside.contains("tap0:"),
+            "`inside` runs in the namespace: {inside}"
+        );
         // Look at the namespace from a thread that enters it.
-        let ns = made.netns.as_raw_fd();
-        let (devices, routes, address, forwarding) = std::thread::spawn(move || {
-            // SAFETY: setns(2) moves only this thread, which ends right after.
-            assert_eq!(unsafe { libc::setns(ns, libc::CLONE_NEWNET) }, 0);
-            (
+        use std::os::fd::AsFd;
+        let (devices, routes, address, forwarding) = in_netns(made.netns.as_fd(), || {
+            Ok((
                 std::fs::read_to_string("/proc/thread-self/net/dev").unwrap(),
                 std::fs::read_to_string("/proc/thread-self/net/route").unwrap(),
                 {
@@ -216,9 +248,8 @@ mod tests {
                         .collect::<Vec<u8>>()
                 },
                 std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward").unwrap(),
-            )
+            ))
         })
-        .join()
         .unwrap();
         let mut names: Vec<&str> = devices
             .lines()

@@ -41,7 +41,7 @@ use std::collections::HashSet;
 use std::ffi::{CString, OsString};
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -76,6 +76,9 @@ pub struct JailConfig {
     /// and gets the TAP's descriptor (`--net-fd`). Needs `/dev/net/tun`. Templates built with
     /// it on have a card, and every sandbox of theirs a network of its own.
     pub network: bool,
+    /// nftables' `nft`, which puts each namespace's ruleset in place (default: found on
+    /// `$PATH` or in /usr/sbin).
+    pub nft: Option<PathBuf>,
 }
 
 impl Default for JailConfig {
@@ -89,6 +92,7 @@ impl Default for JailConfig {
             seccomp: true,
             test_hooks: false,
             network: true,
+            nft: None,
         }
     }
 }
@@ -126,6 +130,8 @@ pub struct Jailer {
     libs: Vec<PathBuf>,
     kvm_rdev: Option<libc::dev_t>,
     uids: Arc<Mutex<UidPool>>,
+    /// `nft`, with a network.
+    nft: Option<PathBuf>,
 }
 
 impl Jailer {
@@ -144,6 +150,11 @@ impl Jailer {
             shared_libraries(&binary)
         } else {
             Vec::new()
+        };
+        let nft = if cfg.network {
+            Some(crate::net::find_nft(cfg.nft.as_deref())?)
+        } else {
+            None
         };
         let uids = UidPool {
             base: cfg.uid_base,
@@ -173,6 +184,7 @@ impl Jailer {
             libs,
             kvm_rdev,
             uids: Arc::new(Mutex::new(uids)),
+            nft,
         })
     }
 
@@ -242,18 +254,20 @@ impl Jailer {
             None
         };
         make_run_dir(&launch.run_dir, lease.as_ref().map(|l| l.uid))?;
-        let net = if self.cfg.network {
-            Some(
-                airlock_netcfg::new_netns_with_tap(
+        let (net, exits) = match &self.nft {
+            Some(nft) => {
+                let nft = nft.clone();
+                let (ns, exits) = airlock_netcfg::new_netns_with_tap(
                     c"tap0",
                     airlock_proto::GATEWAY_MAC,
                     airlock_proto::GATEWAY_IPV4,
                     airlock_proto::GUEST_PREFIX,
+                    move || crate::net::prepare(&nft),
                 )
-                .map_err(|e| io::Error::new(e.kind(), format!("the sandbox's network: {e}")))?,
-            )
-        } else {
-            None
+                .map_err(|e| io::Error::new(e.kind(), format!("the sandbox's network: {e}")))?;
+                (Some(ns), Some(exits))
+            }
+            None => (None, None),
         };
         let plan = self.plan(&launch, lease.as_ref().map(|l| l.uid), net)?;
         let child = sys::clone_child(&plan)?;
@@ -269,6 +283,7 @@ impl Jailer {
             pid,
             pidfd: Some(pidfd),
             lease,
+            exits,
         })
     }
 
@@ -281,7 +296,7 @@ impl Jailer {
         pid: u32,
         start_ticks: u64,
         uid: Option<u32>,
-    ) -> io::Result<Option<(ProcessHandle, ExitFuture)>> {
+    ) -> io::Result<Option<(ProcessHandle, ExitFuture, Option<crate::net::NetExits>)>> {
         let pidfd = match sys::pidfd_open(pid) {
             Ok(fd) => fd,
             Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Ok(None),
@@ -324,12 +339,19 @@ impl Jailer {
         let handle = ProcessHandle {
             pidfd: pidfd.try_clone()?,
         };
+        // The previous daemon's sockets went with it; the namespace and its ruleset stayed.
+        let exits = match self.nft {
+            Some(_) => Some(crate::net::reopen(pidfd.as_fd()).map_err(|e| {
+                io::Error::new(e.kind(), format!("the sandbox's network exits: {e}"))
+            })?),
+            None => None,
+        };
         let exit = async move {
             let status = wait_exit(pidfd, false).await;
             drop(lease);
             status
         };
-        Ok(Some((handle, Box::pin(exit))))
+        Ok(Some((handle, Box::pin(exit), exits)))
     }
 
     /// The child's plan; with `net`, the VMM enters that namespace and gets its TAP

@@ -18,6 +18,8 @@ pub struct Spawned {
     pub pid: u32,
     pub(super) pidfd: Option<OwnedFd>,
     pub(super) lease: Option<UidLease>,
+    /// The daemon's sockets in the VMM's network namespace (with a network).
+    pub exits: Option<crate::net::NetExits>,
 }
 
 /// The end of a VMM: resolves when it has exited (and, if it is our child, been reaped, its

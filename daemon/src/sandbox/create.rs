@@ -61,6 +61,7 @@ impl Sandboxes {
         };
         let template = self.templates.find(tenant, name)?;
         let spec = SandboxSpec::check(&req, &template.record, &self.cfg)?;
+        self.egress.within_ceiling(tenant, &spec.egress)?;
         let rt = Arc::new(self.new_rt(tenant, &template, &spec)?);
         if let Err(e) = self.admit(&rt) {
             self.metrics.create_failed(e.reason());
@@ -95,6 +96,7 @@ impl Sandboxes {
             idle_ttl_s: spec.idle_ttl_s,
             max_lifetime_s: spec.max_lifetime_s,
             created_unix_ms: ids::now_ms(),
+            network: Some(spec.network.clone()),
             ..Default::default()
         };
         Ok(SandboxRt::new(
@@ -154,6 +156,14 @@ impl Sandboxes {
         let queue_ms = queued.elapsed().as_secs_f64() * 1000.0;
         let vmm = self.vmm_for(rt, template).await?;
         rt.set_vmm(vmm.clone());
+        // Its network is served before its guest runs.
+        if let Some(exits) = vmm.take_exits() {
+            let net = self
+                .egress
+                .start(&rt.id, &rt.tenant, exits, spec.egress.clone(), None)
+                .map_err(|e| ApiError::Internal(format!("the sandbox's network: {e}")))?;
+            rt.set_net(net);
+        }
         let t_taken = Instant::now();
         let restored = vmm::control::restore(&vmm.control, &template.dir)
             .await

@@ -38,6 +38,9 @@ impl Sandboxes {
             }
             v.remove_leftovers();
         }
+        // Its proxy and DNS server stop, their sockets close: with the VMM gone, nothing holds
+        // its network namespace any more.
+        rt.drop_net();
         self.executions
             .end_all_of(&rt.id, &ExecEnd::of_sandbox(&reason, message));
         let record = rt.update(|r| {

@@ -44,6 +44,8 @@ pub struct SandboxRt {
     pub ops: tokio::sync::Mutex<()>,
     /// Set once its end has begun: its VMM's exit is then not a death.
     ending: AtomicBool,
+    /// Its network's proxy and DNS server (with a network); dropped at its end.
+    net: Mutex<Option<crate::net::SandboxNet>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -70,7 +72,18 @@ impl SandboxRt {
             created: now.checked_sub(age).unwrap_or(now),
             ops: tokio::sync::Mutex::new(()),
             ending: AtomicBool::new(false),
+            net: Mutex::new(None),
         }
+    }
+
+    /// Serves its network from now on.
+    pub fn set_net(&self, net: crate::net::SandboxNet) {
+        *lock(&self.net) = Some(net);
+    }
+
+    /// Stops serving its network (its end).
+    fn drop_net(&self) {
+        drop(lock(&self.net).take());
     }
 
     /// Its record, with the CPU and memory its cgroup counted.
@@ -166,6 +179,7 @@ pub struct Sandboxes {
     pool: Arc<WarmPool>,
     host: Arc<VmmHost>,
     executions: Arc<Executions>,
+    pub egress: Arc<crate::net::Egress>,
     live: Mutex<HashMap<String, Arc<SandboxRt>>>,
     /// Template builds running now: (tenant, guest MiB) by a build's id.
     builds: Mutex<HashMap<u64, (String, u64)>>,
@@ -195,9 +209,15 @@ impl Sandboxes {
         pool: Arc<WarmPool>,
         host: Arc<VmmHost>,
         executions: Arc<Executions>,
-    ) -> Self {
+    ) -> Result<Self, String> {
         let slots = admission::StartSlots::new(cfg.concurrent_starts(), cfg.max_start_queue);
-        Self {
+        let egress = Arc::new(crate::net::Egress::new(
+            cfg.network.clone(),
+            &cfg.egress_ceilings(),
+            store.clone(),
+            metrics.clone(),
+        )?);
+        Ok(Self {
             cfg,
             store,
             metrics,
@@ -205,11 +225,12 @@ impl Sandboxes {
             pool,
             host,
             executions,
+            egress,
             live: Mutex::new(HashMap::new()),
             builds: Mutex::new(HashMap::new()),
             next_build: Default::default(),
             slots,
-        }
+        })
     }
 
     fn live_map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<SandboxRt>>> {
@@ -302,6 +323,75 @@ impl Sandboxes {
                 _ => Err(ApiError::SandboxNotFound(id.to_owned())),
             },
         }
+    }
+
+    /// SetNetworkPolicy: a running or paused sandbox of `tenant` gets `network` (within its
+    /// ceiling) at once.
+    pub async fn set_network(
+        &self,
+        tenant: &str,
+        id: &str,
+        network: airlock_api::v1::NetworkPolicy,
+    ) -> ApiResult<Sandbox> {
+        let policy = self.egress.check(tenant, &network)?;
+        let rt = match self.running(tenant, id) {
+            Err(ApiError::SandboxNotRunning { .. }) => {
+                self.in_state(tenant, id, SandboxState::Paused)?
+            }
+            other => other?,
+        };
+        let _op = rt.ops.lock().await;
+        if let Some(net) = lock(&rt.net).as_ref() {
+            net.set_policy(policy);
+        }
+        // The record keeps it (a restarted daemon serves the adopted sandbox by it).
+        let r = rt.update(|r| r.network = Some(network));
+        self.store.put_sandbox(&r)?;
+        Ok(r)
+    }
+
+    /// ExposePort: guest port `port` of a running sandbox of `tenant`, on a host listener.
+    pub fn expose(
+        &self,
+        tenant: &str,
+        id: &str,
+        port: u32,
+        ttl_s: u32,
+    ) -> ApiResult<airlock_api::v1::Exposure> {
+        let port = u16::try_from(port)
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| ApiError::InvalidArgument(format!("{port} is not a TCP port")))?;
+        let rt = self.running(tenant, id)?;
+        let net = lock(&rt.net);
+        let net = net.as_ref().ok_or_else(|| {
+            ApiError::InvalidArgument(format!(
+                "sandbox {id} has no network (the daemon runs with [jail] network = false)"
+            ))
+        })?;
+        let e = net
+            .expose(port, ttl_s)
+            .map_err(|e| ApiError::Internal(format!("exposing port {port}: {e}")))?;
+        tracing::info!(sandbox = %id, port, address = %e.address, "port exposed");
+        Ok(airlock_api::v1::Exposure {
+            sandbox_id: id.to_owned(),
+            guest_port: u32::from(port),
+            address: e.address.to_string(),
+            token: e.token,
+            expires_unix_ms: e.expires_unix_ms,
+        })
+    }
+
+    /// GetEgressLog: a sandbox of `tenant` (live or ended) and its egress log.
+    pub fn egress_log(
+        &self,
+        tenant: &str,
+        id: &str,
+        after_seq: u64,
+        limit: u32,
+    ) -> ApiResult<(Vec<airlock_api::v1::EgressEvent>, u64)> {
+        self.get(tenant, id)?;
+        self.egress.log(id, after_seq, limit)
     }
 
     /// A live, running sandbox of `tenant` (errors say why not).

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use airlock_api::v1::{CreateSandboxRequest, FilePolicy, FileToPlace, Template};
+use airlock_api::v1::{CreateSandboxRequest, FilePolicy, FileToPlace, NetworkPolicy, Template};
 
 use crate::config::Config;
 use crate::error::{ApiError, ApiResult};
@@ -19,6 +19,9 @@ pub struct SandboxSpec {
     pub env: HashMap<String, String>,
     pub labels: HashMap<String, String>,
     pub files: Vec<FileToPlace>,
+    /// Its egress policy as asked, and as checked (against the tenant's ceiling at create).
+    pub network: NetworkPolicy,
+    pub egress: airlock_egress::Policy,
 }
 
 impl SandboxSpec {
@@ -54,6 +57,8 @@ impl SandboxSpec {
         }
         limits::check_env(&req.env)?;
         limits::check_labels(&req.labels)?;
+        let network = req.network.clone().unwrap_or_default();
+        let egress = crate::net::policy_of(&network)?;
         Ok(Self {
             disk_mib,
             idle_ttl_s: or_default(req.idle_ttl_s, cfg.default_idle_ttl_s).min(cfg.max_idle_ttl_s),
@@ -63,6 +68,8 @@ impl SandboxSpec {
             env: req.env.clone(),
             labels: req.labels.clone(),
             files: req.files.clone(),
+            network,
+            egress,
         })
     }
 
@@ -72,6 +79,7 @@ impl SandboxSpec {
         CreateSandboxRequest {
             env: self.env.clone(),
             file_policy: Some(self.policy.clone()),
+            network: Some(self.network.clone()),
             ..Default::default()
         }
     }

@@ -270,7 +270,7 @@ impl Builder {
                 return Err(ApiError::Internal(format!("VMM cgroup: {e}")));
             }
         };
-        let launched = match self.launch(spec, &run_dir, cgroup.clone()).await {
+        let mut launched = match self.launch(spec, &run_dir, cgroup.clone()).await {
             Ok(l) => l,
             Err(e) => {
                 if let Some(cg) = &cgroup {
@@ -280,7 +280,10 @@ impl Builder {
                 return Err(e);
             }
         };
-        let vmm = VmmProcess::new(vm_id, run_dir.clone(), cgroup, &launched);
+        let vmm = VmmProcess::new(vm_id, run_dir.clone(), cgroup, &mut launched);
+        // A build's guest gets no egress: with the exits closed, its connections are refused
+        // by the namespace itself (nothing listens) and its DNS queries unanswered.
+        drop(vmm.take_exits());
         let recorded = self
             .host
             .supervisor

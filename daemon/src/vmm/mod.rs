@@ -34,6 +34,8 @@ pub struct Launched {
     pub uid: Option<u32>,
     pub handle: Arc<dyn Kill>,
     pub exit: ExitFuture,
+    /// The daemon's sockets in its network namespace (with a network).
+    pub exits: Option<crate::net::NetExits>,
 }
 
 impl fmt::Debug for Launched {
@@ -66,7 +68,8 @@ pub trait Launcher: Send + Sync + fmt::Debug {
 
 impl Launcher for Jailer {
     fn launch(&self, launch: Launch) -> io::Result<Launched> {
-        let spawned = self.spawn(launch)?;
+        let mut spawned = self.spawn(launch)?;
+        let exits = spawned.exits.take();
         let pid = spawned.pid;
         let uid = spawned.uid();
         let start_ticks = start_ticks(pid).unwrap_or(0);
@@ -77,17 +80,19 @@ impl Launcher for Jailer {
             uid,
             handle: Arc::new(handle),
             exit,
+            exits,
         })
     }
 
     fn adopt(&self, pid: u32, start_ticks: u64, uid: Option<u32>) -> io::Result<Option<Launched>> {
         Ok(
-            Jailer::adopt(self, pid, start_ticks, uid)?.map(|(handle, exit)| Launched {
+            Jailer::adopt(self, pid, start_ticks, uid)?.map(|(handle, exit, exits)| Launched {
                 pid,
                 start_ticks,
                 uid,
                 handle: Arc::new(handle),
                 exit,
+                exits,
             }),
         )
     }
@@ -128,11 +133,18 @@ pub struct VmmProcess {
     handle: Arc<dyn Kill>,
     /// Set once the process has ended (by the supervisor).
     gone: Arc<tokio::sync::watch::Sender<bool>>,
+    /// The daemon's sockets in its network namespace until its sandbox takes them.
+    exits: Arc<std::sync::Mutex<Option<crate::net::NetExits>>>,
 }
 
 impl VmmProcess {
-    /// The VMM `launched` with its sockets in `run_dir`.
-    pub fn new(id: String, run_dir: PathBuf, cgroup: Option<Cgroup>, launched: &Launched) -> Self {
+    /// The VMM `launched` with its sockets in `run_dir` (it takes `launched`'s network exits).
+    pub fn new(
+        id: String,
+        run_dir: PathBuf,
+        cgroup: Option<Cgroup>,
+        launched: &mut Launched,
+    ) -> Self {
         Self {
             id,
             pid: launched.pid,
@@ -144,7 +156,13 @@ impl VmmProcess {
             cgroup,
             handle: launched.handle.clone(),
             gone: Arc::new(tokio::sync::watch::Sender::new(false)),
+            exits: Arc::new(std::sync::Mutex::new(launched.exits.take())),
         }
+    }
+
+    /// The daemon's sockets in its network namespace, for the one that serves them (once).
+    pub fn take_exits(&self) -> Option<crate::net::NetExits> {
+        self.exits.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 
     /// Whether the process has ended.
