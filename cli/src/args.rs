@@ -1,9 +1,12 @@
 //! The command line: clap's definitions of every command and flag, and the parsers of their
-//! values (`K=V`, `LOCAL:/GUEST/PATH[:MODE]`, octal modes, guest paths).
+//! values (`K=V`, `LOCAL:/GUEST/PATH[:MODE]`, octal modes, guest paths, egress domains and
+//! CIDRs).
 
+use std::net::IpAddr;
 use std::path::PathBuf;
 
-use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
+use clap::error::ErrorKind;
+use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand, ValueEnum};
 
 /// The help heading of the flags every command takes.
 const GLOBAL: &str = "Global options";
@@ -14,6 +17,9 @@ Examples:
   ID=$(airlock create --label demo=cli)
   airlock exec \"$ID\" -- python3 -c 'print(6*7)'
   airlock cp hello.py \"$ID\":/tmp/hello.py
+  airlock net \"$ID\" --allow-domain '*.example.com' --allow-port 443
+  airlock egress \"$ID\" --follow
+  airlock expose \"$ID\" 8000 --ttl 600
   airlock --json ls
   airlock rm \"$ID\"
 
@@ -62,6 +68,23 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// The checks clap cannot express, as usage errors of the command concerned (exit code 2):
+/// `net` needs a policy, `--deny-all` included.
+pub fn check(cli: &Cli) -> Result<(), clap::Error> {
+    if let Command::Net(a) = &cli.command
+        && let Err(msg) = a.check()
+    {
+        let mut cmd = Cli::command();
+        cmd.build();
+        let err = match cmd.find_subcommand_mut("net") {
+            Some(net) => net.error(ErrorKind::MissingRequiredArgument, msg),
+            None => cmd.error(ErrorKind::MissingRequiredArgument, msg),
+        };
+        return Err(err);
+    }
+    Ok(())
+}
+
 /// The commands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -91,6 +114,13 @@ pub enum Command {
     Snapshot(SnapshotArgs),
     /// Destroy a sandbox and free what it held (idempotent)
     Rm(IdArg),
+    /// Replace a running or paused sandbox's egress policy and show its record
+    Net(NetArgs),
+    /// Show a sandbox's egress log: its DNS queries and connection attempts, allowed or not
+    Egress(EgressArgs),
+    /// Expose a guest TCP port on a host address, for callers presenting a token; prints the
+    /// address, the token and the expiry (--json: the record)
+    Expose(ExposeArgs),
     /// What your tenant holds (sandboxes, memory, templates, stored output) against its quota
     Usage,
     /// Print the completion script of a shell (airlock completions bash > FILE)
@@ -193,6 +223,135 @@ pub struct CreateArgs {
     /// A guest path prefix that `cp` may read under (repeatable) [default: the daemon's, /tmp]
     #[arg(long, value_name = "PREFIX", value_parser = parse_guest_path)]
     pub exportable: Vec<String>,
+    /// What the sandbox may reach over its network [default: nothing, deny-all]
+    #[command(flatten)]
+    pub network: NetworkArgs,
+}
+
+/// The egress policy flags of `create` and `net` (`NetworkPolicy`).
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("allow_rule").multiple(true).args(["allow_domains", "allow_cidrs"])))]
+pub struct NetworkArgs {
+    /// Let the sandbox reach this host name, or every name below one ('*.example.com')
+    /// (repeatable)
+    #[arg(
+        long = "allow-domain",
+        value_name = "NAME",
+        value_parser = parse_domain,
+        help_heading = NETWORK
+    )]
+    pub allow_domains: Vec<String>,
+    /// Let the sandbox reach this address range ('203.0.113.0/24'; an address alone is one
+    /// host); private and other internal ranges open only this way (repeatable)
+    #[arg(
+        long = "allow-cidr",
+        value_name = "CIDR",
+        value_parser = parse_cidr,
+        help_heading = NETWORK
+    )]
+    pub allow_cidrs: Vec<String>,
+    /// Only this destination port for every --allow-domain and --allow-cidr given (repeatable)
+    /// [default: every port]
+    #[arg(
+        long = "allow-port",
+        value_name = "PORT",
+        value_parser = clap::value_parser!(u16).range(1..),
+        requires = "allow_rule",
+        help_heading = NETWORK
+    )]
+    pub allow_ports: Vec<u16>,
+    /// Let the sandbox reach every public address on every port (internal ranges stay closed)
+    #[arg(
+        long,
+        conflicts_with_all = ["allow_domains", "allow_cidrs", "allow_ports"],
+        help_heading = NETWORK
+    )]
+    pub allow_internet: bool,
+}
+
+impl NetworkArgs {
+    /// Whether any allow flag is given.
+    pub fn allows_anything(&self) -> bool {
+        self.allow_internet || !self.allow_domains.is_empty() || !self.allow_cidrs.is_empty()
+    }
+}
+
+/// The help heading of the egress policy flags.
+const NETWORK: &str = "Network (egress) policy";
+
+/// `net`: `SetNetworkPolicyRequest`.
+#[derive(Debug, Args)]
+#[command(after_help = "\
+The new policy replaces the old one as a whole: new connections and DNS queries follow it at
+once (open connections are not cut). With no --allow-* flag, pass --deny-all to say that the
+sandbox is to reach nothing.")]
+pub struct NetArgs {
+    /// The sandbox's id
+    pub id: String,
+    #[command(flatten)]
+    pub network: NetworkArgs,
+    /// Cut the sandbox off the network: allow nothing (needed when no --allow-* flag is given)
+    #[arg(
+        long,
+        conflicts_with_all = ["allow_domains", "allow_cidrs", "allow_ports", "allow_internet"],
+        help_heading = NETWORK
+    )]
+    pub deny_all: bool,
+}
+
+impl NetArgs {
+    /// The message of a `net` that names no policy: an empty policy cuts the sandbox off, so
+    /// that must be asked for in so many words.
+    pub fn check(&self) -> Result<(), String> {
+        if self.deny_all || self.network.allows_anything() {
+            return Ok(());
+        }
+        Err(
+            "no policy given: name what the sandbox may reach (--allow-domain NAME, \
+             --allow-cidr CIDR, --allow-internet), or pass --deny-all to cut it off the network"
+                .into(),
+        )
+    }
+}
+
+/// `egress`: `GetEgressLogRequest`, paged.
+#[derive(Debug, Args)]
+pub struct EgressArgs {
+    /// The sandbox's id
+    pub id: String,
+    /// Only events after this sequence number (the first column) [default: 0, from the first]
+    #[arg(
+        long,
+        value_name = "SEQ",
+        default_value_t = 0,
+        hide_default_value = true
+    )]
+    pub after: u64,
+    /// At most this many events [default: all]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "follow")]
+    pub limit: Option<u32>,
+    /// Keep polling every second for new events until the sandbox ends (or Ctrl-C); --json
+    /// then prints one record per line
+    #[arg(long, short)]
+    pub follow: bool,
+}
+
+/// `expose`: `ExposePortRequest`.
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Callers of the address present the token at the start of each connection: raw TCP sends the
+token and a newline first; HTTP/1 sends the header `X-Airlock-Token: TOKEN` in the first
+request (curl -H \"X-Airlock-Token: $TOKEN\" http://ADDRESS/). Without it the connection is
+closed. The exposure ends after its TTL or with the sandbox.")]
+pub struct ExposeArgs {
+    /// The sandbox's id (running)
+    pub id: String,
+    /// The guest's TCP port
+    #[arg(value_parser = clap::value_parser!(u16).range(1..))]
+    pub port: u16,
+    /// Seconds until the exposure ends [default: the daemon's; capped by its maximum]
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub ttl: Option<u32>,
 }
 
 /// `ls`: the filters of `ListSandboxesRequest`.
@@ -420,6 +579,47 @@ pub fn parse_file_spec(s: &str) -> Result<FileSpec, String> {
         guest,
         mode,
     })
+}
+
+/// An egress domain rule: a host name (`api.example.com`) or every name below one
+/// (`*.example.com`); the daemon checks it further.
+pub fn parse_domain(s: &str) -> Result<String, String> {
+    let name = s.strip_prefix("*.").unwrap_or(s);
+    let name = name.strip_suffix('.').unwrap_or(name);
+    let ok = !name.is_empty()
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        });
+    if ok {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "{s:?}: expected a host name (api.example.com) or a wildcard (*.example.com)"
+        ))
+    }
+}
+
+/// An egress address range: `ADDRESS/PREFIX` or an address alone (IPv4 or IPv6).
+pub fn parse_cidr(s: &str) -> Result<String, String> {
+    let bad = || format!("{s:?}: expected an address range (203.0.113.0/24) or an address");
+    let (addr, prefix) = match s.split_once('/') {
+        Some((a, p)) => (a, Some(p)),
+        None => (s, None),
+    };
+    let addr: IpAddr = addr.parse().map_err(|_| bad())?;
+    if let Some(p) = prefix {
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let ok = !p.is_empty()
+            && p.bytes().all(|b| b.is_ascii_digit())
+            && p.parse::<u8>().is_ok_and(|n| n <= max);
+        if !ok {
+            return Err(bad());
+        }
+    }
+    Ok(s.to_owned())
 }
 
 /// `ID:/PATH`, a path in a sandbox (ids start with `sb-`): `(id, path)`.

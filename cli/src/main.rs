@@ -55,6 +55,9 @@ async fn run(cli: Cli) -> ExitCode {
 fn main() -> ExitCode {
     // Usage errors exit 2, `--help` and `--version` 0 (clap's behaviour).
     let cli = Cli::parse();
+    if let Err(e) = args::check(&cli) {
+        e.exit();
+    }
     if let Command::Completions(a) = &cli.command {
         completions(a.shell, &mut std::io::stdout());
         return ExitCode::SUCCESS;

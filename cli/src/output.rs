@@ -2,7 +2,10 @@
 
 use std::fmt::Write as _;
 
-use airlock_api::v1::{Sandbox, SandboxState, Template};
+use airlock_api::v1::{
+    EgressEvent, EgressKind, EgressRule, Exposure, NetworkPolicy, Sandbox, SandboxState, Template,
+    egress_rule,
+};
 use serde_json::{Value, json};
 
 /// Prints one JSON value on stdout.
@@ -30,8 +33,171 @@ pub fn sandbox_json(s: &Sandbox) -> Value {
         "vcpus": s.vcpus, "memory_mib": s.memory_mib, "labels": s.labels,
         "created_unix_ms": s.created_unix_ms, "create_ms": s.create_ms,
         "create_host_ms": s.create_host_ms, "create_guest_ms": s.create_guest_ms,
-        "restore_ms": s.restore_ms,
+        "restore_ms": s.restore_ms, "network": network_json(s.network.as_ref()),
     })
+}
+
+/// An egress policy's JSON record: `{"allow_internet": bool, "allow": [{"domain"|"cidr",
+/// "ports"}]}` (deny-all: no rules, no internet).
+pub fn network_json(p: Option<&NetworkPolicy>) -> Value {
+    let p = p.cloned().unwrap_or_default();
+    let rules: Vec<Value> = p
+        .allow
+        .iter()
+        .map(|r| match &r.target {
+            Some(egress_rule::Target::Domain(d)) => json!({"domain": d, "ports": r.ports}),
+            Some(egress_rule::Target::Cidr(c)) => json!({"cidr": c, "ports": r.ports}),
+            None => json!({"ports": r.ports}),
+        })
+        .collect();
+    json!({"allow_internet": p.allow_internet, "allow": rules})
+}
+
+/// One rule as text: `*.example.com`, `api.example.com:80,443`, `203.0.113.0/24:443`,
+/// `[2001:db8::/32]:443`.
+fn rule_text(r: &EgressRule) -> String {
+    let target = match &r.target {
+        Some(egress_rule::Target::Domain(d)) => d.clone(),
+        Some(egress_rule::Target::Cidr(c)) if c.contains(':') && !r.ports.is_empty() => {
+            format!("[{c}]")
+        }
+        Some(egress_rule::Target::Cidr(c)) => c.clone(),
+        None => "?".into(),
+    };
+    if r.ports.is_empty() {
+        return target;
+    }
+    let ports: Vec<String> = r.ports.iter().map(u32::to_string).collect();
+    format!("{target}:{}", ports.join(","))
+}
+
+/// An egress policy as text: `deny-all`, `allow-internet`, or its rules separated by spaces.
+pub fn network_text(p: Option<&NetworkPolicy>) -> String {
+    match p {
+        Some(p) if p.allow_internet => "allow-internet".into(),
+        Some(p) if !p.allow.is_empty() => {
+            let rules: Vec<String> = p.allow.iter().map(rule_text).collect();
+            rules.join(" ")
+        }
+        _ => "deny-all".into(),
+    }
+}
+
+/// The lowercase name of an `EgressKind`.
+pub fn egress_kind_name(k: i32) -> &'static str {
+    match EgressKind::try_from(k) {
+        Ok(EgressKind::Dns) => "dns",
+        Ok(EgressKind::Tcp) => "tcp",
+        Ok(EgressKind::Expose) => "expose",
+        _ => "unknown",
+    }
+}
+
+/// An egress event's JSON record.
+pub fn egress_json(e: &EgressEvent) -> Value {
+    json!({
+        "seq": e.seq, "time_unix_ms": e.time_unix_ms, "kind": egress_kind_name(e.kind),
+        "name": e.name, "address": e.address, "port": e.port, "bytes_out": e.bytes_out,
+        "bytes_in": e.bytes_in, "duration_ms": e.duration_ms, "allowed": e.allowed,
+        "verdict": e.verdict, "query_type": e.query_type, "answers": e.answers,
+    })
+}
+
+/// The header of the egress log's lines.
+pub fn egress_header() -> String {
+    format!(
+        "{:>6} {:<24} {:<8} {:<32} {:<24} {:>9} {:>9} {:>10} {:<7} VERDICT",
+        "SEQ", "TIME (UTC)", "KIND", "NAME", "ADDRESS", "OUT", "IN", "DURATION", "RESULT"
+    )
+}
+
+/// One egress event as a line: sequence number, time, kind (with the DNS query type), name,
+/// address:port, bytes out and in, duration, ALLOWED or DENIED, and the verdict.
+pub fn egress_line(e: &EgressEvent) -> String {
+    let dash = |s: &str| {
+        if s.is_empty() {
+            "-".to_owned()
+        } else {
+            s.to_owned()
+        }
+    };
+    let kind = match egress_kind_name(e.kind) {
+        "dns" if !e.query_type.is_empty() => format!("dns {}", e.query_type),
+        k => k.to_owned(),
+    };
+    // A DNS event's "address" is what its answer held.
+    let answers = e.answers.join(",");
+    let shown = if e.address.is_empty() {
+        &answers
+    } else {
+        &e.address
+    };
+    let address = match (shown.as_str(), e.port) {
+        ("", 0) => "-".to_owned(),
+        (a, 0) => a.to_owned(),
+        (a, p) if a.contains(':') && !a.contains(',') => format!("[{a}]:{p}"),
+        (a, p) => format!("{}:{p}", dash(a)),
+    };
+    let result = if e.allowed { "ALLOWED" } else { "DENIED" };
+    let line = format!(
+        "{:>6} {:<24} {:<8} {:<32} {:<24} {:>9} {:>9} {:>10} {:<7} {}",
+        e.seq,
+        utc_time(e.time_unix_ms),
+        kind,
+        dash(&e.name),
+        address,
+        e.bytes_out,
+        e.bytes_in,
+        format!("{:.1}ms", e.duration_ms),
+        result,
+        e.verdict
+    );
+    line.trim_end().to_owned()
+}
+
+/// An exposure's JSON record.
+pub fn exposure_json(e: &Exposure) -> Value {
+    json!({
+        "sandbox_id": e.sandbox_id, "guest_port": e.guest_port, "address": e.address,
+        "token": e.token, "expires_unix_ms": e.expires_unix_ms,
+    })
+}
+
+/// The text of `airlock expose`: the address, the token and the expiry (UTC), one `key value`
+/// line each.
+pub fn exposure_text(e: &Exposure) -> String {
+    let rows = [
+        ("address", e.address.clone()),
+        ("token", e.token.clone()),
+        ("expires", utc_time(e.expires_unix_ms)),
+    ];
+    let mut out = String::new();
+    for (k, v) in rows {
+        let _ = writeln!(out, "{k:<16} {v}");
+    }
+    out
+}
+
+/// Unix milliseconds as UTC, `2024-05-01T12:34:56.789Z`.
+pub fn utc_time(unix_ms: i64) -> String {
+    let (secs, ms) = (unix_ms.div_euclid(1000), unix_ms.rem_euclid(1000));
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{ms:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 /// A template's JSON record.
@@ -90,7 +256,7 @@ pub fn sandbox_text(s: &Sandbox) -> String {
     let mut labels: Vec<_> = s.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
     labels.sort();
     let mut out = String::new();
-    let rows: [(&str, String); 12] = [
+    let rows: [(&str, String); 13] = [
         ("id", s.id.clone()),
         ("state", state_name(s.state).to_owned()),
         ("template", format!("{} ({})", s.template, s.template_id)),
@@ -102,6 +268,7 @@ pub fn sandbox_text(s: &Sandbox) -> String {
         ("max_lifetime_s", s.max_lifetime_s.to_string()),
         ("created_unix_ms", s.created_unix_ms.to_string()),
         ("create_ms", format!("{:.1}", s.create_ms)),
+        ("network", network_text(s.network.as_ref())),
         ("end", format!("{} {}", s.end_reason, s.end_message)),
     ];
     for (k, v) in rows {

@@ -5,11 +5,14 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use airlock_api::v1::{
-    Argv, Code, CreateSandboxRequest, CreateTemplateRequest, ExecRequest, FilePolicy, FileToPlace,
-    ListSandboxesRequest, SandboxState, exec_request,
+    Argv, Code, CreateSandboxRequest, CreateTemplateRequest, EgressRule, ExecRequest,
+    ExposePortRequest, FilePolicy, FileToPlace, ListSandboxesRequest, NetworkPolicy, SandboxState,
+    SetNetworkPolicyRequest, egress_rule, exec_request,
 };
 
-use crate::args::{CreateArgs, ExecArgs, LsArgs, StateArg, TemplateCreateArgs};
+use crate::args::{
+    CreateArgs, ExecArgs, ExposeArgs, LsArgs, NetArgs, NetworkArgs, StateArg, TemplateCreateArgs,
+};
 
 /// Reads a local file (`-`: our stdin, where a command allows it); the error names the file.
 pub type Read<'a> = &'a dyn Fn(&Path) -> Result<Vec<u8>, String>;
@@ -58,7 +61,57 @@ pub fn create_request(args: &CreateArgs, read: Read) -> Result<CreateSandboxRequ
         idle_ttl_s: args.idle_ttl.unwrap_or(0),
         max_lifetime_s: args.lifetime.unwrap_or(0),
         file_policy,
+        network: network_policy(&args.network),
     })
+}
+
+/// The `NetworkPolicy` of the allow flags: `--allow-internet`, or one rule per
+/// `--allow-domain` and `--allow-cidr`, each with every `--allow-port`. `None` without any:
+/// deny-all.
+pub fn network_policy(args: &NetworkArgs) -> Option<NetworkPolicy> {
+    if args.allow_internet {
+        return Some(NetworkPolicy {
+            allow_internet: true,
+            allow: Vec::new(),
+        });
+    }
+    let ports: Vec<u32> = args.allow_ports.iter().map(|p| u32::from(*p)).collect();
+    let rule = |target| EgressRule {
+        target: Some(target),
+        ports: ports.clone(),
+    };
+    let allow: Vec<EgressRule> = args
+        .allow_domains
+        .iter()
+        .map(|d| rule(egress_rule::Target::Domain(d.clone())))
+        .chain(
+            args.allow_cidrs
+                .iter()
+                .map(|c| rule(egress_rule::Target::Cidr(c.clone()))),
+        )
+        .collect();
+    (!allow.is_empty()).then_some(NetworkPolicy {
+        allow_internet: false,
+        allow,
+    })
+}
+
+/// `SetNetworkPolicyRequest` of `airlock net`; `--deny-all` (or nothing, which `args::check`
+/// refuses before) sends the empty policy.
+pub fn net_request(args: &NetArgs) -> SetNetworkPolicyRequest {
+    SetNetworkPolicyRequest {
+        sandbox_id: args.id.clone(),
+        network: Some(network_policy(&args.network).unwrap_or_default()),
+    }
+}
+
+/// `ExposePortRequest` of `airlock expose`; no `--ttl` leaves the TTL to the daemon (0).
+pub fn expose_request(args: &ExposeArgs) -> ExposePortRequest {
+    ExposePortRequest {
+        sandbox_id: args.id.clone(),
+        guest_port: u32::from(args.port),
+        ttl_s: args.ttl.unwrap_or(0),
+    }
 }
 
 /// The command of `airlock exec`: argv, `--shell` or `--code` (clap lets exactly one through).

@@ -5,16 +5,27 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use airlock_api::v1::{
-    Argv, Code, Execution, ExecutionState, FilePolicy, FileToPlace, SandboxState, exec_request,
+    Argv, Code, EgressEvent, EgressKind, EgressRule, Execution, ExecutionState, Exposure,
+    FilePolicy, FileToPlace, NetworkPolicy, SandboxState, egress_rule, exec_request,
 };
 use clap::CommandFactory;
 use clap::Parser;
 use clap::error::ErrorKind;
 
-use crate::args::{Cli, Command, FileSpec, TemplateCommand, parse_file_spec, parse_kv, parse_mode};
+use crate::args::{
+    Cli, Command, FileSpec, TemplateCommand, parse_cidr, parse_domain, parse_file_spec, parse_kv,
+    parse_mode,
+};
 use crate::commands::exec::exit_code;
 use crate::commands::files::{Remote, write_messages};
-use crate::request::{create_request, exec_request, list_request, template_request};
+use crate::output::{
+    egress_line, exposure_json, exposure_text, network_json, network_text, utc_time,
+};
+use crate::request::{
+    create_request, exec_request, expose_request, list_request, net_request, template_request,
+};
+
+mod net;
 
 fn parse(args: &[&str]) -> Cli {
     Cli::try_parse_from(std::iter::once("airlock").chain(args.iter().copied()))
@@ -449,6 +460,8 @@ fn the_other_commands_parse() {
     assert!(matches!(parse(&["resume", "sb-1"]).command, Command::Resume(a) if a.id == "sb-1"));
     assert!(matches!(parse(&["rm", "sb-1"]).command, Command::Rm(a) if a.id == "sb-1"));
     assert!(matches!(parse(&["get", "sb-1"]).command, Command::Get(a) if a.id == "sb-1"));
+    assert!(matches!(parse(&["egress", "sb-1"]).command, Command::Egress(a) if a.id == "sb-1"));
+    assert!(matches!(parse(&["expose", "sb-1", "22"]).command, Command::Expose(a) if a.port == 22));
     assert!(matches!(
         parse(&["snapshot", "sb-1", "snap"]).command,
         Command::Snapshot(a) if a.id == "sb-1" && a.template == "snap"
@@ -515,6 +528,40 @@ fn value_parsers() {
     assert_eq!(parse_file_spec("f:/tmp/x:0600").unwrap().mode, 0o600);
     assert!(parse_file_spec(":/tmp/x").is_err());
     assert!(parse_file_spec("f:/tmp/x:").unwrap().guest == "/tmp/x:");
+    for ok in [
+        "api.example.com",
+        "*.example.com",
+        "localhost",
+        "xn--bcher-kva.example",
+        "example.com.",
+    ] {
+        assert_eq!(parse_domain(ok).unwrap(), ok);
+    }
+    for bad in [
+        "", "*", "*.", ".", "a..b", "a.b..", "a b", "a/b", "*.*.a", "a:1", "http://a",
+    ] {
+        assert!(parse_domain(bad).is_err(), "{bad:?}");
+    }
+    for ok in [
+        "203.0.113.0/24",
+        "203.0.113.7",
+        "0.0.0.0/0",
+        "2001:db8::/32",
+        "::1",
+    ] {
+        assert_eq!(parse_cidr(ok).unwrap(), ok);
+    }
+    for bad in [
+        "",
+        "10.0.0.0/",
+        "10.0.0.0/33",
+        "::/129",
+        "10.0.0/8",
+        "a.b/8",
+        "1.2.3.4/+8",
+    ] {
+        assert!(parse_cidr(bad).is_err(), "{bad:?}");
+    }
 }
 
 #[test]
@@ -566,7 +613,8 @@ fn json_records_keep_their_shape() {
     assert_eq!(v["id"], "sb-1");
     assert_eq!(v["state"], "running");
     let keys: Vec<_> = v.as_object().unwrap().keys().cloned().collect();
-    assert_eq!(keys.len(), 15, "{keys:?}");
+    assert_eq!(keys.len(), 16, "{keys:?}");
+    assert_eq!(v["network"]["allow_internet"], false);
     let table = crate::output::sandbox_table(&[s]);
     assert!(table.starts_with("ID ") && table.contains("sb-1") && table.contains("running"));
 }

@@ -29,6 +29,11 @@ struct Seen {
     template: Option<CreateTemplateRequest>,
     list: Option<ListSandboxesRequest>,
     files: HashMap<String, (u32, Vec<u8>)>,
+    net: Option<SetNetworkPolicyRequest>,
+    egress: Vec<GetEgressLogRequest>,
+    expose: Option<ExposePortRequest>,
+    /// GetSandbox calls for `sb-ending`: running at the first, destroyed after.
+    ending_polls: usize,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -82,6 +87,40 @@ fn exit(state: ExecutionState, exit_code: i32, reason: &str) -> ExecutionEvent {
     }
 }
 
+fn egress_event(
+    seq: u64,
+    kind: EgressKind,
+    name: &str,
+    address: &str,
+    port: u32,
+    allowed: bool,
+) -> EgressEvent {
+    EgressEvent {
+        seq,
+        time_unix_ms: 1_700_000_000_000 + seq as i64,
+        kind: kind as i32,
+        name: name.into(),
+        // A DNS event's addresses are its answer's.
+        address: if kind == EgressKind::Dns { "" } else { address }.into(),
+        answers: if kind == EgressKind::Dns {
+            vec![address.into()]
+        } else {
+            vec![]
+        },
+        port,
+        bytes_out: if kind == EgressKind::Dns { 0 } else { 517 },
+        bytes_in: if kind == EgressKind::Dns { 0 } else { 4096 },
+        duration_ms: 12.5,
+        allowed,
+        verdict: if allowed {
+            "api.example.com:443".into()
+        } else {
+            "no rule allows it".into()
+        },
+        query_type: if kind == EgressKind::Dns { "A" } else { "" }.into(),
+    }
+}
+
 #[tonic::async_trait]
 impl Airlock for Mock {
     type CreateTemplateStream = Events<TemplateEvent>;
@@ -132,6 +171,15 @@ impl Airlock for Mock {
     async fn get_sandbox(&self, r: Request<GetSandboxRequest>) -> Answer<Sandbox> {
         match r.into_inner().sandbox_id.as_str() {
             "sb-1" => Ok(Response::new(sandbox("sb-1"))),
+            "sb-ending" => {
+                let mut seen = self.0.lock().unwrap();
+                seen.ending_polls += 1;
+                let mut s = sandbox("sb-ending");
+                if seen.ending_polls > 1 {
+                    s.state = SandboxState::Destroyed as i32;
+                }
+                Ok(Response::new(s))
+            }
             id => Err(Status::not_found(format!("no sandbox {id}"))),
         }
     }
@@ -227,6 +275,101 @@ impl Airlock for Mock {
         Err(Status::unimplemented("mock"))
     }
 
+    async fn set_network_policy(&self, r: Request<SetNetworkPolicyRequest>) -> Answer<Sandbox> {
+        let r = r.into_inner();
+        if r.sandbox_id != "sb-1" {
+            return Err(Status::not_found("SANDBOX_NOT_FOUND"));
+        }
+        if r.network.as_ref().is_some_and(|n| {
+            n.allow
+                .iter()
+                .any(|rule| rule.target == Some(egress_rule::Target::Cidr("10.0.0.0/8".into())))
+        }) {
+            return Err(Status::permission_denied("NETWORK_NOT_ALLOWED"));
+        }
+        let mut s = sandbox("sb-1");
+        s.network = r.network.clone();
+        self.0.lock().unwrap().net = Some(r);
+        Ok(Response::new(s))
+    }
+    async fn get_egress_log(
+        &self,
+        r: Request<GetEgressLogRequest>,
+    ) -> Answer<GetEgressLogResponse> {
+        let r = r.into_inner();
+        let mut seen = self.0.lock().unwrap();
+        seen.egress.push(r.clone());
+        // Three events; `sb-ending` logs a fourth once it has been seen running.
+        let mut log = vec![
+            egress_event(
+                1,
+                EgressKind::Dns,
+                "api.example.com",
+                "203.0.113.7",
+                53,
+                true,
+            ),
+            egress_event(
+                2,
+                EgressKind::Tcp,
+                "api.example.com",
+                "203.0.113.7",
+                443,
+                true,
+            ),
+            egress_event(3, EgressKind::Tcp, "", "198.51.100.1", 22, false),
+        ];
+        match r.sandbox_id.as_str() {
+            // A caller's connection to a port exposed before.
+            "sb-1" if seen.expose.is_some() => {
+                log.push(egress_event(
+                    4,
+                    EgressKind::Expose,
+                    "",
+                    "127.0.0.1",
+                    51234,
+                    true,
+                ));
+            }
+            "sb-1" => {}
+            "sb-ending" if seen.ending_polls >= 1 => {
+                log.push(egress_event(
+                    4,
+                    EgressKind::Dns,
+                    "late.example.com",
+                    "",
+                    0,
+                    false,
+                ));
+            }
+            "sb-ending" => {}
+            _ => return Err(Status::not_found("SANDBOX_NOT_FOUND")),
+        }
+        let limit = if r.limit == 0 { 1000 } else { r.limit as usize };
+        let events: Vec<_> = log
+            .into_iter()
+            .filter(|e| e.seq > r.after_seq)
+            .take(limit)
+            .collect();
+        Ok(Response::new(GetEgressLogResponse { events, dropped: 5 }))
+    }
+    async fn expose_port(&self, r: Request<ExposePortRequest>) -> Answer<Exposure> {
+        let r = r.into_inner();
+        if r.sandbox_id != "sb-1" {
+            return Err(Status::not_found("SANDBOX_NOT_FOUND"));
+        }
+        let ttl_s = if r.ttl_s == 0 { 300 } else { r.ttl_s };
+        let e = Exposure {
+            sandbox_id: r.sandbox_id.clone(),
+            guest_port: r.guest_port,
+            address: "127.0.0.1:40123".into(),
+            token: "tok-8f3a".into(),
+            expires_unix_ms: 1_700_000_000_000 + i64::from(ttl_s) * 1000,
+        };
+        self.0.lock().unwrap().expose = Some(r);
+        Ok(Response::new(e))
+    }
+
     async fn get_usage(&self, _: Request<GetUsageRequest>) -> Answer<Usage> {
         Ok(Response::new(Usage {
             tenant: "default".into(),
@@ -237,6 +380,9 @@ impl Airlock for Mock {
         }))
     }
 }
+
+#[path = "mock_daemon/net.rs"]
+mod net;
 
 /// A scratch directory of this test.
 fn scratch() -> PathBuf {
@@ -427,7 +573,12 @@ async fn lists_and_records() {
         json(&d.airlock(&["--json", "get", "sb-1"]).await.stdout)["id"],
         "sb-1"
     );
-    assert!(text(&d.airlock(&["get", "sb-1"]).await.stdout).contains("running"));
+    let got = text(&d.airlock(&["get", "sb-1"]).await.stdout);
+    assert!(got.contains("running"), "{got}");
+    assert!(
+        got.lines().any(|l| l == "network          deny-all"),
+        "{got}"
+    );
     assert!(text(&d.airlock(&["usage"]).await.stdout).contains("sandboxes      2 of 64"));
     let u = json(&d.airlock(&["--json", "usage"]).await.stdout);
     assert_eq!(

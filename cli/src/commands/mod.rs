@@ -3,6 +3,7 @@
 
 pub mod exec;
 pub mod files;
+pub mod net;
 pub mod sandbox;
 pub mod template;
 
@@ -51,6 +52,9 @@ pub async fn run(ctx: &mut Ctx, command: Command) -> Result<u8, String> {
         Command::Resume(a) => sandbox::resume(ctx, &a.id).await,
         Command::Snapshot(a) => sandbox::snapshot(ctx, &a).await,
         Command::Rm(a) => sandbox::destroy(ctx, &a.id).await,
+        Command::Net(a) => net::net(ctx, &a).await,
+        Command::Egress(a) => net::egress(ctx, &a).await,
+        Command::Expose(a) => net::expose(ctx, &a).await,
         Command::Usage => sandbox::usage(ctx).await,
         Command::Completions(_) => Err("completions need no daemon".into()),
     }
