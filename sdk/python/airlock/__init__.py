@@ -13,9 +13,14 @@ The asyncio flavour is :class:`airlock.aio.AsyncClient`.
 
 from ._common import (
     DEFAULT_SOCKET,
+    EgressEvent,
+    EgressLog,
     ExecResult,
+    Exposure,
     FileEntry,
+    Network,
     OutputChunk,
+    Rule,
     Template,
     TemplateProgress,
     Usage,
@@ -36,5 +41,10 @@ __all__ = [
     "Template",
     "TemplateProgress",
     "Usage",
+    "Network",
+    "Rule",
+    "EgressEvent",
+    "EgressLog",
+    "Exposure",
     "DEFAULT_SOCKET",
 ] + errors.__all__

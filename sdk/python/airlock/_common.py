@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import errors
 from ._proto import airlock_pb2 as pb
@@ -284,6 +284,282 @@ class ExecResult:
         raise cls(self.error_message or self.state, reason=reason, result=self)
 
 
+# ---- networking ----
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One egress rule: a ``domain`` (``api.example.com``, or ``*.example.com`` for every name
+    below it) or a ``cidr`` (``203.0.113.0/24``; an address alone is one host), and the
+    destination ``ports`` it allows (empty: every port)."""
+
+    domain: str = ""
+    cidr: str = ""
+    ports: Sequence[int] = ()
+
+    def __post_init__(self) -> None:
+        if bool(self.domain) == bool(self.cidr):
+            raise errors.InvalidArgument("a rule needs a domain or a cidr (one of them)", "INVALID_ARGUMENT")
+        object.__setattr__(self, "ports", _ports(self.ports))
+
+    def to_pb(self) -> "pb.EgressRule":
+        r = pb.EgressRule(ports=list(self.ports))
+        if self.domain:
+            r.domain = self.domain
+        else:
+            r.cidr = self.cidr
+        return r
+
+    @classmethod
+    def from_pb(cls, r: "pb.EgressRule") -> "Rule":
+        which = r.WhichOneof("target")
+        return cls(domain=r.domain if which == "domain" else "", cidr=r.cidr if which == "cidr" else "", ports=tuple(r.ports))
+
+    def __str__(self) -> str:
+        target = self.domain or (f"[{self.cidr}]" if ":" in self.cidr and self.ports else self.cidr)
+        return f"{target}:{','.join(map(str, self.ports))}" if self.ports else target
+
+
+@dataclass(frozen=True, eq=False)
+class Network:
+    """A sandbox's egress policy: what it may reach over its network.
+
+    * ``Network()``: nothing (deny-all), as when no policy is given at all;
+    * ``Network(allow_internet=True)``: every public address on every port;
+    * ``Network(domains=["api.example.com", "*.example.com"], cidrs=["203.0.113.0/24"],
+      ports=[443])``: one rule per domain and per CIDR, each allowing ``ports`` (empty: every
+      port); ``rules`` adds :class:`Rule` objects (or dicts of their fields) with ports of their
+      own.
+
+    Private, loopback, link-local and other internal ranges stay closed unless a CIDR rule
+    inside them opens them (never a domain or ``allow_internet``), and only as far as the
+    operator's ceiling for the tenant allows (beyond it: :class:`~airlock.NetworkNotAllowed`).
+    Two policies are equal when they allow the same rules in the same order.
+    """
+
+    allow_internet: bool = False
+    domains: Sequence[str] = ()
+    cidrs: Sequence[str] = ()
+    ports: Sequence[int] = ()
+    rules: Sequence[Union[Rule, Mapping[str, Any]]] = ()
+
+    def __post_init__(self) -> None:
+        normal = {
+            "allow_internet": bool(self.allow_internet),
+            "domains": _strings("domains", self.domains),
+            "cidrs": _strings("cidrs", self.cidrs),
+            "ports": _ports(self.ports),
+            "rules": tuple(r if isinstance(r, Rule) else Rule(**r) for r in self.rules),
+        }
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)  # frozen: only here
+        if self.ports and not (self.domains or self.cidrs):
+            raise errors.InvalidArgument("ports apply to domains and cidrs: give some", "INVALID_ARGUMENT")
+        if self.allow_internet and self.all_rules():
+            raise errors.InvalidArgument(
+                "allow_internet already allows every public address: give rules or allow_internet, not both",
+                "INVALID_ARGUMENT",
+            )
+
+    @property
+    def deny_all(self) -> bool:
+        """Nothing is allowed."""
+        return not self.allow_internet and not self.all_rules()
+
+    def all_rules(self) -> List[Rule]:
+        """Every rule: one per domain and per CIDR (with ``ports``), then ``rules``."""
+        return (
+            [Rule(domain=d, ports=self.ports) for d in self.domains]
+            + [Rule(cidr=c, ports=self.ports) for c in self.cidrs]
+            + list(self.rules)
+        )
+
+    def to_pb(self) -> "pb.NetworkPolicy":
+        return pb.NetworkPolicy(allow_internet=self.allow_internet, allow=[r.to_pb() for r in self.all_rules()])
+
+    @classmethod
+    def from_pb(cls, p: Optional["pb.NetworkPolicy"]) -> "Network":
+        if p is None:
+            return cls()
+        return cls(allow_internet=p.allow_internet, rules=[Rule.from_pb(r) for r in p.allow])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Network):
+            return NotImplemented
+        return (self.allow_internet, self.all_rules()) == (other.allow_internet, other.all_rules())
+
+    def __hash__(self) -> int:
+        return hash((self.allow_internet, tuple(self.all_rules())))
+
+    def __str__(self) -> str:
+        """``deny-all``, ``allow-internet`` or the rules (``*.example.com:443 203.0.113.0/24``)."""
+        if self.allow_internet:
+            return "allow-internet"
+        return " ".join(map(str, self.all_rules())) or "deny-all"
+
+
+#: What ``network=`` accepts: ``None`` (deny-all), ``"internet"``, a :class:`Network`, or a
+#: list of :class:`Rule` (or of dicts such as ``{"domain": "*.example.com", "ports": [443]}``).
+NetworkSpec = Union[None, str, Network, Sequence[Union[Rule, Mapping[str, Any]]]]
+
+
+def network_policy(network: NetworkSpec) -> Optional["pb.NetworkPolicy"]:
+    """The ``NetworkPolicy`` of a ``network=`` argument (``None`` for ``None``: deny-all)."""
+    if network is None:
+        return None
+    if isinstance(network, pb.NetworkPolicy):
+        return network
+    if isinstance(network, str):
+        if network == "internet":
+            return Network(allow_internet=True).to_pb()
+        raise errors.InvalidArgument(
+            f"network={network!r}: expected None, \"internet\", a Network or a list of rules "
+            '(a domain goes in Network(domains=[...]))',
+            "INVALID_ARGUMENT",
+        )
+    if isinstance(network, Network):
+        return network.to_pb()
+    if isinstance(network, (list, tuple)):
+        return Network(rules=network).to_pb()
+    raise errors.InvalidArgument(
+        f"network: expected None, \"internet\", a Network or a list of rules, not {type(network).__name__}",
+        "INVALID_ARGUMENT",
+    )
+
+
+def _strings(what: str, values: Sequence[str]) -> Tuple[str, ...]:
+    if isinstance(values, str):
+        raise errors.InvalidArgument(f"{what} must be a list of strings, not a string", "INVALID_ARGUMENT")
+    out = tuple(values)
+    if not all(isinstance(v, str) and v for v in out):
+        raise errors.InvalidArgument(f"{what} must be non-empty strings", "INVALID_ARGUMENT")
+    return out
+
+
+def _ports(ports: Iterable[int]) -> Tuple[int, ...]:
+    if isinstance(ports, int):
+        ports = (ports,)
+    out = tuple(ports)
+    if not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in out):
+        raise errors.InvalidArgument(f"ports must be numbers from 1 to 65535: {out!r}", "INVALID_ARGUMENT")
+    return out
+
+
+@dataclass(frozen=True)
+class EgressEvent:
+    """One entry of a sandbox's egress log: a DNS query, a TCP connection attempt, or a
+    connection to one of its exposed ports (``kind == "expose"``, ``address``: the caller's)."""
+
+    seq: int  # 1, 2, ... per sandbox
+    time_unix_ms: int
+    kind: str  # "dns", "tcp" or "expose"
+    name: str  # the name asked for (DNS) or stated by the connection (TLS SNI, HTTP Host)
+    address: str  # where it connected (TCP), or the caller's address (expose)
+    port: int
+    bytes_out: int  # TCP: bytes the guest sent and received through the proxy
+    bytes_in: int
+    duration_ms: float
+    allowed: bool
+    verdict: str  # the rule that allowed it, or why it was denied
+    query_type: str  # DNS: A, AAAA, ...
+    answers: Tuple[str, ...] = ()  # DNS: the addresses the answer held
+
+    @classmethod
+    def from_pb(cls, e: "pb.EgressEvent") -> "EgressEvent":
+        kind = {
+            pb.EGRESS_KIND_DNS: "dns",
+            pb.EGRESS_KIND_TCP: "tcp",
+            pb.EGRESS_KIND_EXPOSE: "expose",
+        }.get(e.kind, "unknown")
+        return cls(
+            seq=e.seq,
+            time_unix_ms=e.time_unix_ms,
+            kind=kind,
+            name=e.name,
+            address=e.address,
+            port=e.port,
+            bytes_out=e.bytes_out,
+            bytes_in=e.bytes_in,
+            duration_ms=e.duration_ms,
+            allowed=e.allowed,
+            verdict=e.verdict,
+            query_type=e.query_type,
+            answers=tuple(e.answers),
+        )
+
+
+class EgressLog(List[EgressEvent]):
+    """The events :meth:`~airlock.Sandbox.egress_log` returned (a list), and ``dropped``: how
+    many events the sandbox made beyond what its log keeps (counted, not stored)."""
+
+    def __init__(self, events: Iterable[EgressEvent] = (), dropped: int = 0) -> None:
+        super().__init__(events)
+        self.dropped = dropped
+
+    @classmethod
+    def from_pb(cls, resp: "pb.GetEgressLogResponse") -> "EgressLog":
+        return cls((EgressEvent.from_pb(e) for e in resp.events), resp.dropped)
+
+
+def egress_log_request(sandbox_id: str, after_seq: int, limit: int) -> "pb.GetEgressLogRequest":
+    if after_seq < 0 or limit < 0:
+        raise errors.InvalidArgument("after_seq and limit cannot be negative", "INVALID_ARGUMENT")
+    return pb.GetEgressLogRequest(sandbox_id=sandbox_id, after_seq=after_seq, limit=limit)
+
+
+#: The HTTP header in which a caller of an exposed port presents its token.
+TOKEN_HEADER = "X-Airlock-Token"
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """A guest port exposed on a host address of the daemon's (:meth:`~airlock.Sandbox.expose_port`),
+    until ``expires_unix_ms`` or the end of the sandbox.
+
+    Each connection to ``address`` (``HOST:PORT``) presents ``token`` first: raw TCP sends the
+    token and a newline, HTTP/1 sends the header ``X-Airlock-Token: TOKEN`` (:attr:`headers`)
+    in the connection's first request. Without it the connection is closed.
+    """
+
+    sandbox_id: str
+    guest_port: int
+    address: str  # HOST:PORT
+    token: str
+    expires_unix_ms: int
+
+    @property
+    def headers(self) -> Dict[str, str]:
+        """The HTTP header that presents the token: ``{"X-Airlock-Token": token}``."""
+        return {TOKEN_HEADER: self.token}
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT``, for an HTTP server behind the port."""
+        return f"http://{self.address}"
+
+    @classmethod
+    def from_pb(cls, e: "pb.Exposure") -> "Exposure":
+        return cls(
+            sandbox_id=e.sandbox_id,
+            guest_port=e.guest_port,
+            address=e.address,
+            token=e.token,
+            expires_unix_ms=e.expires_unix_ms,
+        )
+
+
+def expose_request(sandbox_id: str, port: int, ttl: Optional[float]) -> "pb.ExposePortRequest":
+    """``ttl`` in seconds (``None``: the daemon's default; it caps it at its maximum)."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise errors.InvalidArgument(f"port must be a number from 1 to 65535: {port!r}", "INVALID_ARGUMENT")
+    return pb.ExposePortRequest(sandbox_id=sandbox_id, guest_port=port, ttl_s=_seconds(ttl))
+
+
+def set_network_request(sandbox_id: str, network: NetworkSpec) -> "pb.SetNetworkPolicyRequest":
+    """``None`` sends the empty policy: deny-all."""
+    return pb.SetNetworkPolicyRequest(sandbox_id=sandbox_id, network=network_policy(network) or pb.NetworkPolicy())
+
+
 def execution_state(state: int) -> str:
     name = pb.ExecutionState.Name(state) if state in pb.ExecutionState.values() else "UNKNOWN"
     return name.replace("EXECUTION_STATE_", "").lower()
@@ -348,6 +624,11 @@ class SandboxInfo:
         """The whole CreateSandbox call, as the daemon measured it."""
         return self._info.create_ms
 
+    @property
+    def network(self) -> Network:
+        """Its egress policy, as the daemon last answered it."""
+        return Network.from_pb(self._info.network if self._info.HasField("network") else None)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} {self.state} template={self.template}>"
 
@@ -369,6 +650,7 @@ def create_request(
     idle_timeout: Optional[float],
     writable: Optional[Sequence[str]],
     exportable: Optional[Sequence[str]],
+    network: NetworkSpec = None,
 ) -> "pb.CreateSandboxRequest":
     req = pb.CreateSandboxRequest(
         template=template,
@@ -386,6 +668,9 @@ def create_request(
     if writable is not None or exportable is not None:
         req.file_policy.writable.extend(writable or [])
         req.file_policy.exportable.extend(exportable or [])
+    policy = network_policy(network)
+    if policy is not None:
+        req.network.CopyFrom(policy)
     return req
 
 

@@ -18,7 +18,7 @@ import grpc
 import grpc.aio
 
 from . import _common as c
-from ._common import ExecResult, FileEntry, OutputChunk, Template, TemplateProgress
+from ._common import EgressLog, ExecResult, Exposure, FileEntry, OutputChunk, Template, TemplateProgress
 from ._proto import airlock_pb2 as pb
 from ._proto import airlock_pb2_grpc as pb_grpc
 from .errors import AirlockError, Unavailable, from_rpc_error
@@ -142,11 +142,12 @@ class AsyncSandboxes:
         idle_timeout: Optional[float] = None,
         writable: Optional[Sequence[str]] = None,
         exportable: Optional[Sequence[str]] = None,
+        network: c.NetworkSpec = None,
     ) -> "AsyncSandbox":
         """As :meth:`airlock.client.Sandboxes.create`."""
         req = c.create_request(
             template, vcpus, memory_mib, disk_mib, env, files, labels, timeout, idle_timeout,
-            writable, exportable,
+            writable, exportable, network,
         )
         return AsyncSandbox(self._c, await self._c._unary("CreateSandbox", req))
 
@@ -356,3 +357,17 @@ class AsyncSandbox(c.SandboxInfo):
     async def destroy(self) -> bool:
         resp = await self._c._unary("DestroySandbox", pb.DestroySandboxRequest(sandbox_id=self.id))
         return resp.destroyed
+
+    async def set_network(self, network: c.NetworkSpec) -> "AsyncSandbox":
+        """As :meth:`airlock.client.Sandbox.set_network`."""
+        self._info = await self._c._unary("SetNetworkPolicy", c.set_network_request(self.id, network))
+        return self
+
+    async def egress_log(self, after_seq: int = 0, limit: int = 0) -> EgressLog:
+        """As :meth:`airlock.client.Sandbox.egress_log`."""
+        req = c.egress_log_request(self.id, after_seq, limit)
+        return EgressLog.from_pb(await self._c._unary("GetEgressLog", req))
+
+    async def expose_port(self, port: int, ttl: Optional[float] = None) -> Exposure:
+        """As :meth:`airlock.client.Sandbox.expose_port`."""
+        return Exposure.from_pb(await self._c._unary("ExposePort", c.expose_request(self.id, port, ttl)))

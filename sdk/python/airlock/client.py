@@ -8,7 +8,7 @@ from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Union
 import grpc
 
 from . import _common as c
-from ._common import ExecResult, FileEntry, OutputChunk, Template, TemplateProgress
+from ._common import EgressLog, ExecResult, Exposure, FileEntry, OutputChunk, Template, TemplateProgress
 from ._proto import airlock_pb2 as pb
 from ._proto import airlock_pb2_grpc as pb_grpc
 from .errors import AirlockError, Unavailable, from_rpc_error
@@ -154,6 +154,7 @@ class Sandboxes:
         idle_timeout: Optional[float] = None,
         writable: Optional[Sequence[str]] = None,
         exportable: Optional[Sequence[str]] = None,
+        network: c.NetworkSpec = None,
     ) -> "Sandbox":
         """Starts a sandbox from ``template`` and returns once its agent is ready.
 
@@ -165,10 +166,15 @@ class Sandboxes:
             timeout: lifetime in seconds, after which the daemon destroys it.
             idle_timeout: seconds without calls after which the daemon destroys it.
             writable, exportable: path prefixes that file calls may write / read.
+            network: what it may reach over its network: ``None`` (the default) nothing,
+                ``"internet"`` every public address, or a :class:`~airlock.Network` such as
+                ``Network(domains=["api.example.com"], ports=[443])`` (a list of
+                :class:`~airlock.Rule` also works). Beyond the operator's ceiling for the
+                tenant: :class:`~airlock.NetworkNotAllowed`.
         """
         req = c.create_request(
             template, vcpus, memory_mib, disk_mib, env, files, labels, timeout, idle_timeout,
-            writable, exportable,
+            writable, exportable, network,
         )
         return Sandbox(self._c, self._c._unary("CreateSandbox", req))
 
@@ -401,3 +407,27 @@ class Sandbox(c.SandboxInfo):
         """Destroys it (idempotent); False when it had already ended."""
         resp = self._c._unary("DestroySandbox", pb.DestroySandboxRequest(sandbox_id=self.id))
         return resp.destroyed
+
+    def set_network(self, network: c.NetworkSpec) -> "Sandbox":
+        """Replaces its egress policy (running or paused) with ``network``, as in
+        :meth:`Sandboxes.create` (``None``: deny-all). New connections and DNS queries follow it
+        at once; open connections are not cut. :attr:`network` shows the new policy."""
+        self._info = self._c._unary("SetNetworkPolicy", c.set_network_request(self.id, network))
+        return self
+
+    def egress_log(self, after_seq: int = 0, limit: int = 0) -> EgressLog:
+        """Its egress log, oldest first: every DNS query and connection attempt (allowed or
+        not) after sequence number ``after_seq``, at most ``limit`` of them (0: the daemon's
+        default, 1000). A list of :class:`~airlock.EgressEvent`; its ``dropped`` counts the
+        events beyond what the log keeps. Kept after the sandbox ended, with its record."""
+        req = c.egress_log_request(self.id, after_seq, limit)
+        return EgressLog.from_pb(self._c._unary("GetEgressLog", req))
+
+    def expose_port(self, port: int, ttl: Optional[float] = None) -> Exposure:
+        """Exposes the guest's TCP ``port`` (the sandbox running) on a host address of the
+        daemon's for ``ttl`` seconds (``None``: the daemon's default, capped at its maximum), or
+        until the sandbox ends. Returns the :class:`~airlock.Exposure`: its ``address``
+        (``HOST:PORT``) and the ``token`` that each connection presents first (HTTP: the
+        header in :attr:`~airlock.Exposure.headers`; raw TCP: the token and a newline). Each
+        connection shows in :meth:`egress_log` as an event of kind ``"expose"``."""
+        return Exposure.from_pb(self._c._unary("ExposePort", c.expose_request(self.id, port, ttl)))

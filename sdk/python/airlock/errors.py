@@ -6,7 +6,7 @@ Every failed call raises an :class:`AirlockError` subclass chosen by the reason 
 
 * your own request: :class:`InvalidArgument`, :class:`Unauthenticated`, :class:`NotFound` and its
   subclasses, :class:`TemplateExists`, :class:`SandboxNotRunning`, :class:`PathNotAllowed`,
-  :class:`GuestPermissionDenied`;
+  :class:`NetworkNotAllowed`, :class:`GuestPermissionDenied`;
 * limits: :class:`ResourceExhausted` (:class:`CapacityExhausted`, :class:`QuotaExceeded`,
   :class:`FileTooLarge`, :class:`DiskQuotaExceeded`);
 * the code you ran or the sandbox it ran in: :class:`StartFailed`, :class:`ExecTimeout`,
@@ -37,6 +37,7 @@ __all__ = [
     "FileTooLarge",
     "DiskQuotaExceeded",
     "PathNotAllowed",
+    "NetworkNotAllowed",
     "GuestPermissionDenied",
     "StartFailed",
     "ExecTimeout",
@@ -170,6 +171,17 @@ class PathNotAllowed(AirlockError):
     reason_codes = ("PATH_NOT_ALLOWED",)
 
 
+class NetworkNotAllowed(AirlockError):
+    """A network policy asks for more than the operator allows the tenant (its egress
+    ceiling); ``rule`` names the rule that goes beyond it."""
+
+    reason_codes = ("NETWORK_NOT_ALLOWED",)
+
+    @property
+    def rule(self) -> str:
+        return self.metadata.get("rule", "")
+
+
 class GuestPermissionDenied(AirlockError):
     """The guest account the call acted as (``user``) may not touch the path."""
 
@@ -242,6 +254,7 @@ _BY_REASON = {
         FileTooLarge,
         DiskQuotaExceeded,
         PathNotAllowed,
+        NetworkNotAllowed,
         GuestPermissionDenied,
         StartFailed,
         ExecTimeout,

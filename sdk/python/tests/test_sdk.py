@@ -6,10 +6,12 @@ so each test checks several things per execution.
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -157,6 +159,74 @@ def test_files(client):
         assert sb.files.read("/tmp/in/a.txt") == b"a"
         with pytest.raises(airlock.PathNotAllowed):
             sb.files.write("/tmp/elsewhere.txt", "b")
+
+
+def test_network_policy_and_egress_log(client):
+    policy = airlock.Network(domains=["example.invalid"])
+    with client.sandboxes.create(network=policy) as sb:
+        assert sb.network == policy and not sb.network.deny_all
+        log = sb.egress_log()
+        assert isinstance(log, list) and all(isinstance(e, airlock.EgressEvent) for e in log)
+        assert log.dropped >= 0
+        # None replaces the policy with deny-all.
+        assert sb.set_network(None) is sb
+        assert sb.network.deny_all
+        assert sb.refresh().network.deny_all
+
+
+def test_a_network_policy_beyond_the_ceiling_is_refused(client):
+    # The daemon's default ceiling allows public addresses only: a private range is beyond it.
+    with pytest.raises(airlock.NetworkNotAllowed) as e:
+        client.sandboxes.create(network=airlock.Network(cidrs=["10.0.0.0/8"]))
+    assert e.value.reason == "NETWORK_NOT_ALLOWED"
+
+
+def _http_get(url: str, headers=None) -> bytes:
+    # No proxy from the environment: the exposed address is the daemon's host.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(urllib.request.Request(url, headers=headers or {}), timeout=10) as resp:
+        return resp.read()
+
+
+def test_an_exposed_port_answers_token_holders_only(sandbox):
+    sandbox.files.write("/tmp/www/hello.txt", "hello from the guest\n")
+    # An HTTP server in the guest, started without waiting for it (it runs until killed).
+    server = sandbox.start(["python3", "-m", "http.server", "8000"], cwd="/tmp/www")
+    try:
+        exposure = sandbox.expose_port(8000, ttl=120)
+        assert isinstance(exposure, airlock.Exposure)
+        assert (exposure.sandbox_id, exposure.guest_port) == (sandbox.id, 8000)
+        assert exposure.token and exposure.headers == {"X-Airlock-Token": exposure.token}
+        assert ":" in exposure.address and exposure.url == f"http://{exposure.address}"
+        assert exposure.expires_unix_ms > time.time() * 1000
+        url = f"{exposure.url}/hello.txt"
+        # The server takes a while to listen: retry until it answers.
+        deadline = time.monotonic() + 120  # a guest Python server starts slowly on nested hosts
+        while True:
+            try:
+                body = _http_get(url, exposure.headers)
+                break
+            except (OSError, http.client.HTTPException) as e:
+                assert time.monotonic() < deadline, f"the exposed server did not answer: {e!r}"
+                time.sleep(0.5)
+        assert body == b"hello from the guest\n"
+        # Without the token the daemon closes the connection.
+        with pytest.raises((OSError, http.client.HTTPException)):
+            _http_get(url)
+        with pytest.raises((OSError, http.client.HTTPException)):
+            _http_get(url, {"X-Airlock-Token": "not-the-token"})
+        # Both kinds of callers are in the egress log (the accepted one once it has ended).
+        deadline = time.monotonic() + 10
+        while True:
+            seen = {e.allowed for e in sandbox.egress_log() if e.kind == "expose" and e.port == 8000}
+            if seen == {True, False} or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert seen == {True, False}, seen
+        with pytest.raises(airlock.InvalidArgument):
+            sandbox.expose_port(0)
+    finally:
+        server.kill()
 
 
 def test_pause_resume_snapshot_and_templates(client):
