@@ -1,4 +1,5 @@
-"""Network bench, first part: restore with the network card on and off.
+"""Network bench: restore with the network card on and off, and the guest's TCP through
+airlockd's egress proxy against a plain TAP (benches/nettcp.py, unless --no-tcp).
 
 Two snapshots of the same guest (kernel, image, 256 MiB, vCPUs), one booted with a virtio-net
 card on a TAP and one without; then RUNS rounds that restore each once in a fresh
@@ -6,8 +7,11 @@ card on a TAP and one without; then RUNS rounds that restore each once in a fres
 Reported per configuration: the VMM's restore time (`restored: vcpus running N us after the
 restore began`) and process spawn -> the guest agent's Ready over vsock.
 
-Every TAP lives in a network namespace this bench makes (and deletes); no address is
-configured and no packet is sent. Needs root (namespaces, /dev/net/tun) and /dev/kvm.
+Every TAP lives in a network namespace this bench makes (and deletes); the restore part
+configures no address and sends no packet. Then (nettcp.py) connection setup and upload
+throughput from a clone of the card-carrying snapshot on a plain TAP, and from a sandbox of a
+live airlockd through its proxy, side by side: `tcp_plain`, `tcp_proxied` and their ratios.
+Needs root (namespaces, /dev/net/tun, cgroups) and /dev/kvm.
 Prints progress on stderr and one JSON object on stdout."""
 import argparse
 import ctypes
@@ -15,6 +19,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -22,8 +27,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from restore import Restored, make_snapshot  # noqa: E402
+from restore import BenchError, Restored, make_snapshot  # noqa: E402
 from stats import summary  # noqa: E402
+import nettcp  # noqa: E402
 
 TUNSETIFF = 0x400454CA
 IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
@@ -76,7 +82,20 @@ def main():
     ap.add_argument("--vcpus", type=int, default=1)
     ap.add_argument("--settle", type=float, default=1.0,
                     help="seconds between restores (the host tears the last VM down)")
+    ap.add_argument("--no-tcp", action="store_true", help="only the restore part")
+    ap.add_argument("--bench", help="airlock-bench (its guest-exec runs the plain guest's script)")
+    ap.add_argument("--create-bench", help="airlock-create-bench (its --net-run: the proxied one)")
+    ap.add_argument("--daemon", help="airlockd")
+    ap.add_argument("--conns", type=int, default=30, help="connections timed in each guest")
+    ap.add_argument("--mib", type=int, default=2, help="MiB per upload")
+    ap.add_argument("--tcp-runs", type=int, default=3, help="uploads in each guest")
+    ap.add_argument("--tcp-timeout", type=int, default=1800,
+                    help="seconds the guest script may take")
     args = ap.parse_args()
+    if not args.no_tcp and not (args.bench and args.create_bench and args.daemon):
+        ap.error("--bench, --create-bench and --daemon (or --no-tcp)")
+    # SIGTERM unwinds like ^C: the finally blocks remove what the bench made.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = tempfile.mkdtemp(prefix="airlock-net-bench-")
     ns = Netns(f"airlock-bench-net-{os.getpid()}")
     live = []
@@ -121,7 +140,16 @@ def main():
             "spawn_to_agent_ms_card_off": summary(ready_ms["off"]),
             "spawn_to_agent_ms_card_on": summary(ready_ms["on"]),
         }
+        failed = False
+        if not args.no_tcp:
+            try:
+                result.update(nettcp.measure(args, ns, snaps["on"], workdir, live))
+            except (BenchError, OSError, subprocess.SubprocessError) as e:
+                log(f"tcp part failed: {e}")
+                result["tcp_error"] = str(e)
+                failed = True
         print(json.dumps(result))
+        return 1 if failed else 0
     finally:
         for vm in live:
             vm.stop()
@@ -130,4 +158,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

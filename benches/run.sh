@@ -18,7 +18,14 @@
 #   net   restore with the network card on and off: the VMM's restore time and process spawn
 #         -> agent Ready of clones of a snapshot booted with a virtio-net card (each clone on a
 #         TAP of its own, in a network namespace the bench makes) and of one without, fresh
-#         `airlock-vmm restore` processes, alternating. RUNS (default 10), VCPUS (1).
+#         `airlock-vmm restore` processes, alternating. RUNS (default 10), VCPUS (1). Then the
+#         guest's TCP through airlockd's egress proxy against a plain TAP, side by side: a clone
+#         of the card snapshot on a TAP holding the gateway address (server there, no proxy)
+#         and a sandbox of a live airlockd allowed `bench.test` (its host map: a server in an
+#         upstream namespace, veth 10.214.0.0/30); in each guest, connection setup (CONNS
+#         (default 30) connect + request + one-byte answer) and upload throughput (TCP_RUNS (3)
+#         uploads of MIB (2) MiB, timed in the guest and by the server), and the ratios
+#         proxied/plain (benches/nettcp.py). NET_TCP=0: the restore part only.
 #   create  CreateSandbox -> ready through a live airlockd (gRPC, warm pool) at concurrency
 #         LEVELS (default 1,10,50), RUNS creates per level (default 20), the host's and the
 #         guest's share, creates/s, and the host memory (PSS) of IDLE (100) idle sandboxes.
@@ -95,10 +102,20 @@ bench_net() {
     exit 1
   }
   artifacts
-  build_release
+  local tcp=(--no-tcp)
+  if [[ ${NET_TCP:-1} != 0 ]]; then
+    (cd "$root" && cargo build --release -q -p airlock-vmm -p airlock-agent -p airlockd \
+      -p airlock-bench >&2)
+    tcp=(--bench "$root/target/release/airlock-bench"
+      --create-bench "$root/target/release/airlock-create-bench"
+      --daemon "$root/target/release/airlockd"
+      --conns "${CONNS:-30}" --mib "${MIB:-2}" --tcp-runs "${TCP_RUNS:-3}")
+  else
+    build_release
+  fi
   python3 "$root/benches/net.py" --vmm "$root/target/release/airlock-vmm" \
     --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" --runs "${RUNS:-10}" \
-    --vcpus "${VCPUS:-1}"
+    --vcpus "${VCPUS:-1}" "${tcp[@]}"
 }
 
 bench_settle() {
@@ -165,7 +182,7 @@ main() {
     jail) bench_jail ;;
     soak) bench_soak ;;
     *)
-      sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,44p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac

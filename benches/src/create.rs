@@ -5,6 +5,12 @@
 //! Usage: airlock-create-bench --daemon PATH --vmm PATH --kernel PATH --rootfs PATH
 //!        [--runs N] [--levels 1,10,50] [--idle N] [--compare-jail]
 //!
+//! `--net-run [--config-extra TOML] [--allow-domain NAME]... -- ARGV...`: one daemon (pool of
+//! one, `TOML` added to its configuration: say a `[network.hosts]` table), the template, one
+//! sandbox whose network policy allows the domains NAME, and ARGV run in it as root; the
+//! execution's stderr goes to stderr as it comes, its stdout to stdout; exits with its code
+//! (benches/net.py: the guest's TCP through the daemon's egress proxy).
+//!
 //! `--compare-jail`: two daemons side by side, one jailing its VMMs (the default) and one with
 //! `[jail] enabled = false, seccomp = false`, restoring the same template snapshot (built once,
 //! by the jailed daemon); `runs` creates each, alternating one by one (the order flips every
@@ -42,6 +48,11 @@ struct Args {
     idle: usize,
     /// Instead of the levels: create → ready with and without the jail, side by side.
     compare_jail: bool,
+    /// Instead of the levels: run `net_argv` in one sandbox allowed `allow_domains`.
+    net_run: bool,
+    config_extra: String,
+    allow_domains: Vec<String>,
+    net_argv: Vec<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -54,6 +65,10 @@ fn parse_args() -> Result<Args, String> {
         levels: vec![1, 10, 50],
         idle: 100,
         compare_jail: false,
+        net_run: false,
+        config_extra: String::new(),
+        allow_domains: Vec::new(),
+        net_argv: Vec::new(),
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
@@ -61,6 +76,14 @@ fn parse_args() -> Result<Args, String> {
         if flag == "--compare-jail" {
             a.compare_jail = true;
             continue;
+        }
+        if flag == "--net-run" {
+            a.net_run = true;
+            continue;
+        }
+        if flag == "--" {
+            a.net_argv = it.by_ref().cloned().collect();
+            break;
         }
         let v = it.next().ok_or(format!("{flag} needs a value"))?;
         let n = |s: &str| {
@@ -75,11 +98,16 @@ fn parse_args() -> Result<Args, String> {
             "--runs" => a.runs = n(v)?,
             "--idle" => a.idle = n(v)?,
             "--levels" => a.levels = v.split(',').map(n).collect::<Result<_, _>>()?,
+            "--config-extra" => a.config_extra = v.clone(),
+            "--allow-domain" => a.allow_domains.push(v.clone()),
             other => return Err(format!("unknown option {other}")),
         }
     }
     if a.daemon.as_os_str().is_empty() || a.vmm.as_os_str().is_empty() {
         return Err("usage: airlock-create-bench --daemon P --vmm P --kernel P --rootfs P".into());
+    }
+    if a.net_run && a.net_argv.is_empty() {
+        return Err("--net-run: the guest command after `--`".into());
     }
     if a.levels.is_empty() || a.levels.contains(&0) {
         return Err("--levels: positive numbers".into());
@@ -540,6 +568,8 @@ async fn compare_jail(a: Args) -> Result<serde_json::Value, String> {
     Ok(serde_json::Value::Object(out))
 }
 
+mod net_run;
+
 fn main() -> ExitCode {
     let args = match parse_args() {
         Ok(a) => a,
@@ -558,6 +588,15 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if args.net_run {
+        return match rt.block_on(net_run::net_run(args)) {
+            Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+            Err(e) => {
+                log(&format!("error: {e}"));
+                ExitCode::FAILURE
+            }
+        };
+    }
     let result = if args.compare_jail {
         rt.block_on(compare_jail(args))
     } else {

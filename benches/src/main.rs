@@ -4,6 +4,10 @@
 //!
 //! Usage: airlock-bench exec --vmm PATH --agent PATH --kernel PATH --rootfs PATH
 //!        [--runs N] [--mib M] [--vcpus N] [--mem-mib M]
+//!
+//! `airlock-bench guest-exec --vsock PATH -- ARGV...`: runs ARGV through the agent of a VM
+//! already up (its hybrid-vsock socket PATH), passing its stdout and stderr through as they
+//! come, and exits with its exit code (benches/net.py runs its guest script so).
 #![forbid(unsafe_code)]
 
 use std::os::unix::net::UnixStream;
@@ -82,7 +86,7 @@ fn shell(cmd: &str) -> pb::Exec {
     }
 }
 
-fn argv(args: &[&str]) -> pb::Exec {
+fn argv_exec(args: &[&str]) -> pb::Exec {
     let args = args.iter().map(|s| (*s).to_owned()).collect();
     pb::Exec {
         command: Some(pb::exec::Command::Argv(pb::Argv { args })),
@@ -100,7 +104,7 @@ fn exec_round_trips(c: &mut Client, runs: usize) -> Result<Vec<f64>, String> {
     for _ in 0..runs {
         let t = Instant::now();
         let exit = c
-            .exec_collect(argv(&["true"]), |_, _| {})
+            .exec_collect(argv_exec(&["true"]), |_, _| {})
             .map_err(|e| e.to_string())?;
         ms.push(t.elapsed().as_secs_f64() * 1e3);
         eprintln!("exec true: {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
@@ -180,7 +184,7 @@ fn connect_retry(
 fn measure(c: &mut Client, a: &Args) -> Result<(Vec<f64>, Vec<f64>), String> {
     // Warm the page cache and the agent's paths once.
     let t = Instant::now();
-    c.exec_collect(argv(&["true"]), |_, _| {})
+    c.exec_collect(argv_exec(&["true"]), |_, _| {})
         .map_err(|e| e.to_string())?;
     c.exec_collect(shell("head -c 1M /dev/zero"), |_, _| {})
         .map_err(|e| e.to_string())?;
@@ -250,7 +254,58 @@ fn bench_host(a: &Args, dir: &Path) -> Result<(Vec<f64>, Vec<f64>), String> {
     measure(&mut c, a)
 }
 
+/// `guest-exec --vsock PATH -- ARGV...` (see the module doc).
+fn guest_exec(args: &[String]) -> ExitCode {
+    use std::io::Write as _;
+    let (sock, argv) = match args {
+        [flag, sock, sep, argv @ ..] if flag == "--vsock" && sep == "--" && !argv.is_empty() => {
+            (PathBuf::from(sock), argv)
+        }
+        _ => {
+            eprintln!("usage: airlock-bench guest-exec --vsock PATH -- ARGV...");
+            return ExitCode::from(2);
+        }
+    };
+    let mut c = match connect_retry(
+        || AgentClient::connect_vsock(&sock, AGENT_VSOCK_PORT),
+        Duration::from_secs(120),
+    ) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("airlock-bench: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let exit = c.exec_collect(argv_exec(&argv), |stream, data| {
+        if stream == pb::StreamKind::Stdout {
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(data);
+            let _ = out.flush();
+        } else {
+            let _ = std::io::stderr().write_all(data);
+        }
+    });
+    match exit {
+        Ok(exit) => match exit.status {
+            Some(exec_exit::Status::ExitCode(n)) => ExitCode::from(u8::try_from(n).unwrap_or(1)),
+            other => {
+                eprintln!("airlock-bench: guest command ended: {other:?}");
+                ExitCode::from(1)
+            }
+        },
+        Err(e) => {
+            eprintln!("airlock-bench: exec: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 fn main() -> ExitCode {
+    let all: Vec<String> = std::env::args().skip(1).collect();
+    if all.first().map(String::as_str) == Some("guest-exec") {
+        return guest_exec(&all[1..]);
+    }
     let a = match parse_args() {
         Ok(a) => a,
         Err(e) => {
