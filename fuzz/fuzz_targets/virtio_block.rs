@@ -1,5 +1,6 @@
 //! virtio-blk over a virtqueue the guest wrote: descriptor table, available ring and guest
-//! memory all come from the input.
+//! memory all come from the input. Inputs of odd length drive a copy-on-write disk (a base,
+//! and an overlay of two blocks' quota), even ones a raw image.
 #![no_main]
 
 use std::io::Write;
@@ -9,6 +10,7 @@ use libfuzzer_sys::fuzz_target;
 use virtio_queue::mock::MockSplitQueue;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm::devices::virtio::block::Block;
+use vmm::devices::virtio::block::layered::{BLOCK_SIZE, LayeredDisk};
 use vmm::devices::virtio::{VirtioDevice, VirtioInterrupt};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -31,7 +33,16 @@ fuzz_target!(|data: &[u8]| {
     };
     let mut file = vmm_sys_util::tempfile::TempFile::new().unwrap().into_file();
     let _ = file.write_all(&[0u8; 8192]);
-    let Ok(mut dev) = Block::from_file(file, 16, false, "fuzz") else {
+    let dev = if data.len() % 2 == 1 {
+        let overlay = vmm_sys_util::tempfile::TempFile::new().unwrap().into_file();
+        match LayeredDisk::new(file, None, overlay, 2 * BLOCK_SIZE) {
+            Ok(disk) => Block::layered(disk, "fuzz"),
+            Err(_) => return,
+        }
+    } else {
+        Block::from_file(file, 16, false, "fuzz")
+    };
+    let Ok(mut dev) = dev else {
         return;
     };
     let irq = Arc::new(VirtioInterrupt::new(

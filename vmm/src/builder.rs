@@ -23,13 +23,15 @@ use crate::config::{
 };
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::legacy::{ConsoleSink, EventFdTrigger, I8042, SerialDevice};
+use crate::devices::virtio::block::layered::{self, Layer, LayeredDisk};
 use crate::devices::virtio::block::{Block, BlockError, BlockEventHandler};
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::net::{Net, NetError, NetEventHandler};
 use crate::devices::virtio::vsock::{Vsock, VsockError, VsockEventHandler};
 use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
 use crate::snapshot::{
-    DeviceKind, MEMORY_FILE, MachineSnapshot, SerialSnapshot, Snapshot, SnapshotError, memory,
+    DeviceKind, LAYER_FILE, LAYER_MAP_FILE, MEMORY_FILE, MachineSnapshot, SerialSnapshot, Snapshot,
+    SnapshotError, memory,
 };
 use crate::vcpu::{Vcpu, register_kick_handler};
 use crate::vm::{Vm, VmError};
@@ -82,6 +84,8 @@ pub enum BuildError {
     Snapshot(#[from] SnapshotError),
     #[error("restore: {0}")]
     Restore(String),
+    #[error("disk: {0}")]
+    Disk(String),
     #[error("seccomp")]
     Seccomp(#[from] crate::seccomp::SeccompError),
 }
@@ -133,7 +137,7 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
         &evts,
     )?;
     for disk in &config.disks {
-        attach_block_device(&vm, &mut devices, disk)?;
+        attach_block_device(&vm, &mut devices, disk, None)?;
     }
     if let Some(vsock) = &config.vsock {
         attach_vsock_device(&vm, &mut devices, vsock)?;
@@ -143,7 +147,13 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
     }
 
     let entry = load_kernel(&vm, config)?;
-    let cmdline = build_cmdline(template, &devices.virtio_slots, &config.cmdline_extra)?;
+    let writable_root = config.disks.first().is_some_and(DiskConfig::writable);
+    let cmdline = build_cmdline(
+        template,
+        writable_root,
+        &devices.virtio_slots,
+        &config.cmdline_extra,
+    )?;
     load_cmdline(vm.memory(), GuestAddress(CMDLINE_ADDR), &cmdline)
         .map_err(BuildError::LoadCmdline)?;
     let cmdline_str = cmdline
@@ -255,6 +265,9 @@ pub struct RestoreConfig {
     pub cpu_template: Option<CpuTemplate>,
     /// The TAP of the network card, required when the snapshot has one.
     pub net_tap: Option<Arc<std::os::fd::OwnedFd>>,
+    /// The overlay of the copy-on-write root disk, required when the snapshot has one (its
+    /// layer is the snapshot's).
+    pub root_overlay: Option<crate::config::OverlayConfig>,
 }
 
 /// Builds a VM from a snapshot directory and leaves its vCPUs paused; `run` starts them.
@@ -338,8 +351,24 @@ pub fn restore_microvm(
                     path: path.clone(),
                     read_only: *read_only,
                     id: id.clone(),
+                    overlay: None,
                 },
+                None,
             )?,
+            DeviceKind::LayeredBlock { base, id } => {
+                let overlay = config.root_overlay.clone().ok_or_else(|| {
+                    BuildError::Restore(
+                        "the snapshot has a copy-on-write disk: give its overlay".into(),
+                    )
+                })?;
+                let disk = DiskConfig {
+                    path: base.clone(),
+                    read_only: true,
+                    id: id.clone(),
+                    overlay: Some(overlay),
+                };
+                attach_block_device(&vm, &mut devices, &disk, Some(&config.snapshot_dir))?
+            }
             DeviceKind::Vsock { guest_cid } => {
                 let uds_path = config.vsock_uds.clone().ok_or_else(|| {
                     BuildError::Restore("the snapshot has a vsock device: give its socket".into())
@@ -501,26 +530,72 @@ fn attach_virtio_device(
 }
 
 /// Adds a virtio-blk device for `disk`.
+/// Adds a disk; a copy-on-write one restored from a snapshot takes the layer in
+/// `layer_dir` (the snapshot's directory) under its overlay.
 fn attach_block_device(
     vm: &Vm,
     devices: &mut DeviceSet,
     disk: &DiskConfig,
+    layer_dir: Option<&std::path::Path>,
 ) -> Result<Arc<Mutex<MmioTransport>>, BuildError> {
-    let block = Arc::new(Mutex::new(Block::new(
-        &disk.path,
-        disk.read_only,
-        &disk.id,
-    )?));
-    let kind = DeviceKind::Block {
-        path: disk.path.clone(),
-        read_only: disk.read_only,
-        id: disk.id.clone(),
+    let (block, kind) = match &disk.overlay {
+        None => (
+            Block::new(&disk.path, disk.read_only, &disk.id)?,
+            DeviceKind::Block {
+                path: disk.path.clone(),
+                read_only: disk.read_only,
+                id: disk.id.clone(),
+            },
+        ),
+        Some(overlay) => (
+            Block::layered(open_layered(disk, overlay, layer_dir)?, &disk.id)?,
+            DeviceKind::LayeredBlock {
+                base: disk.path.clone(),
+                id: disk.id.clone(),
+            },
+        ),
     };
+    let block = Arc::new(Mutex::new(block));
     let transport = attach_virtio_device(vm, devices, block.clone(), kind)?;
     let handler = BlockEventHandler::new(block.clone()).map_err(BuildError::EventFd)?;
     devices.subscribers.push(Arc::new(Mutex::new(handler)));
     devices.blocks.push(block);
     Ok(transport)
+}
+
+/// A copy-on-write chain: the image read-only, the layer in `layer_dir` (if any), the overlay.
+fn open_layered(
+    disk: &DiskConfig,
+    overlay: &crate::config::OverlayConfig,
+    layer_dir: Option<&std::path::Path>,
+) -> Result<LayeredDisk, BuildError> {
+    let open = |path: &std::path::Path, write: bool| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(write)
+            .open(path)
+            .map_err(|e| BuildError::Disk(format!("{}: {e}", path.display())))
+    };
+    let base = open(&disk.path, false)?;
+    let blocks = base
+        .metadata()
+        .map_err(|e| BuildError::Disk(format!("{}: {e}", disk.path.display())))?
+        .len()
+        / layered::BLOCK_SIZE;
+    let layer = match layer_dir {
+        Some(dir) => {
+            let data = open(&dir.join(LAYER_FILE), false)?;
+            let map = open(&dir.join(LAYER_MAP_FILE), false)?;
+            Some(
+                Layer::open(data, &map, blocks)
+                    .map_err(|e| BuildError::Disk(format!("{}: {e}", dir.display())))?,
+            )
+        }
+        None => None,
+    };
+    let top = open(&overlay.path, true)?;
+    LayeredDisk::new(base, layer, top, overlay.quota_bytes)
+        .map_err(|e| BuildError::Disk(format!("{}: {e}", disk.path.display())))
 }
 
 /// Adds the virtio-vsock device with its Unix-socket host side.

@@ -16,9 +16,10 @@ usage: airlock-vmm boot --kernel PATH --rootfs PATH [options]
        airlock-vmm run  --snapshot DIR [run options] -- CMD [ARGS...]
        airlock-vmm snapshot --kernel PATH --rootfs PATH --out DIR [options]
        airlock-vmm restore --snapshot DIR [--vsock PATH] [--net-fd FD] [--control PATH]
-                           [--console PATH]
+                           [--console PATH] [--root-overlay PATH [--disk-quota-mib N]]
        airlock-vmm pool --control PATH [--vcpus N] [--mem-mib M | --snapshot DIR] [--vsock PATH]
                         [--net-fd FD] [--console PATH] [--cpu-template T]
+                        [--root-overlay PATH [--disk-quota-mib N]]
        airlock-vmm control PATH pause|resume|status|stop|snapshot DIR|restore DIR
 
 boot: boots the kernel with the root filesystem image as /dev/vda (read-only) and exits when the
@@ -54,6 +55,13 @@ options:
   --vcpus N                 vCPUs (default 1, at most 32)
   --mem-mib M               guest memory in MiB (default 256)
   --scratch PATH            writable disk image attached as /dev/vdb
+  --root-overlay PATH       make the root disk writable, copy-on-write: the --rootfs image
+                            stays read-only and the guest's writes go into PATH (an empty file
+                            the caller made; restore, pool: for a snapshot with such a disk,
+                            whose layer is in the snapshot's directory)
+  --disk-quota-mib N        the most the overlay may hold; a write that needs more fails
+                            (default: the disk's size; pool: `restore disk-quota-mib=N DIR`
+                            overrides it)
   --console PATH            write the guest console to PATH (boot: default stdout; run: default
                             discarded, its tail is shown if the VM fails)
   --cmdline-extra ARGS      appended to the kernel command line
@@ -128,6 +136,8 @@ pub fn parse_vm_options(
     };
     let mut vsock_cid = 3;
     let mut mac = None;
+    let mut root_overlay = None;
+    let mut disk_quota = None;
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut value = || {
@@ -141,11 +151,14 @@ pub fn parse_vm_options(
         };
         match flag.as_str() {
             "--kernel" => kernel = Some(PathBuf::from(value()?)),
+            "--root-overlay" => root_overlay = Some(PathBuf::from(value()?)),
+            "--disk-quota-mib" => disk_quota = Some(num(value()?)?),
             "--rootfs" => rootfs = Some(PathBuf::from(value()?)),
             "--scratch" => cfg.disks.push(DiskConfig {
                 path: PathBuf::from(value()?),
                 read_only: false,
                 id: "airlock-scratch".into(),
+                overlay: None,
             }),
             "--vcpus" => {
                 cfg.vcpus = u8::try_from(num(value()?)?).map_err(|_| "--vcpus: too many")?;
@@ -212,6 +225,7 @@ pub fn parse_vm_options(
     }
     cfg.kernel = kernel.ok_or("--kernel is required")?;
     cfg.disks[0].path = rootfs.ok_or("--rootfs is required")?;
+    cfg.disks[0].overlay = overlay_config(root_overlay, disk_quota)?;
     if let Some(v) = cfg.vsock.as_mut() {
         v.guest_cid = vsock_cid;
     }
@@ -222,6 +236,21 @@ pub fn parse_vm_options(
     }
     cfg.validate().map_err(|e| e.to_string())?;
     Ok((cfg, run))
+}
+
+/// `--root-overlay PATH` with `--disk-quota-mib N` (default: no bound but the disk's size).
+fn overlay_config(
+    path: Option<PathBuf>,
+    quota_mib: Option<u64>,
+) -> Result<Option<vmm::config::OverlayConfig>, String> {
+    match (path, quota_mib) {
+        (None, Some(_)) => Err("--disk-quota-mib needs --root-overlay".into()),
+        (None, None) => Ok(None),
+        (Some(path), q) => Ok(Some(vmm::config::OverlayConfig {
+            path,
+            quota_bytes: q.map_or(u64::MAX, |m| m.saturating_mul(1 << 20)),
+        })),
+    }
 }
 
 fn parse_template(v: &str) -> Result<Option<CpuTemplate>, String> {
@@ -310,10 +339,12 @@ pub fn parse_restore(args: &[String]) -> Result<RestoreOptions, String> {
             console_limit: 64 << 20,
             cpu_template: None,
             net_tap: None,
+            root_overlay: None,
         },
         control: None,
     };
     let mut snapshot = None;
+    let (mut root_overlay, mut disk_quota) = (None, None);
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut value = || {
@@ -330,12 +361,20 @@ pub fn parse_restore(args: &[String]) -> Result<RestoreOptions, String> {
             "--control" => opts.control = Some(PathBuf::from(value()?)),
             "--console" => opts.restore.console = ConsoleOutput::File(PathBuf::from(value()?)),
             "--cpu-template" => opts.restore.cpu_template = parse_template(&value()?)?,
+            "--root-overlay" => root_overlay = Some(PathBuf::from(value()?)),
+            "--disk-quota-mib" => disk_quota = Some(parse_mib(&value()?)?),
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown option {other}")),
         }
     }
     opts.restore.snapshot_dir = snapshot.ok_or("--snapshot DIR is required")?;
+    opts.restore.root_overlay = overlay_config(root_overlay, disk_quota)?;
     Ok(opts)
+}
+
+fn parse_mib(v: &str) -> Result<u64, String> {
+    v.parse()
+        .map_err(|_| format!("--disk-quota-mib: not a number: {v}"))
 }
 
 /// Guest memory a pool process may reserve: what a bootable VM may have (see `VmConfig`).
@@ -357,6 +396,9 @@ pub struct PoolOptions {
     pub console: ConsoleOutput,
     /// The CPU template the snapshot must have been taken with (default: detected).
     pub cpu_template: Option<CpuTemplate>,
+    /// The overlay of the snapshot's copy-on-write root disk, if it has one (its quota may
+    /// come with the restore request).
+    pub root_overlay: Option<vmm::config::OverlayConfig>,
 }
 
 pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
@@ -368,6 +410,7 @@ pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
     let mut net_tap = None;
     let mut console = ConsoleOutput::Stdout;
     let mut cpu_template = None;
+    let (mut root_overlay, mut disk_quota) = (None, None);
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut value = || {
@@ -402,6 +445,8 @@ pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
             "--vsock" => vsock = Some(PathBuf::from(value()?)),
             "--net-fd" if net_tap.is_none() => net_tap = Some(adopt_fd(&value()?)?),
             "--console" => console = ConsoleOutput::File(PathBuf::from(value()?)),
+            "--root-overlay" => root_overlay = Some(PathBuf::from(value()?)),
+            "--disk-quota-mib" => disk_quota = Some(parse_mib(&value()?)?),
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown option {other}")),
         }
@@ -418,6 +463,7 @@ pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
         net_tap,
         console,
         cpu_template,
+        root_overlay: overlay_config(root_overlay, disk_quota)?,
     })
 }
 

@@ -37,6 +37,25 @@ pub struct DiskConfig {
     pub read_only: bool,
     /// Reported to the guest as the disk's serial (`/sys/block/vdX/serial`).
     pub id: String,
+    /// Copy-on-write: the image at `path` stays read-only and the guest's writes go into this
+    /// overlay (the disk is writable, whatever `read_only` says).
+    pub overlay: Option<OverlayConfig>,
+}
+
+/// The writable top of a copy-on-write disk (see `devices::virtio::block::layered`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OverlayConfig {
+    /// An empty file the caller made (the VMM creates no files); written blocks are appended.
+    pub path: PathBuf,
+    /// The most bytes it may hold; a write needing more fails.
+    pub quota_bytes: u64,
+}
+
+impl DiskConfig {
+    /// Whether the guest may write to it.
+    pub fn writable(&self) -> bool {
+        self.overlay.is_some() || !self.read_only
+    }
 }
 
 /// A virtio-vsock device whose host side is a Unix socket.
@@ -94,6 +113,7 @@ impl VmConfig {
                 path: rootfs,
                 read_only: true,
                 id: "airlock-root".into(),
+                overlay: None,
             }],
             vsock: None,
             net: None,
@@ -132,7 +152,8 @@ impl VmConfig {
 /// - `tsc=reliable no_timer_check clocksource=kvm-clock`: no timer calibration or watchdog (the
 ///   nested host emulates guest kernel code and miscalibrates); kvm-clock survives snapshots.
 /// - `io_delay=none`: no port-0x80 writes (a VM exit each) as I/O delays.
-/// - `root=/dev/vda ro rootfstype=ext4`: the read-only base image.
+/// - `root=/dev/vda ro rootfstype=ext4`: the base image, read-only (a writable root, a
+///   copy-on-write disk over it, adds [`WRITABLE_ROOT_CMDLINE`]).
 /// - `GLIBC_TUNABLES=glibc.pthread.stack_cache_size=0`: an environment variable of init (the
 ///   kernel passes unknown `name=value` words to it), read by the agent's static glibc: no
 ///   cache of exited threads' stacks. With the cache, clones of a snapshot crashed now and
@@ -146,6 +167,11 @@ pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet tsc=reliab
     no_timer_check clocksource=kvm-clock io_delay=none root=/dev/vda ro rootfstype=ext4 \
     GLIBC_TUNABLES=glibc.pthread.stack_cache_size=0";
 
+/// Added when the root disk is writable (copy-on-write over the base image): mounted
+/// read-write (`rw` after `ro` wins), and no background zeroing of inode tables (the image's
+/// are zeroed already; zeroing them again would write gigabytes into the overlay).
+pub const WRITABLE_ROOT_CMDLINE: &str = "rw rootflags=noinit_itable";
+
 /// Guest arguments on the nested paravirtual KVM (`kvm_pvm`, the build machines).
 ///
 /// That hypervisor replaces CPUID leaves 1, 7 and 0xd with the host's values whatever the VMM
@@ -158,16 +184,21 @@ pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet tsc=reliab
 ///   (288), SMEP (295), RDSEED (306), SMAP (308, `clac`/`stac` on every kernel entry).
 pub const NESTED_CMDLINE: &str = "airlock_nested noxsave clearcpuid=141,151,158,288,295,306,308";
 
-/// Builds the guest command line: the base, the nested-KVM flag where needed, one
-/// `virtio_mmio.device=` per device slot `(address, irq)`, then the user's extra arguments.
+/// Builds the guest command line: the base (with [`WRITABLE_ROOT_CMDLINE`] for a writable
+/// root), the nested-KVM flag where needed, one `virtio_mmio.device=` per device slot
+/// `(address, irq)`, then the user's extra arguments.
 pub fn build_cmdline(
     template: CpuTemplate,
+    writable_root: bool,
     virtio_devices: &[(u64, u32)],
     extra: &str,
 ) -> Result<Cmdline, ConfigError> {
     let err = |e: linux_loader::cmdline::Error| ConfigError::Cmdline(e.to_string());
     let mut cmdline = Cmdline::new(CMDLINE_MAX_LEN).map_err(err)?;
     cmdline.insert_str(BASE_CMDLINE).map_err(err)?;
+    if writable_root {
+        cmdline.insert_str(WRITABLE_ROOT_CMDLINE).map_err(err)?;
+    }
     if template == CpuTemplate::NestedPvm {
         cmdline.insert_str(NESTED_CMDLINE).map_err(err)?;
     }
@@ -221,12 +252,14 @@ mod tests {
     fn cmdline_declares_devices_in_order_and_appends_extra() {
         let c = build_cmdline(
             CpuTemplate::Host,
+            false,
             &[(0xd000_0000, 5), (0xd000_1000, 6)],
             "foo=1",
         )
         .unwrap();
         let s = as_string(&c);
         assert!(s.starts_with(BASE_CMDLINE));
+        assert!(!s.contains(WRITABLE_ROOT_CMDLINE));
         let a = s.find("virtio_mmio.device=4K@0xd0000000:5").unwrap();
         let b = s.find("virtio_mmio.device=4K@0xd0001000:6").unwrap();
         assert!(a < b);
@@ -235,8 +268,16 @@ mod tests {
     }
 
     #[test]
+    fn a_writable_root_is_mounted_read_write_after_the_base_says_ro() {
+        let s = as_string(&build_cmdline(CpuTemplate::Host, true, &[], "").unwrap());
+        let ro = s.find(" ro ").unwrap();
+        let rw = s.find(" rw rootflags=noinit_itable").unwrap();
+        assert!(ro < rw, "{s}");
+    }
+
+    #[test]
     fn nested_template_adds_the_workaround_flag() {
-        let s = as_string(&build_cmdline(CpuTemplate::NestedPvm, &[], "").unwrap());
+        let s = as_string(&build_cmdline(CpuTemplate::NestedPvm, false, &[], "").unwrap());
         assert!(s.contains(" airlock_nested noxsave clearcpuid="));
     }
 
@@ -244,7 +285,7 @@ mod tests {
     fn oversized_cmdline_is_an_error() {
         let extra = "x".repeat(CMDLINE_MAX_LEN);
         assert!(matches!(
-            build_cmdline(CpuTemplate::Host, &[], &extra),
+            build_cmdline(CpuTemplate::Host, false, &[], &extra),
             Err(ConfigError::Cmdline(_))
         ));
     }

@@ -210,7 +210,7 @@ pub enum RestoreOutcome {
 /// sends back, then serves the usual commands.
 #[derive(Debug)]
 pub struct PoolControl {
-    pub requests: Receiver<(PathBuf, std::time::Instant)>,
+    pub requests: Receiver<(airlock_control::RestoreRequest, std::time::Instant)>,
     pub outcome: Sender<RestoreOutcome>,
     pub thread: std::thread::JoinHandle<()>,
 }
@@ -226,8 +226,8 @@ pub fn serve_pool_control(listener: UnixListener, vcpus: usize) -> std::io::Resu
                 log::error!("control socket: {e}; not serving it");
                 return;
             }
-            let (requester, dir) = next_restore_request(&listener, vcpus);
-            if req_tx.send((dir, std::time::Instant::now())).is_err() {
+            let (requester, req) = next_restore_request(&listener, vcpus);
+            if req_tx.send((req, std::time::Instant::now())).is_err() {
                 return;
             }
             match out_rx.recv() {
@@ -257,7 +257,10 @@ pub fn bind_control_socket(path: &Path) -> std::io::Result<UnixListener> {
 /// Answers one command on the control socket of a pool process, which has no VM yet: `status`
 /// says so, `restore DIR` is returned (with its connection, to answer once the VM runs), and
 /// anything else is refused.
-pub fn next_restore_request(listener: &UnixListener, vcpus: usize) -> (UnixStream, PathBuf) {
+pub fn next_restore_request(
+    listener: &UnixListener,
+    vcpus: usize,
+) -> (UnixStream, airlock_control::RestoreRequest) {
     loop {
         let Ok((stream, _)) = listener.accept() else {
             continue;
@@ -271,7 +274,7 @@ pub fn next_restore_request(listener: &UnixListener, vcpus: usize) -> (UnixStrea
         let read = BufReader::new(stream.take(MAX_LINE as u64 + 1)).read_line(&mut line);
         let reply: CommandReply = match read {
             Ok(n) if n > 0 && line.len() <= MAX_LINE => match Request::parse(&line) {
-                Ok(Request::Restore(dir)) => return (w, dir),
+                Ok(Request::Restore(req)) => return (w, req),
                 Ok(Request::Status) => Ok(Reply::Status(StatusReply {
                     state: VmState::Prepared,
                     vcpus: u32::try_from(vcpus).unwrap_or(u32::MAX),
@@ -352,6 +355,7 @@ mod tests {
             state_bytes: 4096,
             snapshot_ms: 12.5,
             memory_ms: 10.25,
+            layer_bytes: 0,
             settle: None,
         });
         let cases: [(Reply, Value); 7] = [
@@ -397,6 +401,7 @@ mod tests {
                     "state_bytes": 4096u64,
                     "snapshot_ms": 12.5,
                     "memory_ms": 10.25,
+                    "layer_bytes": 0u64,
                 }),
             ),
             (
@@ -438,8 +443,9 @@ mod tests {
                 (status, bogus, restored)
             })
         };
-        let (stream, dir) = next_restore_request(&listener, 2);
-        assert_eq!(dir, PathBuf::from("/snap/dir"));
+        let (stream, req) = next_restore_request(&listener, 2);
+        assert_eq!(req.dir, PathBuf::from("/snap/dir"));
+        assert_eq!(req.disk_quota_mib, None);
         answer(
             stream,
             &Ok(Reply::Restore(RestoreReply {

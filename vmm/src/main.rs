@@ -120,17 +120,22 @@ fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
         started.elapsed().as_micros(),
         opts.control.display()
     );
-    let Ok((dir, asked)) = ctl.requests.recv() else {
+    let Ok((req, asked)) = ctl.requests.recv() else {
         log::error!("the control thread ended before a restore was asked for");
         return ExitCode::from(code::VMM_ERROR);
     };
+    let mut root_overlay = opts.root_overlay.clone();
+    if let (Some(o), Some(mib)) = (root_overlay.as_mut(), req.disk_quota_mib) {
+        o.quota_bytes = mib.saturating_mul(1 << 20);
+    }
     let config = vmm::RestoreConfig {
-        snapshot_dir: dir,
+        snapshot_dir: req.dir,
         vsock_uds: opts.vsock.clone(),
         console: opts.console.clone(),
         console_limit: 64 << 20,
         cpu_template: opts.cpu_template,
         net_tap: opts.net_tap.clone(),
+        root_overlay,
     };
     let built = vmm::restore_microvm(&config, started, Some(prepared), asked).and_then(|v| {
         let handle = v.control_handle().map_err(vmm::BuildError::EventFd)?;

@@ -91,6 +91,7 @@ pub fn run(mut opts: RunOptions, started: Instant) -> ExitCode {
                 console_limit: opts.vm.console_limit,
                 cpu_template: opts.vm.cpu_template,
                 net_tap: opts.vm.net.as_ref().map(|n| n.tap.clone()),
+                root_overlay: opts.vm.disks.first().and_then(|d| d.overlay.clone()),
             },
             started,
         ),
@@ -594,6 +595,6 @@ mod client_filter_tests {
         );
         assert_eq!(reseed.hostname, reseed.sandbox_id);
         assert_eq!(reseed.entropy.len(), identity::CLONE_ENTROPY_BYTES);
-        assert_eq!(reseed.tmp_size_bytes, 0);
+        assert_eq!(reseed.disk_bytes, 0);
     }
 }

@@ -20,7 +20,10 @@ use crate::devices::virtio::block::Block;
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::exit::VmExit;
 use crate::snapshot::kvm::VmKvmState;
-use crate::snapshot::{DeviceKind, MEMORY_FILE, MachineSnapshot, Snapshot, VirtioSnapshot, memory};
+use crate::snapshot::{
+    DeviceKind, LAYER_FILE, LAYER_MAP_FILE, MEMORY_FILE, MachineSnapshot, Snapshot, VirtioSnapshot,
+    memory,
+};
 use crate::vcpu::{VcpuEvent, VcpuHandle, VcpuResponse};
 use crate::vm::Vm;
 
@@ -362,6 +365,7 @@ impl Vmm {
         let written =
             memory::save(self.vm.memory(), &dir.join(MEMORY_FILE)).map_err(|e| error_text(&e))?;
         let mem_ms = mem_at.elapsed().as_secs_f64() * 1e3;
+        let layer_bytes = self.write_disk_layer(dir)?;
         let state_bytes = snap.write_state(dir).map_err(|e| error_text(&e))?;
         let ms = began.elapsed().as_secs_f64() * 1e3;
         log::info!(
@@ -375,8 +379,34 @@ impl Vmm {
             state_bytes,
             snapshot_ms: ms,
             memory_ms: mem_ms,
+            layer_bytes,
             settle: None,
         })
+    }
+
+    /// The copy-on-write disk's blocks (at most one such disk: the root) into the snapshot's
+    /// prepared layer files; the bytes written.
+    fn write_disk_layer(&self, dir: &std::path::Path) -> Result<u64, String> {
+        let mut written = None;
+        for b in &self.blocks {
+            let b = b.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(disk) = b.layered_disk() else {
+                continue;
+            };
+            if written.is_some() {
+                return Err("a snapshot holds one copy-on-write disk at most".into());
+            }
+            let open = |name| {
+                airlock_control::snapshot_dir::open_prepared(dir, name)
+                    .map_err(|e| format!("{name}: {e}"))
+            };
+            let (data, map) = (open(LAYER_FILE)?, open(LAYER_MAP_FILE)?);
+            let blocks = disk
+                .write_layer(&data, &map)
+                .map_err(|e| format!("writing the disk's layer: {e}"))?;
+            written = Some(blocks * crate::devices::virtio::block::layered::BLOCK_SIZE);
+        }
+        Ok(written.unwrap_or(0))
     }
 
     /// Logs where every vCPU is, for a VM that is about to be stopped from outside.

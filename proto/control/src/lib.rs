@@ -23,7 +23,7 @@ pub use reply::{
     ControlError, Reply, RestoreReply, SettleReply, SnapshotReply, StateReply, StatusReply,
     StopReply, VmState, parse_reply, reply_line,
 };
-pub use request::{MAX_LINE, Request};
+pub use request::{MAX_LINE, Request, RestoreRequest};
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;

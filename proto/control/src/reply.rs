@@ -47,6 +47,9 @@ pub struct SnapshotReply {
     pub state_bytes: u64,
     pub snapshot_ms: f64,
     pub memory_ms: f64,
+    /// Bytes of the copy-on-write root disk's layer written (0 without one).
+    #[serde(default)]
+    pub layer_bytes: u64,
     /// How the guest settled before the pause, where the snapshot's taker waited for it
     /// (`airlock-vmm snapshot`); the control socket's `snapshot DIR` leaves it out.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -26,9 +26,49 @@ pub enum Request {
     Stop,
     /// A warm pool process restores the snapshot in the directory and answers once the
     /// clone's vCPUs run ([`crate::RestoreReply`]); only a pool process takes it, once.
-    Restore(PathBuf),
+    Restore(RestoreRequest),
     /// A test hook (`airlock-vmm --test-hooks` only): the words after `probe`.
     Probe(String),
+}
+
+/// `restore [disk-quota-mib=N] DIR`: the snapshot, and the most its copy-on-write root disk
+/// may take of the host's disk (default: what the pool process was started with).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RestoreRequest {
+    pub dir: PathBuf,
+    pub disk_quota_mib: Option<u64>,
+}
+
+impl RestoreRequest {
+    fn parse(arg: &str) -> Result<Self, String> {
+        const QUOTA: &str = "disk-quota-mib=";
+        let (quota, dir) = match arg.strip_prefix(QUOTA) {
+            Some(rest) => {
+                let (n, dir) = rest.split_once(' ').unwrap_or((rest, ""));
+                let n = n
+                    .parse::<u64>()
+                    .map_err(|_| format!("{QUOTA} needs a number of MiB, not {n:?}"))?;
+                (Some(n), dir.trim())
+            }
+            None => (None, arg),
+        };
+        if dir.is_empty() {
+            return Err("restore needs a directory".into());
+        }
+        Ok(Self {
+            dir: PathBuf::from(dir),
+            disk_quota_mib: quota,
+        })
+    }
+}
+
+impl fmt::Display for RestoreRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(q) = self.disk_quota_mib {
+            write!(f, "disk-quota-mib={q} ")?;
+        }
+        write!(f, "{}", self.dir.display())
+    }
 }
 
 impl Request {
@@ -50,7 +90,7 @@ impl Request {
             ("status", true) => Ok(Self::Status),
             ("stop", true) => Ok(Self::Stop),
             ("snapshot", _) => dir("snapshot").map(Self::Snapshot),
-            ("restore", _) => dir("restore").map(Self::Restore),
+            ("restore", _) => RestoreRequest::parse(arg).map(Self::Restore),
             ("probe", _) => Ok(Self::Probe(arg.to_owned())),
             ("settle", _) => arg
                 .parse()
@@ -81,7 +121,7 @@ impl fmt::Display for Request {
             Self::Status => f.write_str("status"),
             Self::Stop => f.write_str("stop"),
             Self::Snapshot(d) => write!(f, "snapshot {}", d.display()),
-            Self::Restore(d) => write!(f, "restore {}", d.display()),
+            Self::Restore(r) => write!(f, "restore {r}"),
             Self::Probe(words) => write!(f, "probe {words}"),
             Self::Settle(ms) => write!(f, "settle {ms}"),
         }
@@ -100,7 +140,14 @@ mod tests {
             Request::Status,
             Request::Stop,
             Request::Snapshot("/var/lib/airlock/run/vm-1/snap shot".into()),
-            Request::Restore("/t/tpl-1".into()),
+            Request::Restore(RestoreRequest {
+                dir: "/t/tpl-1".into(),
+                disk_quota_mib: None,
+            }),
+            Request::Restore(RestoreRequest {
+                dir: "/t/tpl 2".into(),
+                disk_quota_mib: Some(1024),
+            }),
             Request::Probe("kill 1 9".into()),
             Request::Settle(2000),
         ] {
@@ -120,6 +167,9 @@ mod tests {
             "STATUS",
             "settle",
             "settle soon",
+            "restore disk-quota-mib=",
+            "restore disk-quota-mib=lots /t",
+            "restore disk-quota-mib=5",
         ] {
             assert!(Request::parse(bad).is_err(), "{bad:?} was accepted");
         }

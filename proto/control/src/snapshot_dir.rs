@@ -4,9 +4,11 @@
 //! `openat` with `O_CREAT` or `O_TMPFILE`, and `mkdir`): everything it may write exists before,
 //! and `RLIMIT_FSIZE` bounds each of those files, so what a compromised VMM can put on the
 //! host's disk is bounded too. For a snapshot that means the caller makes `DIR` and the empty
-//! files [`MEMORY_FILE`] and [`STATE_TMP_FILE`] in it, with [`prepare`]; the VMM truncates and
-//! writes them, then renames [`STATE_TMP_FILE`] to [`STATE_FILE`] (a directory with a `state`
-//! file is a complete snapshot).
+//! files [`MEMORY_FILE`], [`LAYER_FILE`], [`LAYER_MAP_FILE`] and [`STATE_TMP_FILE`] in it, with
+//! [`prepare`]; the VMM truncates and writes them (the layer files only for a VM with a
+//! copy-on-write root disk: its blocks, written since the base image), then renames
+//! [`STATE_TMP_FILE`] to [`STATE_FILE`] (a directory with a `state` file is a complete
+//! snapshot).
 
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::io;
@@ -19,9 +21,13 @@ pub const STATE_FILE: &str = "state";
 pub const STATE_TMP_FILE: &str = "state.tmp";
 /// Guest memory, a sparse file.
 pub const MEMORY_FILE: &str = "memory";
+/// The copy-on-write root disk's blocks (over the base image), packed; empty without one.
+pub const LAYER_FILE: &str = "layer";
+/// Which block each of [`LAYER_FILE`]'s slots holds, with a checksum.
+pub const LAYER_MAP_FILE: &str = "layer.map";
 
-/// Makes `dir` (mode 0700, if it does not exist) with empty [`MEMORY_FILE`] and
-/// [`STATE_TMP_FILE`] (mode 0600, kept if they exist), owned by `owner` (uid, gid) when given,
+/// Makes `dir` (mode 0700, if it does not exist) with empty [`MEMORY_FILE`], [`LAYER_FILE`],
+/// [`LAYER_MAP_FILE`] and [`STATE_TMP_FILE`] (mode 0600, kept if they exist), owned by `owner` (uid, gid) when given,
 /// as a VMM running under that uid needs. Symlinks are never followed: an existing `dir` or
 /// file that is not a plain directory or file is an error. Ownership is changed through the
 /// open descriptors, never by path.
@@ -35,7 +41,7 @@ pub fn prepare(dir: &Path, owner: Option<(u32, u32)>) -> io::Result<()> {
         .read(true)
         .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
         .open(dir)?;
-    for name in [MEMORY_FILE, STATE_TMP_FILE] {
+    for name in [MEMORY_FILE, LAYER_FILE, LAYER_MAP_FILE, STATE_TMP_FILE] {
         let f = open_or_create(&dir.join(name))?;
         if let Some((uid, gid)) = owner {
             std::os::unix::fs::fchown(&f, Some(uid), Some(gid))?;
@@ -115,7 +121,7 @@ mod tests {
             std::fs::metadata(&d).unwrap().permissions().mode() & 0o777,
             0o700
         );
-        for name in [MEMORY_FILE, STATE_TMP_FILE] {
+        for name in [MEMORY_FILE, LAYER_FILE, LAYER_MAP_FILE, STATE_TMP_FILE] {
             let m = std::fs::metadata(d.join(name)).unwrap();
             assert_eq!((m.len(), m.permissions().mode() & 0o777), (0, 0o600));
         }

@@ -39,7 +39,9 @@ const HEADER_LEN: usize = 8 + 4 + 4 + 8;
 
 /// File names inside a snapshot directory (prepared by the caller: see
 /// [`airlock_control::snapshot_dir`]).
-pub use airlock_control::snapshot_dir::{MEMORY_FILE, STATE_FILE, STATE_TMP_FILE};
+pub use airlock_control::snapshot_dir::{
+    LAYER_FILE, LAYER_MAP_FILE, MEMORY_FILE, STATE_FILE, STATE_TMP_FILE,
+};
 
 /// Errors writing or reading a snapshot.
 #[derive(Debug, Error)]
@@ -203,6 +205,11 @@ pub enum DeviceKind {
     /// The network card: restored on the TAP the restoring process is given, with the same
     /// MAC address.
     Net { mac: [u8; 6] },
+    /// A copy-on-write disk (the writable root): the base image at `base`, read-only, under
+    /// the layer in the snapshot's directory ([`LAYER_FILE`], [`LAYER_MAP_FILE`]: what the
+    /// guest had written), under an overlay the restoring process is given. (Last, so that
+    /// snapshots from before it decode as they did.)
+    LayeredBlock { base: PathBuf, id: String },
 }
 
 /// One virtio device in its mmio slot (slots are restored in the same order).

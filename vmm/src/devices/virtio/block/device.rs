@@ -11,8 +11,9 @@ use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+use super::layered::LayeredDisk;
 use super::metrics::BlockMetrics;
-use super::request::{Disk, RequestType, execute};
+use super::request::{Backing, Disk, RequestType, execute};
 use crate::devices::virtio::{
     ActivateError, TYPE_BLOCK, VIRTIO_F_VERSION_1, VirtioDevice, VirtioInterrupt, read_config_bytes,
 };
@@ -49,9 +50,9 @@ struct Active {
     broken: bool,
 }
 
-/// A virtio-blk device backed by a raw image file.
+/// A virtio-blk device backed by a raw image file or a copy-on-write chain.
 pub struct Block {
-    file: File,
+    backing: Backing,
     sectors: u64,
     read_only: bool,
     id: Vec<u8>,
@@ -66,6 +67,7 @@ impl std::fmt::Debug for Block {
         f.debug_struct("Block")
             .field("sectors", &self.sectors)
             .field("read_only", &self.read_only)
+            .field("layered", &matches!(self.backing, Backing::Layered(_)))
             .field("active", &self.active.is_some())
             .finish()
     }
@@ -99,12 +101,27 @@ impl Block {
         read_only: bool,
         id: &str,
     ) -> Result<Self, BlockError> {
+        Self::with_backing(Backing::Raw(file), sectors, read_only, id)
+    }
+
+    /// A writable device over a copy-on-write chain, of the chain's size.
+    pub fn layered(disk: LayeredDisk, id: &str) -> Result<Self, BlockError> {
+        let sectors = disk.size_bytes() / SECTOR_SIZE;
+        Self::with_backing(Backing::Layered(disk), sectors, false, id)
+    }
+
+    fn with_backing(
+        backing: Backing,
+        sectors: u64,
+        read_only: bool,
+        id: &str,
+    ) -> Result<Self, BlockError> {
         let queue_evts = QUEUE_SIZES
             .iter()
             .map(|_| EventFd::new(libc::EFD_NONBLOCK).map_err(BlockError::EventFd))
             .collect::<Result<_, _>>()?;
         Ok(Self {
-            file,
+            backing,
             sectors,
             read_only,
             id: id.as_bytes().to_vec(),
@@ -120,6 +137,14 @@ impl Block {
         self.sectors
     }
 
+    /// The copy-on-write chain, for a layered disk.
+    pub fn layered_disk(&self) -> Option<&LayeredDisk> {
+        match &self.backing {
+            Backing::Layered(d) => Some(d),
+            Backing::Raw(_) => None,
+        }
+    }
+
     /// Serves every request the driver has made available, then interrupts it once.
     pub fn process_queue(&mut self) {
         let Some(active) = self.active.as_mut() else {
@@ -128,8 +153,8 @@ impl Block {
         if active.broken {
             return;
         }
-        let disk = Disk {
-            file: &self.file,
+        let mut disk = Disk {
+            backing: &mut self.backing,
             sectors: self.sectors,
             read_only: self.read_only,
             id: &self.id,
@@ -148,7 +173,7 @@ impl Block {
                 }
             } {
                 let head = chain.head_index();
-                let used = serve_chain(&disk, &active.mem, chain, m);
+                let used = serve_chain(&mut disk, &active.mem, chain, m);
                 if active.queue.add_used(&active.mem, head, used).is_err() {
                     mark_broken(active, m, "add to used ring");
                     break;
@@ -179,7 +204,7 @@ fn mark_broken(active: &mut Active, metrics: &BlockMetrics, why: &str) {
 /// Serves one chain; returns the used length. Malformed chains are counted and completed with
 /// length 0 so that the ring moves on.
 fn serve_chain(
-    disk: &Disk<'_>,
+    disk: &mut Disk<'_>,
     mem: &GuestMemoryMmap,
     chain: virtio_queue::DescriptorChain<&GuestMemoryMmap>,
     m: &BlockMetrics,
@@ -210,6 +235,10 @@ fn serve_chain(
             }
             if out.status == virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR as u8 {
                 m.io_errors.fetch_add(1, Ordering::Relaxed);
+            }
+            if out.over_quota {
+                m.over_quota.fetch_add(1, Ordering::Relaxed);
+                crate::warn_ratelimited!("virtio-blk: a write past the disk's quota refused");
             }
             out.used_len
         }
@@ -404,8 +433,73 @@ mod tests {
         run(&m, &mut dev, &chain);
         assert_eq!(status(&m), VIRTIO_BLK_S_OK);
         let mut buf = [0u8; 512];
-        std::os::unix::fs::FileExt::read_exact_at(&dev.file, &mut buf, 1024).unwrap();
+        let Backing::Raw(file) = &dev.backing else {
+            panic!("a raw disk")
+        };
+        std::os::unix::fs::FileExt::read_exact_at(file, &mut buf, 1024).unwrap();
         assert!(buf.iter().all(|b| *b == 0x5a));
+    }
+
+    #[test]
+    fn a_layered_disk_takes_writes_into_its_overlay_until_its_quota() {
+        use crate::devices::virtio::block::layered::{BLOCK_SIZE, LayeredDisk};
+        let m = mem();
+        let base = disk_file(&[0x11u8; 4 * BLOCK_SIZE as usize]);
+        let overlay = tempfile();
+        let disk = LayeredDisk::new(
+            base.try_clone().unwrap(),
+            None,
+            overlay.try_clone().unwrap(),
+            BLOCK_SIZE,
+        )
+        .unwrap();
+        let mut dev = Block::layered(disk, "vda").unwrap();
+        assert_eq!(dev.sectors(), 4 * BLOCK_SIZE / SECTOR_SIZE);
+        assert_eq!(dev.avail_features() & (1 << VIRTIO_BLK_F_RO), 0, "writable");
+        let write = |dev: &mut Block, sector: u64, byte: u8| {
+            header(&m, VIRTIO_BLK_T_OUT, sector);
+            m.write_slice(&[byte; 512], GuestAddress(DATA)).unwrap();
+            let chain = [
+                desc(HDR, 16, VRING_DESC_F_NEXT, 1),
+                desc(DATA, 512, VRING_DESC_F_NEXT, 2),
+                desc(STATUS, 1, VRING_DESC_F_WRITE, 0),
+            ];
+            dev.reset();
+            run(&m, dev, &chain);
+            status(&m)
+        };
+        // One block fits the quota (the sector's block is copied up, then written).
+        assert_eq!(write(&mut dev, 1, 0x22), VIRTIO_BLK_S_OK);
+        assert_eq!(
+            write(&mut dev, 2, 0x23),
+            VIRTIO_BLK_S_OK,
+            "the same block again"
+        );
+        // A second block does not: an I/O error, counted.
+        assert_eq!(write(&mut dev, 9, 0x33), VIRTIO_BLK_S_IOERR);
+        assert_eq!(dev.metrics.over_quota.load(Ordering::Relaxed), 1);
+        assert_eq!(overlay.metadata().unwrap().len(), BLOCK_SIZE);
+        // Reads see the write over the base; the base is untouched.
+        header(&m, VIRTIO_BLK_T_IN, 0);
+        let chain = [
+            desc(HDR, 16, VRING_DESC_F_NEXT, 1),
+            desc(DATA, 2048, VRING_DESC_F_NEXT | VRING_DESC_F_WRITE, 2),
+            desc(STATUS, 1, VRING_DESC_F_WRITE, 0),
+        ];
+        dev.reset();
+        run(&m, &mut dev, &chain);
+        assert_eq!(status(&m), VIRTIO_BLK_S_OK);
+        let mut got = [0u8; 2048];
+        m.read_slice(&mut got, GuestAddress(DATA)).unwrap();
+        assert!(got[..512].iter().all(|b| *b == 0x11));
+        assert!(got[512..1024].iter().all(|b| *b == 0x22));
+        assert!(got[1024..1536].iter().all(|b| *b == 0x23));
+        let mut first = [0u8; 1536];
+        std::os::unix::fs::FileExt::read_exact_at(&base, &mut first, 0).unwrap();
+        assert!(
+            first.iter().all(|b| *b == 0x11),
+            "the base is never written"
+        );
     }
 
     #[test]

@@ -14,6 +14,9 @@ pub struct BlockMetrics {
     pub malformed: AtomicU64,
     /// Requests answered with `VIRTIO_BLK_S_IOERR` (host I/O error, out of range, read-only).
     pub io_errors: AtomicU64,
+    /// Writes refused because a copy-on-write disk's overlay holds its quota (also counted in
+    /// `io_errors`).
+    pub over_quota: AtomicU64,
     /// Requests of a type we do not implement (`VIRTIO_BLK_S_UNSUPP`).
     pub unsupported: AtomicU64,
     /// Times the available ring itself was invalid; the queue stops until the driver resets.

@@ -12,6 +12,7 @@ use virtio_queue::{Reader, Writer};
 use vm_memory::ByteValued;
 
 use super::device::SECTOR_SIZE;
+use super::layered::{LayeredDisk, WriteError};
 
 /// The request header the driver puts first in every chain.
 #[derive(Clone, Copy, Debug, Default)]
@@ -58,10 +59,42 @@ pub enum Malformed {
     NoStatus,
 }
 
-/// The backing file and its geometry, as a request sees them.
+/// Where a disk's bytes are: a raw image file, or a copy-on-write chain.
+#[derive(Debug)]
+pub enum Backing {
+    Raw(File),
+    Layered(LayeredDisk),
+}
+
+impl Backing {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        match self {
+            Self::Raw(f) => f.read_exact_at(buf, offset),
+            Self::Layered(d) => d.read_at(buf, offset),
+        }
+    }
+
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> Result<(), WriteError> {
+        match self {
+            Self::Raw(f) => Ok(f.write_all_at(buf, offset)?),
+            Self::Layered(d) => d.write_at(buf, offset),
+        }
+    }
+
+    /// A raw image is synced; a layered disk's overlay lives as long as its VMM, so there
+    /// is nothing to make durable (see [`super::layered`]).
+    fn flush(&self) -> std::io::Result<()> {
+        match self {
+            Self::Raw(f) => f.sync_data(),
+            Self::Layered(_) => Ok(()),
+        }
+    }
+}
+
+/// The backing and its geometry, as a request sees them.
 #[derive(Debug)]
 pub struct Disk<'a> {
-    pub file: &'a File,
+    pub backing: &'a mut Backing,
     pub sectors: u64,
     pub read_only: bool,
     pub id: &'a [u8],
@@ -74,6 +107,8 @@ pub struct Outcome {
     pub kind: Option<RequestType>,
     pub read_bytes: u64,
     pub written_bytes: u64,
+    /// A write was refused because a layered disk's overlay holds its quota.
+    pub over_quota: bool,
     /// Bytes written into the chain, status included (the used-ring length).
     pub used_len: u32,
 }
@@ -83,7 +118,7 @@ const CHUNK: usize = 128 * 1024;
 
 /// Executes the request in `reader`/`writer` (the readable and writable halves of one chain).
 pub fn execute(
-    disk: &Disk<'_>,
+    disk: &mut Disk<'_>,
     mut reader: Reader<'_>,
     mut writer: Writer<'_>,
 ) -> Result<Outcome, Malformed> {
@@ -106,7 +141,7 @@ pub fn execute(
     out.status = match kind {
         RequestType::In => read_sectors(disk, header.sector, &mut writer, &mut out),
         RequestType::Out => write_sectors(disk, header.sector, &mut reader, &mut out),
-        RequestType::Flush => match disk.file.sync_data() {
+        RequestType::Flush => match disk.backing.flush() {
             Ok(()) => VIRTIO_BLK_S_OK as u8,
             Err(_) => VIRTIO_BLK_S_IOERR as u8,
         },
@@ -138,7 +173,7 @@ fn read_sectors(disk: &Disk<'_>, sector: u64, writer: &mut Writer<'_>, out: &mut
     let mut left = len;
     while left > 0 {
         let n = left.min(CHUNK);
-        if disk.file.read_exact_at(&mut buf[..n], offset).is_err()
+        if disk.backing.read_at(&mut buf[..n], offset).is_err()
             || writer.write_all(&buf[..n]).is_err()
         {
             return VIRTIO_BLK_S_IOERR as u8;
@@ -150,7 +185,12 @@ fn read_sectors(disk: &Disk<'_>, sector: u64, writer: &mut Writer<'_>, out: &mut
     VIRTIO_BLK_S_OK as u8
 }
 
-fn write_sectors(disk: &Disk<'_>, sector: u64, reader: &mut Reader<'_>, out: &mut Outcome) -> u8 {
+fn write_sectors(
+    disk: &mut Disk<'_>,
+    sector: u64,
+    reader: &mut Reader<'_>,
+    out: &mut Outcome,
+) -> u8 {
     if disk.read_only {
         return VIRTIO_BLK_S_IOERR as u8;
     }
@@ -162,10 +202,16 @@ fn write_sectors(disk: &Disk<'_>, sector: u64, reader: &mut Reader<'_>, out: &mu
     let mut left = len;
     while left > 0 {
         let n = left.min(CHUNK);
-        if reader.read_exact(&mut buf[..n]).is_err()
-            || disk.file.write_all_at(&buf[..n], offset).is_err()
-        {
+        if reader.read_exact(&mut buf[..n]).is_err() {
             return VIRTIO_BLK_S_IOERR as u8;
+        }
+        match disk.backing.write_at(&buf[..n], offset) {
+            Ok(()) => {}
+            Err(WriteError::Quota(_)) => {
+                out.over_quota = true;
+                return VIRTIO_BLK_S_IOERR as u8;
+            }
+            Err(WriteError::Io(_)) => return VIRTIO_BLK_S_IOERR as u8,
         }
         offset += n as u64;
         left -= n;
