@@ -13,11 +13,15 @@ export LC_ALL=C
 
 # Part of the file name and of the input hash. Bump it for a deliberate change of the image's
 # contract, or to force a rebuild that picks up newer Debian packages (the hash cannot see those).
-readonly VERSION=v2
+readonly VERSION=v3
 readonly SUITE=bookworm
 readonly ARCH=amd64
 readonly LABEL=airlock-base
 readonly HEADROOM_PERCENT=25
+# The filesystem's size in GiB: the image is a sparse file this large (its content is ~170 MiB
+# on disk), so that a sandbox's writable root, a copy-on-write disk over it, can be given up to
+# about this much space (airlockd's max_disk_mib; the guest agent holds the rest back).
+readonly DISK_GIB=80
 readonly RUST_TARGET=x86_64-unknown-linux-gnu
 readonly SANDBOX_USER=user
 readonly SANDBOX_ID=1000
@@ -300,22 +304,30 @@ uuid_from_hash() {
   printf '%s-%s-8%s-a%s-%s\n' "${h:0:8}" "${h:8:4}" "${h:13:3}" "${h:17:3}" "${h:20:12}"
 }
 
-# Size: the tree's disk usage plus $HEADROOM_PERCENT %, rounded up to whole MiB. Prints MiB.
+# Size: the tree's disk usage plus $HEADROOM_PERCENT %, rounded up to whole MiB, or $DISK_GIB
+# GiB, whichever is larger. Prints MiB.
 image_size_mib() {
-  local kib
+  local kib mib
   kib=$(du -sk --one-file-system -- "$1" | cut -f1)
-  echo $(((kib * (100 + HEADROOM_PERCENT) / 100 + 1023) / 1024))
+  mib=$(((kib * (100 + HEADROOM_PERCENT) / 100 + 1023) / 1024))
+  echo $((mib > DISK_GIB * 1024 ? mib : DISK_GIB * 1024))
 }
 
-# No journal: the base image is read-only (each sandbox gets a throwaway copy or overlay), so a
-# journal would only cost 16 MiB and a replay check at mount. -m 0: no root reserve in an image
-# this small. -i 16384: one inode per 16 KiB (mke2fs would pick its "small" profile, 4 KiB, for
-# an image under 512 MiB, spending 10 MiB on inode tables). lazy_itable_init=0: inode tables are
-# zeroed here, so a writable copy never starts the kernel's ext4lazyinit thread in the guest.
+# No journal: the base image is read-only, and a sandbox's writable root (a copy-on-write disk
+# over it) lives only as long as its VM, whose snapshots hold its page cache with its disk; a
+# journal would double every metadata write into the sandbox's space. -m 0: no root reserve
+# (the guest agent holds back what a sandbox may not use, for root too). -i 16384: one inode
+# per 16 KiB. Inode tables are zeroed here (mke2fs discards the file made for it, so they are
+# holes, and marks them zeroed), so a writable root never starts the kernel's ext4lazyinit thread in
+# the guest (which would write them all into the sandbox's overlay); the guest mounts it with
+# noinit_itable as well.
 make_image() {
   local tree=$1 out=$2 uuid=$3 epoch=$4 size
   size=$(image_size_mib "$tree")
   log "mkfs.ext4: ${size} MiB, UUID $uuid"
+  # The file exists (sparse) before mke2fs opens it: mke2fs discards an existing file first and
+  # then leaves its inode tables as holes; a file it creates itself it fills with zeroes.
+  truncate -s "${size}M" -- "$out"
   E2FSPROGS_FAKE_TIME=$epoch mkfs.ext4 -q -F -d "$tree" -L "$LABEL" -U "$uuid" \
     -b 4096 -I 256 -i 16384 -m 0 -O ^has_journal \
     -E "root_owner=0:0,hash_seed=$uuid,lazy_itable_init=0" -- "$out" "${size}M"
@@ -329,8 +341,9 @@ write_manifest() {
     printf 'debian-suite: %s\ndebian-arch: %s\nmirror: %s\n' "$SUITE" "$ARCH" "$mirror"
     printf 'build-date: %s\nbuild-host-mkfs: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
       "$(mkfs.ext4 -V 2>&1 | head -n1)"
-    printf 'agent-sha256: %s\nimage-sha256: %s\nimage-bytes: %s\n' \
-      "$(sha256_of "$tree/usr/sbin/airlock-agent")" "$(sha256_of "$image")" "$(stat -c %s -- "$image")"
+    printf 'agent-sha256: %s\nimage-bytes: %s\nimage-bytes-on-disk: %s\n' \
+      "$(sha256_of "$tree/usr/sbin/airlock-agent")" "$(stat -c %s -- "$image")" \
+      "$(($(stat -c %b -- "$image") * $(stat -c %B -- "$image")))"
     dumpe2fs -h -- "$image" 2>/dev/null | sed -n 's/^Filesystem \(UUID\|features\): */fs-\L\1\E: /p'
     printf 'busybox-links: %s\n' "$(wc -l <<<"$applets")"
     awk '{ print "  " $0 }' <<<"$applets"

@@ -71,9 +71,15 @@ const MOUNTS: &[MountSpec] = &[
     },
 ];
 
-/// Mounts the filesystems every process expects and sets the host name from /etc/hostname.
+/// Mounts the filesystems every process expects and sets the host name from /etc/hostname. A
+/// writable root (a copy-on-write disk, bounded by the sandbox's space) keeps /tmp on itself;
+/// a read-only one gets a tmpfs there.
 pub fn init_system() {
+    let root_writable = crate::disk::root_writable();
     for m in MOUNTS {
+        if m.target == "/tmp" && root_writable {
+            continue;
+        }
         let mut result = sys::mount_fs(m);
         if matches!(&result, Err(e) if e.kind() == std::io::ErrorKind::NotFound) {
             // devtmpfs has no /dev/shm, a minimal image may lack /run: create and retry.

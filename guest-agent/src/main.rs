@@ -1,6 +1,7 @@
 //! `airlock-agent`: PID 1 inside every Airlock microVM, and the host side's only way in.
 //!
-//! As PID 1 it mounts the kernel filesystems (and cgroup2, /tmp, /run), sets the host name,
+//! As PID 1 it mounts the kernel filesystems (and cgroup2, /run, and /tmp where the root is
+//! read-only; a writable root holds /tmp itself), sets the host name,
 //! reaps orphans, listens on vsock port 52 and prints [`init::READY_LINE`] on the console; then it
 //! serves the protocol of `proto/agent.proto`: executions with streamed output, stdin, signals
 //! and limits (one cgroup per execution), and file operations. Started as an ordinary process
@@ -13,7 +14,7 @@
 //! 1. `sys` (all unsafe code), `error` (request errors), `clock` (milliseconds).
 //! 2. `conn` (the sending side of a connection), `cgroup`, `reaper` (the only place that reaps
 //!    children), `init` (PID 1 work, console lines), `users` (the accounts requests act as),
-//!    `exec_spec` (a validated Exec request).
+//!    `exec_spec` (a validated Exec request), `disk` (the sandbox's space on a writable root).
 //! 3. `delivery` (who gets an execution's responses: its owner, or a bounded window while it
 //!    has none), `spawn` (an execution's process: cgroup, command, pipes, reaper).
 //! 4. `execution` (a running execution: kill target, stdin queue, Signal).
@@ -29,6 +30,7 @@ mod cgroup;
 mod clock;
 mod conn;
 mod delivery;
+mod disk;
 mod error;
 mod exec;
 mod exec_loop;

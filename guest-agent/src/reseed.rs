@@ -45,8 +45,8 @@ pub struct ReseedSpec {
     pub entropy: Vec<u8>,
     pub hostname: Option<String>,
     pub sandbox_id: Option<String>,
-    /// The size limit of /tmp, if one was asked for.
-    pub tmp_size_bytes: Option<u64>,
+    /// The sandbox's writable space, if a limit was asked for (see [`crate::disk`]).
+    pub disk_bytes: Option<u64>,
 }
 
 impl ReseedSpec {
@@ -69,7 +69,7 @@ impl ReseedSpec {
             entropy: req.entropy,
             hostname,
             sandbox_id,
-            tmp_size_bytes: (req.tmp_size_bytes > 0).then_some(req.tmp_size_bytes),
+            disk_bytes: (req.disk_bytes > 0).then_some(req.disk_bytes),
         })
     }
 }
@@ -137,10 +137,15 @@ pub fn handle(
             done.hostname_set = true;
             identity.hostname = Some(name.clone());
         }
-        if let Some(bytes) = spec.tmp_size_bytes {
-            sys::remount_tmpfs_size("/tmp", bytes)
-                .map_err(|e| ReqError::io("remounting /tmp with its size limit", &e))?;
-            done.tmp_size_set = true;
+        if let Some(bytes) = spec.disk_bytes {
+            if crate::disk::root_writable() {
+                crate::disk::limit_root_space(bytes)
+                    .map_err(|e| ReqError::io("limiting the root filesystem's space", &e))?;
+            } else {
+                sys::remount_tmpfs_size("/tmp", bytes)
+                    .map_err(|e| ReqError::io("remounting /tmp with its size limit", &e))?;
+            }
+            done.disk_limit_set = true;
         }
     }
     if let Some(id) = spec.sandbox_id {
@@ -204,7 +209,7 @@ mod tests {
             entropy: vec![0xa5; entropy],
             hostname: hostname.into(),
             sandbox_id: sandbox_id.into(),
-            tmp_size_bytes: 0,
+            disk_bytes: 0,
         }
     }
 

@@ -89,6 +89,23 @@ pub fn remount_tmpfs_size(target: &str, bytes: u64) -> io::Result<()> {
     check(rc).map(drop)
 }
 
+/// What `statvfs(path)` says: (block size, free blocks, blocks available to unprivileged
+/// users, read-only).
+pub fn fs_space(path: &str) -> io::Result<(u64, u64, u64, bool)> {
+    let p = cstr(path)?;
+    // SAFETY: statvfs is plain old data; all zeroes is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `p` is a valid NUL-terminated string and `st` a valid, writable statvfs, both
+    // for the duration of the call.
+    check(unsafe { libc::statvfs(p.as_ptr(), &raw mut st) })?;
+    Ok((
+        st.f_frsize,
+        st.f_bfree,
+        st.f_bavail,
+        st.f_flag & libc::ST_RDONLY != 0,
+    ))
+}
+
 /// Flushes filesystem buffers.
 pub fn sync() {
     // SAFETY: sync(2) takes no arguments and cannot fail.

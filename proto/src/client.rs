@@ -114,16 +114,16 @@ impl AgentClient<UnixStream, UnixStream> {
 }
 
 /// The Reseed that gives a restored clone its own identity: fresh host entropy
-/// ([`crate::identity`]), `sandbox_id` as its id and host name, and `tmp_size_bytes` as the
+/// ([`crate::identity`]), `sandbox_id` as its id and host name, and `disk_bytes` as the
 /// size of its /tmp (0: unchanged).
-pub fn clone_identity(sandbox_id: &str, tmp_size_bytes: u64) -> Result<pb::Reseed, ClientError> {
+pub fn clone_identity(sandbox_id: &str, disk_bytes: u64) -> Result<pb::Reseed, ClientError> {
     let mut entropy = [0u8; crate::identity::CLONE_ENTROPY_BYTES];
     crate::identity::random_bytes(&mut entropy).map_err(FrameError::Io)?;
     Ok(pb::Reseed {
         entropy: entropy.to_vec(),
         hostname: sandbox_id.to_owned(),
         sandbox_id: sandbox_id.to_owned(),
-        tmp_size_bytes,
+        disk_bytes,
     })
 }
 
@@ -543,18 +543,18 @@ impl<R: Read, W: Write> AgentClient<R, W> {
             entropy: entropy.to_vec(),
             hostname: hostname.to_owned(),
             sandbox_id: sandbox_id.to_owned(),
-            tmp_size_bytes: 0,
+            disk_bytes: 0,
         })
     }
 
     /// Gives a restored clone fresh host entropy ([`crate::identity`]), `sandbox_id` as its
-    /// id and host name, and `tmp_size_bytes` as the size of its /tmp (0: unchanged).
+    /// id and host name, and `disk_bytes` as the size of its /tmp (0: unchanged).
     pub fn reseed_clone(
         &mut self,
         sandbox_id: &str,
-        tmp_size_bytes: u64,
+        disk_bytes: u64,
     ) -> Result<Reseeded, ClientError> {
-        self.reseed_with(clone_identity(sandbox_id, tmp_size_bytes)?)
+        self.reseed_with(clone_identity(sandbox_id, disk_bytes)?)
     }
 
     /// The answer to a Reseed sent as request `id` (for example pipelined with the
