@@ -61,9 +61,14 @@ pub struct Config {
     pub output_retention_s: u64,
     /// Largest file WriteFile/ReadFile/CreateSandbox moves.
     pub max_file_bytes: u64,
-    /// Default writable disk space of a sandbox (MiB) and its cap.
+    /// Default writable disk space of a sandbox (MiB) and its cap: on a writable root, what it
+    /// may write there (its copy-on-write overlay's quota on the host); else its /tmp tmpfs.
     pub default_disk_mib: u32,
     pub max_disk_mib: u32,
+    /// Templates are built with a writable root: a copy-on-write disk over the read-only base
+    /// image, which each sandbox writes into an overlay of its own (false: the root is
+    /// read-only and /tmp a tmpfs, as before).
+    pub writable_root: bool,
     /// The largest template a build may make (each of its sandboxes has this shape).
     pub max_template_vcpus: u32,
     pub max_template_memory_mib: u32,
@@ -224,7 +229,7 @@ impl Default for Config {
             max_template_memory_mib: 16 << 10,
             template_build_timeout_s: 900,
             max_disk_mib: 64 << 10,
-            // The base image's root filesystem is read-only; /tmp is the guest's tmpfs.
+            writable_root: true,
             writable_paths: vec!["/tmp".into()],
             exportable_paths: vec!["/tmp".into()],
             vmm_overhead_mib: 128,

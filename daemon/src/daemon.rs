@@ -132,6 +132,7 @@ impl Daemon {
         let builder = Arc::new(Builder::new(cfg.clone(), host.clone(), templates.clone()));
         let pool = Arc::new(WarmPool::new(
             cfg.pool_size,
+            cfg.max_disk_mib,
             host.clone(),
             templates.clone(),
         ));

@@ -331,6 +331,7 @@ fn control_reply(vm: &FakeVm, line: &str) -> Result<Reply, String> {
                 state_bytes: 1,
                 snapshot_ms: 1.0,
                 memory_ms: 1.0,
+                layer_bytes: 0,
                 settle: None,
             }))
         }

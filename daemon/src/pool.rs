@@ -17,6 +17,8 @@ use crate::vmm::VmmProcess;
 #[derive(Debug)]
 pub struct WarmPool {
     size: usize,
+    /// The largest `disk_mib`: what a warm VMM's writable root may take until its restore.
+    max_disk_mib: u32,
     host: Arc<VmmHost>,
     templates: Arc<Templates>,
     warm: Mutex<HashMap<String, Vec<VmmProcess>>>,
@@ -25,9 +27,15 @@ pub struct WarmPool {
 }
 
 impl WarmPool {
-    pub fn new(size: usize, host: Arc<VmmHost>, templates: Arc<Templates>) -> Self {
+    pub fn new(
+        size: usize,
+        max_disk_mib: u32,
+        host: Arc<VmmHost>,
+        templates: Arc<Templates>,
+    ) -> Self {
         Self {
             size,
+            max_disk_mib,
             host,
             templates,
             warm: Mutex::new(HashMap::new()),
@@ -83,7 +91,7 @@ impl WarmPool {
             }
             let started = self
                 .host
-                .start_pool_vmm(&t.pool_spec(), Owner::Pool(id.clone()))
+                .start_pool_vmm(&t.pool_spec(self.max_disk_mib), Owner::Pool(id.clone()))
                 .await;
             match started {
                 // A daemon that stopped meanwhile has drained the pool already.

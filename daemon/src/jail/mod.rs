@@ -43,7 +43,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -108,6 +108,9 @@ pub struct Launch {
     pub run_dir: PathBuf,
     /// Host files and directories the VMM reads (snapshot, kernel, disk images).
     pub read_only: Vec<PathBuf>,
+    /// Files in the run directory the VMM writes (a disk overlay), made here empty (mode 0600,
+    /// owned by its uid): it creates none itself.
+    pub writable_files: Vec<PathBuf>,
     /// The cgroup the VMM is placed in before it execs.
     pub cgroup: Option<Cgroup>,
     /// Standard output (default `/dev/null`) and standard error.
@@ -254,6 +257,9 @@ impl Jailer {
             None
         };
         make_run_dir(&launch.run_dir, lease.as_ref().map(|l| l.uid))?;
+        for f in &launch.writable_files {
+            make_owned_file(&launch.run_dir, f, lease.as_ref().map(|l| l.uid))?;
+        }
         let (net, exits) = match &self.nft {
             Some(nft) => {
                 let nft = nft.clone();
@@ -473,6 +479,26 @@ fn cstring(bytes: &[u8]) -> io::Result<CString> {
 }
 
 /// Creates the run directory: mode 0700, owned by the VMM's uid when it has one.
+/// An empty file `path` inside `run_dir` (never through a link), mode 0600, owned by `uid`.
+fn make_owned_file(run_dir: &Path, path: &Path, uid: Option<u32>) -> io::Result<()> {
+    if path.parent() != Some(run_dir) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is not in the run directory", path.display()),
+        ));
+    }
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    if let Some(uid) = uid {
+        std::os::unix::fs::fchown(&f, Some(uid), Some(uid))?;
+    }
+    Ok(())
+}
+
 fn make_run_dir(dir: &Path, uid: Option<u32>) -> io::Result<()> {
     std::fs::create_dir_all(dir)?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;

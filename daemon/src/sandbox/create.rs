@@ -165,7 +165,8 @@ impl Sandboxes {
             rt.set_net(net);
         }
         let t_taken = Instant::now();
-        let restored = vmm::control::restore(&vmm.control, &template.dir)
+        let quota = Some(u64::from(spec.disk_mib));
+        let restored = vmm::control::restore(&vmm.control, &template.dir, quota)
             .await
             .map_err(|e| ApiError::Internal(format!("restore: {e}")))?;
         let t_running = Instant::now();
@@ -214,7 +215,7 @@ impl Sandboxes {
             }
             None => {
                 info!(template = %template.record.name, "no warm VMM: starting one for this create");
-                let spec = template.pool_spec();
+                let spec = template.pool_spec(self.cfg.max_disk_mib);
                 self.host.start_pool_vmm(&spec, owner).await
             }
         }
@@ -244,9 +245,10 @@ impl Sandboxes {
                     vmm.is_gone().then(|| "its VMM ended".to_owned())
                 }
             };
-            // The clone's identity goes out with the connection (no round trip after Ready).
-            let tmp_bytes = u64::from(spec.disk_mib) << 20;
-            let identity = airlock_proto::client::clone_identity(&rt.id, tmp_bytes)
+            // The clone's identity goes out with the connection (no round trip after Ready),
+            // with its writable space (on a writable root, the overlay's quota too).
+            let disk_bytes = u64::from(spec.disk_mib) << 20;
+            let identity = airlock_proto::client::clone_identity(&rt.id, disk_bytes)
                 .map_err(|e| from_agent(e, call))?;
             let reseed = airlock_proto::pb::request::Kind::Reseed(identity);
             let (mut client, reseed_id) = airlock_proto::vsock::wait_ready_pipelined(

@@ -363,6 +363,9 @@ impl Builder {
             ]
             .map(OsString::from),
         );
+        // A writable root: the base image stays read-only, the build's writes (the warm-up's)
+        // go into an overlay, and the snapshot keeps them as the template's layer, which
+        // every sandbox of the template reads under an overlay of its own.
         for (flag, path) in [
             ("--kernel", spec.kernel.clone()),
             ("--rootfs", spec.rootfs.clone()),
@@ -371,15 +374,26 @@ impl Builder {
             args.push(flag.into());
             args.push(path.into());
         }
+        let disk_mib = self.cfg.default_disk_mib;
+        let mut writable_files = Vec::new();
+        let mut max_file_bytes = vmm::max_file_bytes(spec.memory_mib);
+        if self.cfg.writable_root {
+            let overlay = run_dir.join(vmm::ROOT_OVERLAY_FILE);
+            args.extend(["--root-overlay".into(), overlay.clone().into_os_string()]);
+            args.extend(["--disk-quota-mib".into(), disk_mib.to_string().into()]);
+            writable_files.push(overlay);
+            max_file_bytes = vmm::max_file_bytes_with_disk(spec.memory_mib, disk_mib, 0);
+        }
         let launch = Launch {
             args,
             env: vmm::vmm_env(run_dir),
             run_dir: run_dir.to_path_buf(),
             read_only: vec![spec.kernel.clone(), spec.rootfs.clone()],
+            writable_files,
             cgroup,
             stdout: None,
             stderr: File::create(run_dir.join("vmm.log"))?,
-            max_file_bytes: vmm::max_file_bytes(spec.memory_mib),
+            max_file_bytes,
         };
         vmm::launch(launcher, launch).await.map_err(|e| {
             ApiError::Internal(format!("spawning {}: {e}", launcher.binary().display()))

@@ -11,8 +11,15 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
-/// The files a snapshot has; nothing else is taken.
-const SNAPSHOT_FILES: [&str; 2] = ["state", "memory"];
+/// The files a snapshot has; nothing else is taken. The layer of a copy-on-write root disk
+/// (`layer`, `layer.map`) is optional: a VM without one leaves them empty, a snapshot prepared
+/// before they existed has none.
+const SNAPSHOT_FILES: [(&str, bool); 4] = [
+    ("state", true),
+    ("memory", true),
+    ("layer", false),
+    ("layer.map", false),
+];
 /// Copy buffer.
 const CHUNK: usize = 1 << 20;
 
@@ -22,12 +29,21 @@ pub fn import(from: &Path, to: &Path) -> io::Result<u64> {
     std::fs::create_dir(to)?;
     std::fs::set_permissions(to, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
     let mut copied = 0;
-    for name in SNAPSHOT_FILES {
-        let src = std::fs::OpenOptions::new()
+    for (name, required) in SNAPSHOT_FILES {
+        let src = match std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(from.join(name))
-            .map_err(|e| io::Error::new(e.kind(), format!("snapshot file {name}: {e}")))?;
+        {
+            Ok(f) => f,
+            Err(e) if !required && e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("snapshot file {name}: {e}"),
+                ));
+            }
+        };
         if !src.metadata()?.file_type().is_file() {
             return Err(io::Error::other(format!(
                 "snapshot file {name} is not a plain file"
@@ -111,6 +127,7 @@ mod tests {
         std::fs::create_dir_all(&from).unwrap();
         std::fs::create_dir_all(dir.join("templates")).unwrap();
         std::fs::write(from.join("state"), b"state").unwrap();
+        std::fs::write(from.join("layer.map"), b"map").unwrap();
         // A 64 MiB memory file with 4 KiB of data in its middle.
         let memory = File::create(from.join("memory")).unwrap();
         memory.set_len(64 << 20).unwrap();
@@ -124,6 +141,11 @@ mod tests {
         assert_eq!(meta.permissions().mode() & 0o777, 0o644);
         let state = std::fs::metadata(to.join("state")).unwrap();
         assert_eq!(state.permissions().mode() & 0o777, 0o644);
+        assert_eq!(std::fs::read(to.join("layer.map")).unwrap(), b"map");
+        assert!(
+            !to.join("layer").exists(),
+            "an absent optional file stays absent"
+        );
         let dir_mode = std::fs::metadata(&to).unwrap().permissions().mode() & 0o777;
         assert_eq!(dir_mode, 0o755);
         let mut byte = [0u8; 1];

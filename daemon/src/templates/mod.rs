@@ -24,14 +24,23 @@ pub struct TemplateRt {
 }
 
 impl TemplateRt {
-    /// What a warm VMM of this template restores.
-    pub fn pool_spec(&self) -> PoolSpec {
+    /// What a warm VMM of this template restores; a writable root's overlay may take at most
+    /// `max_disk_mib` (the largest `disk_mib`; the restore gives the sandbox's own).
+    pub fn pool_spec(&self, max_disk_mib: u32) -> PoolSpec {
         PoolSpec {
             vcpus: self.record.vcpus,
             memory_mib: self.record.memory_mib,
             snapshot_dir: self.dir.clone(),
             rootfs: PathBuf::from(&self.record.rootfs_path),
+            writable_root_mib: self.writable_root().then_some(max_disk_mib),
         }
+    }
+
+    /// Whether its snapshot's root disk is copy-on-write: the snapshot has a layer map (a
+    /// template built before writable roots has an empty one, or none).
+    pub fn writable_root(&self) -> bool {
+        std::fs::metadata(self.dir.join(airlock_control::snapshot_dir::LAYER_MAP_FILE))
+            .is_ok_and(|m| m.len() > 0)
     }
 }
 

@@ -48,8 +48,18 @@ async fn call_within<T: DeserializeOwned>(
     })?
 }
 
-pub async fn restore(path: &Path, snapshot: &Path) -> Result<RestoreReply, ControlError> {
-    call(path, &Request::Restore(snapshot.to_path_buf())).await
+/// Asks a pool process to restore `snapshot`; its copy-on-write root disk (if the snapshot
+/// has one) may then take `disk_quota_mib` of the host's disk.
+pub async fn restore(
+    path: &Path,
+    snapshot: &Path,
+    disk_quota_mib: Option<u64>,
+) -> Result<RestoreReply, ControlError> {
+    let req = airlock_control::RestoreRequest {
+        dir: snapshot.to_path_buf(),
+        disk_quota_mib,
+    };
+    call(path, &Request::Restore(req)).await
 }
 
 pub async fn pause(path: &Path) -> Result<StateReply, ControlError> {

@@ -250,6 +250,21 @@ pub struct PoolSpec {
     pub memory_mib: u32,
     pub snapshot_dir: PathBuf,
     pub rootfs: PathBuf,
+    /// The snapshot's root disk is copy-on-write (the template has a layer): the VMM gets an
+    /// overlay in its run directory, which may grow to at most this many MiB (the daemon's
+    /// largest `disk_mib`; a restore gives the sandbox's own).
+    pub writable_root_mib: Option<u32>,
+}
+
+/// A copy-on-write root disk's overlay, in a VMM's run directory (made empty for it, owned by
+/// its uid: the VMM creates no files).
+pub const ROOT_OVERLAY_FILE: &str = "root.overlay";
+
+/// The largest file a VMM with a guest of `memory_mib` and a root disk overlay of at most
+/// `disk_mib` over a layer of `layer_bytes` may write (its `RLIMIT_FSIZE`): the memory file, or
+/// the overlay, or a snapshot's layer (the template's and the overlay's blocks together).
+pub fn max_file_bytes_with_disk(memory_mib: u32, disk_mib: u32, layer_bytes: u64) -> u64 {
+    max_file_bytes(memory_mib).max(layer_bytes + ((u64::from(disk_mib) + 128) << 20))
 }
 
 /// The launch of `airlock-vmm pool` for `spec` with its sockets in `run_dir` (created), its
@@ -282,15 +297,30 @@ pub fn pool_launch(
         args.push(flag.into());
         args.push(path.into());
     }
+    let mut writable_files = Vec::new();
+    let mut max_bytes = max_file_bytes(spec.memory_mib);
+    if let Some(mib) = spec.writable_root_mib {
+        let overlay = run_dir.join(ROOT_OVERLAY_FILE);
+        args.extend(["--root-overlay".into(), overlay.clone().into_os_string()]);
+        args.extend(["--disk-quota-mib".into(), mib.to_string().into()]);
+        writable_files.push(overlay);
+        let layer = crate::templates::disk_bytes(
+            &spec
+                .snapshot_dir
+                .join(airlock_control::snapshot_dir::LAYER_FILE),
+        );
+        max_bytes = max_file_bytes_with_disk(spec.memory_mib, mib, layer);
+    }
     Ok(Launch {
         args,
         env: vmm_env(run_dir),
         run_dir: run_dir.to_path_buf(),
         read_only: vec![spec.snapshot_dir.clone(), spec.rootfs.clone()],
+        writable_files,
         cgroup,
         stdout: None,
         stderr: log,
-        max_file_bytes: max_file_bytes(spec.memory_mib),
+        max_file_bytes: max_bytes,
     })
 }
 

@@ -146,13 +146,15 @@ def test_files(client):
         with pytest.raises(airlock.FileTooLarge) as e:
             sb.files.write("/tmp/huge.bin", b"\0" * (MAX_FILE_BYTES + 1))
         assert e.value.limit == MAX_FILE_BYTES
-    # The disk quota: /tmp holds disk_mib, for WriteFile and for programs alike.
-    with client.sandboxes.create(disk_mib=2) as sb:
-        sb.files.write("/tmp/fits.bin", b"\1" * (1 << 20))
+    # The disk quota: the writable root holds disk_mib (less ext4's metadata), for WriteFile
+    # and for programs alike.
+    with client.sandboxes.create(disk_mib=16) as sb:
+        sb.files.write("/tmp/fits.bin", b"\1" * (MAX_FILE_BYTES - 1))
         with pytest.raises(airlock.DiskQuotaExceeded) as e:
-            sb.files.write("/tmp/over.bin", b"\2" * (3 << 20))
+            for i in range(4):
+                sb.files.write(f"/tmp/over{i}.bin", b"\2" * (MAX_FILE_BYTES - 1))
         assert isinstance(e.value, airlock.ResourceExhausted)
-        assert e.value.limit == 2 << 20
+        assert e.value.limit == 16 << 20
     # A policy of the caller's own.
     with client.sandboxes.create(writable=["/tmp/in"], exportable=["/tmp"]) as sb:
         sb.files.write("/tmp/in/a.txt", "a")
