@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks. Usage: benches/run.sh boot|exec|restore|settle|net|create|jail|soak|plot
+# Benchmarks. Usage: benches/run.sh boot|exec|restore|settle|net|create|jail|disk|soak|plot
 #   boot  time from process start to `airlock: userspace up`, airlock-vmm vs QEMU microvm
 #         (same kernel, image, vCPUs and memory, interleaved runs), and the VMM's resident
 #         memory outside guest RAM. RUNS (default 5), VCPUS (1), MEM_MIB (256).
@@ -36,6 +36,10 @@
 #   jail  CreateSandbox -> ready with and without the VMM jail (namespaces, pivot_root, uid,
 #         seccomp), two daemons side by side, RUNS (default 30) creates each, alternating; and
 #         a warm VMM's start (spawn -> exec'd in its jail, -> ready) on each side.
+#   disk  CreateSandbox -> ready with a writable root (a copy-on-write disk over the base image)
+#         and with a read-only one, two daemons side by side, RUNS (default 20) creates each,
+#         alternating; then in one sandbox of each DD_RUNS (3) times dd writes DD_MIB (16) MiB
+#         where it writes (/root on the layer, /tmp on the tmpfs) and reads it back, uncached.
 #   plot  OUT.png LABEL=RESULT.json...: the distributions in bench results (the JSON lines that
 #         create and exec print; say, one before a change and one after) as CDFs, one panel per
 #         measure and one curve per LABEL (benches/plot.py; matplotlib goes into a venv under
@@ -142,6 +146,15 @@ bench_jail() {
     --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" --runs "${RUNS:-30}"
 }
 
+bench_disk() {
+  artifacts
+  (cd "$root" && cargo build --release -q -p airlock-vmm -p airlockd -p airlock-bench >&2)
+  "$root/target/release/airlock-create-bench" --compare-disk \
+    --daemon "$root/target/release/airlockd" --vmm "$root/target/release/airlock-vmm" \
+    --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" --runs "${RUNS:-20}" \
+    --dd-runs "${DD_RUNS:-3}" --dd-mib "${DD_MIB:-16}"
+}
+
 bench_soak() {
   artifacts
   local cycles=${CYCLES:-10000} log
@@ -180,9 +193,10 @@ main() {
     net) bench_net ;;
     create) bench_create ;;
     jail) bench_jail ;;
+    disk) bench_disk ;;
     soak) bench_soak ;;
     *)
-      sed -n '2,44p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,48p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac

@@ -4,6 +4,9 @@
 //!
 //! Usage: airlock-create-bench --daemon PATH --vmm PATH --kernel PATH --rootfs PATH
 //!        [--runs N] [--levels 1,10,50] [--idle N] [--compare-jail]
+//!        [--compare-disk [--dd-runs N] [--dd-mib M]]
+//!
+//! `--compare-disk`: with and without a writable root, side by side (see `disk_bench.rs`).
 //!
 //! `--net-run [--config-extra TOML] [--allow-domain NAME]... -- ARGV...`: one daemon (pool of
 //! one, `TOML` added to its configuration: say a `[network.hosts]` table), the template, one
@@ -48,6 +51,10 @@ struct Args {
     idle: usize,
     /// Instead of the levels: create → ready with and without the jail, side by side.
     compare_jail: bool,
+    /// Instead of the levels: with and without a writable root, side by side (disk_bench.rs).
+    compare_disk: bool,
+    dd_runs: usize,
+    dd_mib: usize,
     /// Instead of the levels: run `net_argv` in one sandbox allowed `allow_domains`.
     net_run: bool,
     config_extra: String,
@@ -65,6 +72,9 @@ fn parse_args() -> Result<Args, String> {
         levels: vec![1, 10, 50],
         idle: 100,
         compare_jail: false,
+        compare_disk: false,
+        dd_runs: 3,
+        dd_mib: 16,
         net_run: false,
         config_extra: String::new(),
         allow_domains: Vec::new(),
@@ -75,6 +85,10 @@ fn parse_args() -> Result<Args, String> {
     while let Some(flag) = it.next() {
         if flag == "--compare-jail" {
             a.compare_jail = true;
+            continue;
+        }
+        if flag == "--compare-disk" {
+            a.compare_disk = true;
             continue;
         }
         if flag == "--net-run" {
@@ -97,6 +111,8 @@ fn parse_args() -> Result<Args, String> {
             "--rootfs" => a.rootfs = v.into(),
             "--runs" => a.runs = n(v)?,
             "--idle" => a.idle = n(v)?,
+            "--dd-runs" => a.dd_runs = n(v)?,
+            "--dd-mib" => a.dd_mib = n(v)?,
             "--levels" => a.levels = v.split(',').map(n).collect::<Result<_, _>>()?,
             "--config-extra" => a.config_extra = v.clone(),
             "--allow-domain" => a.allow_domains.push(v.clone()),
@@ -487,6 +503,64 @@ async fn histogram_mean_ms(d: &Daemon, name: &str) -> Option<f64> {
     (count > 0.0).then(|| (sum / count * 1000.0 * 1000.0).round() / 1000.0)
 }
 
+/// Creates on two daemons, one by one, alternating (the order flips every round), each with
+/// a full warm pool of 2, `runs` each; puts each side's summary into `out` under its name
+/// (`create_ms` percentiles, the host's share, restore, guest, failures, a warm VMM's spawn
+/// and ready times) and returns each side's (p50, host p50).
+async fn alternate(
+    runs: usize,
+    sides: &[(&str, &(Daemon, Client)); 2],
+    out: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<[serde_json::Value; 2], String> {
+    let mut samples: [Vec<Sandbox>; 2] = [Vec::new(), Vec::new()];
+    let mut walls: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    let mut failures = [0usize; 2];
+    for round in 0..runs {
+        for k in 0..2 {
+            let i = if round % 2 == 0 { k } else { 1 - k };
+            let (_, (daemon, c)) = sides[i];
+            wait_pool(daemon, 2).await?;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let (ok, failed, _) = create_batch(c, 1).await;
+            failures[i] += failed;
+            for x in ok {
+                walls[i].push(x.wall_ms);
+                destroy_all(c, std::slice::from_ref(&x.sandbox)).await;
+                samples[i].push(x.sandbox);
+            }
+        }
+        log(&format!("round {}/{runs}", round + 1));
+    }
+    let mut p50 = [serde_json::Value::Null, serde_json::Value::Null];
+    for (i, (name, (daemon, _))) in sides.iter().enumerate() {
+        let pick = |f: fn(&Sandbox) -> f64| samples[i].iter().map(f).collect::<Vec<_>>();
+        let mut s = summary(&walls[i]);
+        let host = summary(&pick(|x| x.create_host_ms));
+        s["host_p50"] = host["p50"].clone();
+        s["host_p99"] = host["p99"].clone();
+        s["restore_p50"] = summary(&pick(|x| x.restore_ms))["p50"].clone();
+        s["guest_p50"] = summary(&pick(|x| x.create_guest_ms))["p50"].clone();
+        s["failures"] = failures[i].into();
+        s["vmm_spawn_ms"] = histogram_mean_ms(daemon, "airlock_vmm_spawn_seconds")
+            .await
+            .into();
+        s["vmm_ready_ms"] = histogram_mean_ms(daemon, "airlock_vmm_ready_seconds")
+            .await
+            .into();
+        p50[i] = serde_json::json!([s["p50"].clone(), s["host_p50"].clone()]);
+        out.insert((*name).into(), s);
+    }
+    Ok(p50)
+}
+
+/// The difference of two sides' p50s (index `k` of [`alternate`]'s pairs), in ms.
+fn p50_diff(p50: &[serde_json::Value; 2], k: usize) -> serde_json::Value {
+    match (p50[0][k].as_f64(), p50[1][k].as_f64()) {
+        (Some(a), Some(b)) => serde_json::json!(((a - b) * 1000.0).round() / 1000.0),
+        _ => serde_json::Value::Null,
+    }
+}
+
 /// Create → ready with and without the jail, alternating (see the module doc).
 async fn compare_jail(a: Args) -> Result<serde_json::Value, String> {
     let dir = std::env::temp_dir().join(format!("airlock-jail-bench-{}", std::process::id()));
@@ -515,52 +589,11 @@ async fn compare_jail(a: Args) -> Result<serde_json::Value, String> {
     let jailed = start_daemon(&a, &dir.join("jailed"), "jailed", common).await?;
     let unjailed = start_daemon(&a, &dir.join("unjailed"), "unjailed", &off).await?;
     let sides = [("jailed", &jailed), ("unjailed", &unjailed)];
-    let mut samples: [Vec<Sandbox>; 2] = [Vec::new(), Vec::new()];
-    let mut walls: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
-    let mut failures = [0usize; 2];
-    for round in 0..a.runs {
-        for k in 0..2 {
-            let i = if round % 2 == 0 { k } else { 1 - k };
-            let (_, (daemon, c)) = sides[i];
-            wait_pool(daemon, 2).await?;
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            let (ok, failed, _) = create_batch(c, 1).await;
-            failures[i] += failed;
-            for x in ok {
-                walls[i].push(x.wall_ms);
-                destroy_all(c, std::slice::from_ref(&x.sandbox)).await;
-                samples[i].push(x.sandbox);
-            }
-        }
-        log(&format!("round {}/{}", round + 1, a.runs));
-    }
     let mut out = serde_json::Map::new();
     out.insert("bench".into(), "create_jail".into());
-    let mut p50 = [serde_json::Value::Null, serde_json::Value::Null];
-    for (i, (name, (daemon, _))) in sides.iter().enumerate() {
-        let pick = |f: fn(&Sandbox) -> f64| samples[i].iter().map(f).collect::<Vec<_>>();
-        let mut s = summary(&walls[i]);
-        let host = summary(&pick(|x| x.create_host_ms));
-        s["host_p50"] = host["p50"].clone();
-        s["host_p99"] = host["p99"].clone();
-        s["restore_p50"] = summary(&pick(|x| x.restore_ms))["p50"].clone();
-        s["guest_p50"] = summary(&pick(|x| x.create_guest_ms))["p50"].clone();
-        s["failures"] = failures[i].into();
-        s["vmm_spawn_ms"] = histogram_mean_ms(daemon, "airlock_vmm_spawn_seconds")
-            .await
-            .into();
-        s["vmm_ready_ms"] = histogram_mean_ms(daemon, "airlock_vmm_ready_seconds")
-            .await
-            .into();
-        p50[i] = serde_json::json!([s["p50"].clone(), s["host_p50"].clone()]);
-        out.insert((*name).into(), s);
-    }
-    let diff = |k: usize| match (p50[0][k].as_f64(), p50[1][k].as_f64()) {
-        (Some(j), Some(u)) => serde_json::json!(((j - u) * 1000.0).round() / 1000.0),
-        _ => serde_json::Value::Null,
-    };
-    out.insert("jail_overhead_ms_p50".into(), diff(0));
-    out.insert("jail_host_overhead_ms_p50".into(), diff(1));
+    let p50 = alternate(a.runs, &sides, &mut out).await?;
+    out.insert("jail_overhead_ms_p50".into(), p50_diff(&p50, 0));
+    out.insert("jail_host_overhead_ms_p50".into(), p50_diff(&p50, 1));
     out.insert("host".into(), host_facts());
     drop(jailed);
     drop(unjailed);
@@ -568,6 +601,7 @@ async fn compare_jail(a: Args) -> Result<serde_json::Value, String> {
     Ok(serde_json::Value::Object(out))
 }
 
+mod disk_bench;
 mod net_run;
 
 fn main() -> ExitCode {
@@ -599,6 +633,8 @@ fn main() -> ExitCode {
     }
     let result = if args.compare_jail {
         rt.block_on(compare_jail(args))
+    } else if args.compare_disk {
+        rt.block_on(disk_bench::compare_disk(args))
     } else {
         rt.block_on(bench(args))
     };

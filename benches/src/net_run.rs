@@ -37,7 +37,13 @@ pub async fn net_run(a: Args) -> Result<i32, String> {
             t.elapsed().as_secs_f64() * 1000.0,
             a.allow_domains.join(",")
         ));
-        let code = guest_run(&mut c, &sb.id, &a.net_argv).await;
+        let code = guest_exec(&mut c, &sb.id, &a.net_argv, |data| {
+            use std::io::Write as _;
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(data);
+            let _ = out.flush();
+        })
+        .await;
         let _ = c
             .destroy_sandbox(DestroySandboxRequest {
                 sandbox_id: sb.id.clone(),
@@ -51,8 +57,14 @@ pub async fn net_run(a: Args) -> Result<i32, String> {
     r
 }
 
-/// Runs `argv` in the sandbox as root, passing its output through; its exit code.
-async fn guest_run(c: &mut Client, id: &str, argv: &[String]) -> Result<i32, String> {
+/// Runs `argv` in the sandbox as root, its stdout to `on_stdout` and its stderr to ours; its
+/// exit code.
+pub async fn guest_exec(
+    c: &mut Client,
+    id: &str,
+    argv: &[String],
+    mut on_stdout: impl FnMut(&[u8]),
+) -> Result<i32, String> {
     use std::io::Write as _;
     let ex = c
         .exec(ExecRequest {
@@ -78,9 +90,7 @@ async fn guest_run(c: &mut Client, id: &str, argv: &[String]) -> Result<i32, Str
     while let Some(ev) = s.message().await.map_err(|e| e.message().to_owned())? {
         match ev.event {
             Some(execution_event::Event::Output(o)) if o.stream == StreamKind::Stdout as i32 => {
-                let mut out = std::io::stdout().lock();
-                let _ = out.write_all(&o.data);
-                let _ = out.flush();
+                on_stdout(&o.data);
             }
             Some(execution_event::Event::Output(o)) => {
                 let _ = std::io::stderr().write_all(&o.data);

@@ -1,0 +1,107 @@
+//! `airlock-create-bench --compare-disk`: two daemons side by side, one building its template
+//! with a writable root (a copy-on-write disk over the base image: the default) and one with
+//! `writable_root = false` (a read-only root, /tmp a tmpfs). `runs` creates each, alternating,
+//! as `--compare-jail` does (the host's share with and without the writable layer); then, in
+//! one sandbox of each, `DD_RUNS` times: `dd` writes `DD_MIB` MiB (`conv=fsync`) where the
+//! sandbox writes (`/root` on the writable root, `/tmp` on the tmpfs), drops the guest's page
+//! cache and reads it back, each rate as `dd` reports it (MB/s in the guest).
+
+use super::net_run::guest_exec;
+use super::*;
+
+/// Writes and reads back `mib` MiB at `path` in the guest; prints `write MB/s` and `read MB/s`
+/// as `dd` reports them (its last line: `... copied, T s, R MB/s`).
+fn dd_script(path: &str, mib: usize) -> String {
+    format!(
+        "rate() {{ tail -n1 | sed 's/.*, //'; }}
+dd if=/dev/zero of={path} bs=1M count={mib} conv=fsync 2>&1 | rate
+sync; echo 3 > /proc/sys/vm/drop_caches
+dd if={path} of=/dev/null bs=1M 2>&1 | rate
+rm -f {path}"
+    )
+}
+
+/// `12.3 MB/s` (or kB/s, GB/s) in MiB/s.
+fn mib_per_s(line: &str) -> Option<f64> {
+    let (n, unit) = line.trim().split_once(' ')?;
+    let n: f64 = n.replace(',', ".").parse().ok()?;
+    let scale = match unit {
+        "kB/s" => 1e3,
+        "MB/s" => 1e6,
+        "GB/s" => 1e9,
+        "B/s" => 1.0,
+        _ => return None,
+    };
+    Some((n * scale / f64::from(1u32 << 20) * 1000.0).round() / 1000.0)
+}
+
+pub async fn compare_disk(a: Args) -> Result<serde_json::Value, String> {
+    let dir = std::env::temp_dir().join(format!("airlock-disk-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let common = "pool_size = 2\nmax_sandboxes = 8\n";
+    let layered = start_daemon(&a, &dir.join("layer"), "layer", common).await?;
+    let tmpfs = start_daemon(
+        &a,
+        &dir.join("tmpfs"),
+        "tmpfs",
+        &format!("{common}writable_root = false\n"),
+    )
+    .await?;
+    make_template(&layered.1).await?;
+    make_template(&tmpfs.1).await?;
+    let sides = [("writable_root", &layered), ("read_only_root", &tmpfs)];
+    let mut out = serde_json::Map::new();
+    out.insert("bench".into(), "create_disk".into());
+    let p50 = alternate(a.runs, &sides, &mut out).await?;
+    out.insert("layer_overhead_ms_p50".into(), p50_diff(&p50, 0));
+    out.insert("layer_host_overhead_ms_p50".into(), p50_diff(&p50, 1));
+    for ((name, (_, c)), path) in sides.iter().zip(["/root/dd.bin", "/tmp/dd.bin"]) {
+        let mut c = c.clone();
+        let sb = c
+            .create_sandbox(CreateSandboxRequest::default())
+            .await
+            .map_err(|e| format!("create: {}", e.message()))?
+            .into_inner();
+        let (mut write, mut read) = (Vec::new(), Vec::new());
+        for run in 0..a.dd_runs {
+            let mut text = Vec::new();
+            let argv = ["sh", "-c", &dd_script(path, a.dd_mib)].map(String::from);
+            let code = guest_exec(&mut c, &sb.id, &argv, |d| text.extend_from_slice(d)).await?;
+            let text = String::from_utf8_lossy(&text).into_owned();
+            let rates: Vec<f64> = text.lines().filter_map(mib_per_s).collect();
+            if code != 0 || rates.len() != 2 {
+                return Err(format!("dd in {name} (exit {code}): {text}"));
+            }
+            log(&format!("{name} dd {}/{}: {text:?}", run + 1, a.dd_runs));
+            write.push(rates[0]);
+            read.push(rates[1]);
+        }
+        destroy_all(&c, std::slice::from_ref(&sb)).await;
+        let side = out
+            .get_mut(*name)
+            .and_then(|v| v.as_object_mut())
+            .ok_or("no side")?;
+        side.insert("dd_path".into(), (*path).into());
+        side.insert("dd_mib".into(), a.dd_mib.into());
+        side.insert("write_mib_s".into(), summary(&write));
+        side.insert("read_mib_s".into(), summary(&read));
+    }
+    out.insert("host".into(), host_facts());
+    drop(layered);
+    drop(tmpfs);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(serde_json::Value::Object(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dd_rates_are_read_in_mib_per_second() {
+        assert_eq!(mib_per_s("3.1 MB/s"), Some(2.956));
+        assert_eq!(mib_per_s("950 kB/s"), Some(0.906));
+        assert_eq!(mib_per_s("1,2 GB/s"), Some(1144.409));
+        assert_eq!(mib_per_s("16777216 bytes (17 MB, 16 MiB) copied"), None);
+    }
+}
