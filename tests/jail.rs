@@ -503,6 +503,13 @@ async fn every_vmm_is_jailed_filtered_and_cleaned_up() {
         .map(|p| control_of(*p).parent().unwrap().to_path_buf())
         .collect();
     assert_eq!(run_dirs, pool_dirs, "run directories beyond the pool's");
+    // A sandbox's writable root lived in its VMM's run directory: gone with it. The warm
+    // VMMs' overlays are still empty (nothing restored into them yet).
+    for d in &pool_dirs {
+        let overlay = std::fs::metadata(d.join("root.overlay"))
+            .unwrap_or_else(|e| panic!("{}: no root.overlay: {e}", d.display()));
+        assert_eq!(overlay.len(), 0, "{}", d.display());
+    }
     let cgroups = cgroups_left(&cgroup_parent);
     let per_vmm = cgroups.len() / POOL;
     assert_eq!(cgroups.len(), per_vmm * POOL, "{cgroups:?}");
