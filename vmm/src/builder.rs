@@ -139,6 +139,9 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
     for disk in &config.disks {
         attach_block_device(&vm, &mut devices, disk, None)?;
     }
+    for n in 0..config.slots {
+        attach_slot_device(&vm, &mut devices, &slot_id(n), None)?;
+    }
     if let Some(vsock) = &config.vsock {
         attach_vsock_device(&vm, &mut devices, vsock)?;
     }
@@ -268,6 +271,8 @@ pub struct RestoreConfig {
     /// The overlay of the copy-on-write root disk, required when the snapshot has one (its
     /// layer is the snapshot's).
     pub root_overlay: Option<crate::config::OverlayConfig>,
+    /// Media for the snapshot's disk slots, in slot order (`None`: the slot stays empty).
+    pub slot_media: Vec<Option<crate::config::SlotMedia>>,
 }
 
 /// Builds a VM from a snapshot directory and leaves its vCPUs paused; `run` starts them.
@@ -338,6 +343,12 @@ pub fn restore_microvm(
         Some(&snap.serial),
         &evts,
     )?;
+    if config.slot_media.len() > snap.virtio.len() {
+        return Err(BuildError::Restore(
+            "more slot media than the snapshot has slots".into(),
+        ));
+    }
+    let (mut slots, mut changed) = (0usize, Vec::new());
     for v in &snap.virtio {
         let transport = match &v.kind {
             DeviceKind::Block {
@@ -355,6 +366,16 @@ pub fn restore_microvm(
                 },
                 None,
             )?,
+            DeviceKind::Slot { id } => {
+                let media = config.slot_media.get(slots).cloned().flatten();
+                slots += 1;
+                let with_media = media.is_some();
+                let t = attach_slot_device(&vm, &mut devices, id, media)?;
+                if with_media {
+                    changed.push(t.clone());
+                }
+                t
+            }
             DeviceKind::LayeredBlock { base, id } => {
                 let overlay = config.root_overlay.clone().ok_or_else(|| {
                     BuildError::Restore(
@@ -391,6 +412,16 @@ pub fn restore_microvm(
             .unwrap_or_else(|e| e.into_inner())
             .restore(&v.transport)
             .map_err(|e| BuildError::Restore(format!("{:?}: {e}", v.kind)))?;
+    }
+    if slots < config.slot_media.iter().filter(|m| m.is_some()).count() {
+        return Err(BuildError::Restore(format!(
+            "media for {} disk slots, the snapshot has {slots}",
+            config.slot_media.len()
+        )));
+    }
+    // Slots that got media have a new capacity: the driver reads it after the interrupt.
+    for t in changed {
+        t.lock().unwrap_or_else(|e| e.into_inner()).config_changed();
     }
     marks.mark("devices");
     snap.vm
@@ -555,12 +586,46 @@ fn attach_block_device(
             },
         ),
     };
+    attach_block(vm, devices, block, kind)
+}
+
+/// A block device in the next virtio slot, served on the event loop.
+fn attach_block(
+    vm: &Vm,
+    devices: &mut DeviceSet,
+    block: Block,
+    kind: DeviceKind,
+) -> Result<Arc<Mutex<MmioTransport>>, BuildError> {
     let block = Arc::new(Mutex::new(block));
     let transport = attach_virtio_device(vm, devices, block.clone(), kind)?;
     let handler = BlockEventHandler::new(block.clone()).map_err(BuildError::EventFd)?;
     devices.subscribers.push(Arc::new(Mutex::new(handler)));
     devices.blocks.push(block);
     Ok(transport)
+}
+
+/// The serial of disk slot `n` (`/sys/block/vdX/serial` in the guest: the agent finds a
+/// volume's device by it).
+pub fn slot_id(n: u8) -> String {
+    format!("airlock-slot-{n}")
+}
+
+/// Adds an empty disk slot, with `media` put in (a restore's).
+fn attach_slot_device(
+    vm: &Vm,
+    devices: &mut DeviceSet,
+    id: &str,
+    media: Option<crate::config::SlotMedia>,
+) -> Result<Arc<Mutex<MmioTransport>>, BuildError> {
+    let mut block = Block::slot(id)?;
+    if let Some(m) = media {
+        let file = m
+            .file
+            .try_clone()
+            .map_err(|e| BuildError::Disk(format!("slot {id}: {e}")))?;
+        block.insert_media(file, m.read_only)?;
+    }
+    attach_block(vm, devices, block, DeviceKind::Slot { id: id.to_owned() })
 }
 
 /// A copy-on-write chain: the image read-only, the layer in `layer_dir` (if any), the overlay.

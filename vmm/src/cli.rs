@@ -59,6 +59,11 @@ options:
                             stays read-only and the guest's writes go into PATH (an empty file
                             the caller made; restore, pool: for a snapshot with such a disk,
                             whose layer is in the snapshot's directory)
+  --disk-slots N            N empty disk slots after the disks (boot, run, snapshot), for media
+                            put in when a snapshot of the VM is restored (volumes)
+  --slot-fd FD[:ro] | -     restore: the next slot's media, an inherited descriptor (repeat in
+                            slot order; `-` leaves one empty); a pool process takes them with
+                            `restore slots=rw,ro,- DIR`, sent as SCM_RIGHTS
   --disk-quota-mib N        the most the overlay may hold; a write that needs more fails
                             (default: the disk's size; pool: `restore disk-quota-mib=N DIR`
                             overrides it)
@@ -153,6 +158,9 @@ pub fn parse_vm_options(
             "--kernel" => kernel = Some(PathBuf::from(value()?)),
             "--root-overlay" => root_overlay = Some(PathBuf::from(value()?)),
             "--disk-quota-mib" => disk_quota = Some(num(value()?)?),
+            "--disk-slots" => {
+                cfg.slots = u8::try_from(num(value()?)?).map_err(|_| "--disk-slots: too many")?
+            }
             "--rootfs" => rootfs = Some(PathBuf::from(value()?)),
             "--scratch" => cfg.disks.push(DiskConfig {
                 path: PathBuf::from(value()?),
@@ -340,11 +348,13 @@ pub fn parse_restore(args: &[String]) -> Result<RestoreOptions, String> {
             cpu_template: None,
             net_tap: None,
             root_overlay: None,
+            slot_media: Vec::new(),
         },
         control: None,
     };
     let mut snapshot = None;
     let (mut root_overlay, mut disk_quota) = (None, None);
+    let mut slot_fds = Vec::new();
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut value = || {
@@ -356,13 +366,22 @@ pub fn parse_restore(args: &[String]) -> Result<RestoreOptions, String> {
             "--snapshot" => snapshot = Some(PathBuf::from(value()?)),
             "--vsock" => opts.restore.vsock_uds = Some(PathBuf::from(value()?)),
             "--net-fd" if opts.restore.net_tap.is_none() => {
-                opts.restore.net_tap = Some(adopt_fd(&value()?)?)
+                let v = value()?;
+                if slot_fds.contains(&v) {
+                    return Err(format!("--net-fd {v}: also a --slot-fd"));
+                }
+                slot_fds.push(v.clone());
+                opts.restore.net_tap = Some(adopt_fd(&v)?)
             }
             "--control" => opts.control = Some(PathBuf::from(value()?)),
             "--console" => opts.restore.console = ConsoleOutput::File(PathBuf::from(value()?)),
             "--cpu-template" => opts.restore.cpu_template = parse_template(&value()?)?,
             "--root-overlay" => root_overlay = Some(PathBuf::from(value()?)),
             "--disk-quota-mib" => disk_quota = Some(parse_mib(&value()?)?),
+            "--slot-fd" => {
+                let media = parse_slot_fd(&value()?, &mut slot_fds)?;
+                opts.restore.slot_media.push(media);
+            }
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown option {other}")),
         }
@@ -370,6 +389,31 @@ pub fn parse_restore(args: &[String]) -> Result<RestoreOptions, String> {
     opts.restore.snapshot_dir = snapshot.ok_or("--snapshot DIR is required")?;
     opts.restore.root_overlay = overlay_config(root_overlay, disk_quota)?;
     Ok(opts)
+}
+
+/// `--slot-fd FD`, `FD:ro` or `-`: the next disk slot's media, an inherited descriptor (each
+/// at most once: `seen` holds those taken so far).
+fn parse_slot_fd(
+    v: &str,
+    seen: &mut Vec<String>,
+) -> Result<Option<vmm::config::SlotMedia>, String> {
+    if v == "-" {
+        return Ok(None);
+    }
+    let (fd, read_only) = match v.strip_suffix(":ro") {
+        Some(fd) => (fd, true),
+        None => (v, false),
+    };
+    if seen.iter().any(|s| s == fd) {
+        return Err(format!("--slot-fd {fd}: given twice"));
+    }
+    seen.push(fd.to_owned());
+    let fd = adopt_fd_for("--slot-fd", fd)?;
+    let fd = Arc::try_unwrap(fd).map_err(|_| "--slot-fd: the descriptor is shared")?;
+    Ok(Some(vmm::config::SlotMedia {
+        file: Arc::new(std::fs::File::from(fd)),
+        read_only,
+    }))
 }
 
 fn parse_mib(v: &str) -> Result<u64, String> {
@@ -470,12 +514,19 @@ pub fn parse_pool(args: &[String]) -> Result<PoolOptions, String> {
 /// Takes ownership of descriptor `value`, which this process inherited (checked open; not 0, 1
 /// or 2). Each flag that adopts one may appear once, so no descriptor is owned twice.
 fn adopt_fd(value: &str) -> Result<Arc<OwnedFd>, String> {
-    let fd: i32 = value.parse().ok().filter(|fd| *fd > 2).ok_or(format!(
-        "--net-fd: not a descriptor number above 2: {value}"
-    ))?;
+    adopt_fd_for("--net-fd", value)
+}
+
+/// [`adopt_fd`] for `flag`.
+fn adopt_fd_for(flag: &str, value: &str) -> Result<Arc<OwnedFd>, String> {
+    let fd: i32 = value
+        .parse()
+        .ok()
+        .filter(|fd| *fd > 2)
+        .ok_or(format!("{flag}: not a descriptor number above 2: {value}"))?;
     // SAFETY: fcntl(F_GETFD) only asks whether `fd` is open.
     if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-        return Err(format!("--net-fd {fd}: not an open descriptor"));
+        return Err(format!("{flag} {fd}: not an open descriptor"));
     }
     // SAFETY: `fd` is open, was inherited for this device, and is adopted only here, once.
     Ok(Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }))

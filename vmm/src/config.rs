@@ -20,6 +20,8 @@ pub enum ConfigError {
     MemorySize(u64),
     #[error("the kernel command line does not fit in {CMDLINE_MAX_LEN} bytes or is invalid: {0}")]
     Cmdline(String),
+    #[error("at most {MAX_SLOTS} disk slots, got {0}")]
+    Slots(u8),
 }
 
 /// Where the guest console goes.
@@ -40,6 +42,16 @@ pub struct DiskConfig {
     /// Copy-on-write: the image at `path` stays read-only and the guest's writes go into this
     /// overlay (the disk is writable, whatever `read_only` says).
     pub overlay: Option<OverlayConfig>,
+}
+
+/// The most disk slots a VM may have.
+pub const MAX_SLOTS: u8 = 8;
+
+/// Media for a disk slot at a restore: a volume's file, opened by whoever hands it over.
+#[derive(Clone, Debug)]
+pub struct SlotMedia {
+    pub file: std::sync::Arc<std::fs::File>,
+    pub read_only: bool,
 }
 
 /// The writable top of a copy-on-write disk (see `devices::virtio::block::layered`).
@@ -91,6 +103,8 @@ pub struct VmConfig {
     pub vsock: Option<VsockConfig>,
     /// The network card, if any.
     pub net: Option<NetConfig>,
+    /// Empty disk slots after the disks, for media put in at a restore (volumes).
+    pub slots: u8,
     pub vcpus: u8,
     pub mem_mib: u64,
     /// Appended to the default command line.
@@ -117,6 +131,7 @@ impl VmConfig {
             }],
             vsock: None,
             net: None,
+            slots: 0,
             vcpus: 1,
             mem_mib: 256,
             cmdline_extra: String::new(),
@@ -135,6 +150,9 @@ impl VmConfig {
         let bytes = self.mem_mib.checked_mul(1 << 20);
         if bytes.is_none_or(|b| b < MIN_MEM_BYTES) || self.mem_mib > (1 << 20) {
             return Err(ConfigError::MemorySize(self.mem_mib));
+        }
+        if self.slots > MAX_SLOTS {
+            return Err(ConfigError::Slots(self.slots));
         }
         Ok(())
     }

@@ -210,7 +210,7 @@ pub enum RestoreOutcome {
 /// sends back, then serves the usual commands.
 #[derive(Debug)]
 pub struct PoolControl {
-    pub requests: Receiver<(airlock_control::RestoreRequest, std::time::Instant)>,
+    pub requests: Receiver<(PoolRestore, std::time::Instant)>,
     pub outcome: Sender<RestoreOutcome>,
     pub thread: std::thread::JoinHandle<()>,
 }
@@ -254,13 +254,18 @@ pub fn bind_control_socket(path: &Path) -> std::io::Result<UnixListener> {
     Ok(listener)
 }
 
+/// A pool's `restore` request and the media of its disk slots (the descriptors sent with it,
+/// in slot order, each with its mode).
+#[derive(Debug)]
+pub struct PoolRestore {
+    pub request: airlock_control::RestoreRequest,
+    pub media: Vec<Option<(std::fs::File, bool)>>,
+}
+
 /// Answers one command on the control socket of a pool process, which has no VM yet: `status`
-/// says so, `restore DIR` is returned (with its connection, to answer once the VM runs), and
-/// anything else is refused.
-pub fn next_restore_request(
-    listener: &UnixListener,
-    vcpus: usize,
-) -> (UnixStream, airlock_control::RestoreRequest) {
+/// says so, `restore DIR` is returned (with its connection, to answer once the VM runs, and
+/// the descriptors that came with it), and anything else is refused.
+pub fn next_restore_request(listener: &UnixListener, vcpus: usize) -> (UnixStream, PoolRestore) {
     loop {
         let Ok((stream, _)) = listener.accept() else {
             continue;
@@ -270,11 +275,12 @@ pub fn next_restore_request(
         let Ok(mut w) = stream.try_clone() else {
             continue;
         };
-        let mut line = String::new();
-        let read = BufReader::new(stream.take(MAX_LINE as u64 + 1)).read_line(&mut line);
-        let reply: CommandReply = match read {
-            Ok(n) if n > 0 && line.len() <= MAX_LINE => match Request::parse(&line) {
-                Ok(Request::Restore(req)) => return (w, req),
+        let reply: CommandReply = match read_line_with_fds(&stream) {
+            Ok((line, fds)) => match Request::parse(&line) {
+                Ok(Request::Restore(request)) => match slot_media(&request, fds) {
+                    Ok(media) => return (w, PoolRestore { request, media }),
+                    Err(e) => Err(e),
+                },
                 Ok(Request::Status) => Ok(Reply::Status(StatusReply {
                     state: VmState::Prepared,
                     vcpus: u32::try_from(vcpus).unwrap_or(u32::MAX),
@@ -288,11 +294,70 @@ pub fn next_restore_request(
                     line.trim()
                 )),
             },
-            Ok(_) => Err(format!("empty command or longer than {MAX_LINE} bytes")),
-            Err(e) => Err(format!("read the command: {e}")),
+            Err(e) => Err(e),
         };
         let _ = w.write_all(reply_line(&reply).as_bytes());
     }
+}
+
+/// The descriptors sent with a restore line, one per slot it gives media.
+fn slot_media(
+    req: &airlock_control::RestoreRequest,
+    fds: Vec<std::os::fd::OwnedFd>,
+) -> Result<Vec<Option<(std::fs::File, bool)>>, String> {
+    use airlock_control::SlotMode;
+    if fds.len() != req.media_count() {
+        return Err(format!(
+            "the request names media for {} slots and came with {} descriptors",
+            req.media_count(),
+            fds.len()
+        ));
+    }
+    let mut fds = fds.into_iter();
+    Ok(req
+        .slots
+        .iter()
+        .map(|mode| match mode {
+            SlotMode::Empty => None,
+            SlotMode::ReadWrite => fds.next().map(|f| (std::fs::File::from(f), false)),
+            SlotMode::ReadOnly => fds.next().map(|f| (std::fs::File::from(f), true)),
+        })
+        .collect())
+}
+
+/// Reads one command line (at most [`MAX_LINE`] bytes) and the descriptors sent with it
+/// (SCM_RIGHTS; at most [`airlock_control::request::MAX_SLOTS`] in each message, more are
+/// closed by the kernel's truncation and the line refused).
+fn read_line_with_fds(stream: &UnixStream) -> Result<(String, Vec<std::os::fd::OwnedFd>), String> {
+    use std::os::fd::FromRawFd;
+    use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+    let (mut line, mut fds) = (Vec::new(), Vec::new());
+    let mut buf = [0u8; 512];
+    while !line.contains(&b'\n') && line.len() <= MAX_LINE {
+        let mut raw = [-1; airlock_control::request::MAX_SLOTS];
+        let mut iov = [libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        }];
+        // SAFETY: the one iovec points at `buf`, which is live and writable for the call, and
+        // any bytes may be written into it.
+        let got = unsafe { stream.recv_with_fds(&mut iov, &mut raw) };
+        let (n, nfds) = got.map_err(|e| format!("read the command: {e}"))?;
+        for fd in &raw[..nfds] {
+            // SAFETY: recvmsg just installed these descriptors in this process; nothing else
+            // owns them.
+            fds.push(unsafe { std::os::fd::OwnedFd::from_raw_fd(*fd) });
+        }
+        if n == 0 {
+            break;
+        }
+        line.extend_from_slice(&buf[..n]);
+    }
+    let end = line.iter().position(|b| *b == b'\n').unwrap_or(line.len());
+    if end == 0 || end > MAX_LINE {
+        return Err(format!("empty command or longer than {MAX_LINE} bytes"));
+    }
+    Ok((String::from_utf8_lossy(&line[..end]).into_owned(), fds))
 }
 
 /// Writes the answer to a `restore` request.
@@ -444,8 +509,9 @@ mod tests {
             })
         };
         let (stream, req) = next_restore_request(&listener, 2);
-        assert_eq!(req.dir, PathBuf::from("/snap/dir"));
-        assert_eq!(req.disk_quota_mib, None);
+        assert_eq!(req.request.dir, PathBuf::from("/snap/dir"));
+        assert_eq!(req.request.disk_quota_mib, None);
+        assert!(req.media.is_empty());
         answer(
             stream,
             &Ok(Reply::Restore(RestoreReply {

@@ -124,11 +124,22 @@ fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
         log::error!("the control thread ended before a restore was asked for");
         return ExitCode::from(code::VMM_ERROR);
     };
+    let (req, media) = (req.request, req.media);
     let mut root_overlay = opts.root_overlay.clone();
     if let (Some(o), Some(mib)) = (root_overlay.as_mut(), req.disk_quota_mib) {
         o.quota_bytes = mib.saturating_mul(1 << 20);
     }
+    let slot_media = media
+        .into_iter()
+        .map(|m| {
+            m.map(|(file, read_only)| vmm::config::SlotMedia {
+                file: std::sync::Arc::new(file),
+                read_only,
+            })
+        })
+        .collect();
     let config = vmm::RestoreConfig {
+        slot_media,
         snapshot_dir: req.dir,
         vsock_uds: opts.vsock.clone(),
         console: opts.console.clone(),

@@ -92,6 +92,7 @@ pub fn run(mut opts: RunOptions, started: Instant) -> ExitCode {
                 cpu_template: opts.vm.cpu_template,
                 net_tap: opts.vm.net.as_ref().map(|n| n.tap.clone()),
                 root_overlay: opts.vm.disks.first().and_then(|d| d.overlay.clone()),
+                slot_media: Vec::new(),
             },
             started,
         ),

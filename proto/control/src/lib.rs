@@ -16,14 +16,14 @@
 
 pub mod exit;
 mod reply;
-mod request;
+pub mod request;
 pub mod snapshot_dir;
 
 pub use reply::{
     ControlError, Reply, RestoreReply, SettleReply, SnapshotReply, StateReply, StatusReply,
     StopReply, VmState, parse_reply, reply_line,
 };
-pub use request::{MAX_LINE, Request, RestoreRequest};
+pub use request::{MAX_LINE, Request, RestoreRequest, SlotMode};
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;

@@ -31,34 +31,81 @@ pub enum Request {
     Probe(String),
 }
 
-/// `restore [disk-quota-mib=N] DIR`: the snapshot, and the most its copy-on-write root disk
-/// may take of the host's disk (default: what the pool process was started with).
+/// `restore [disk-quota-mib=N] [slots=M,M,...] DIR`: the snapshot, the most its copy-on-write
+/// root disk may take of the host's disk (default: what the pool process was started with),
+/// and media for its disk slots, in slot order: `rw` or `ro` for a slot that gets the next of
+/// the descriptors sent with the line (SCM_RIGHTS), `-` for one left empty.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RestoreRequest {
     pub dir: PathBuf,
     pub disk_quota_mib: Option<u64>,
+    pub slots: Vec<SlotMode>,
 }
 
+/// What a disk slot gets at a restore.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotMode {
+    Empty,
+    ReadWrite,
+    ReadOnly,
+}
+
+impl SlotMode {
+    fn word(self) -> &'static str {
+        match self {
+            Self::Empty => "-",
+            Self::ReadWrite => "rw",
+            Self::ReadOnly => "ro",
+        }
+    }
+}
+
+/// The most disk slots a restore names.
+pub const MAX_SLOTS: usize = 8;
+
 impl RestoreRequest {
+    /// Descriptors the line says come with it.
+    pub fn media_count(&self) -> usize {
+        self.slots.iter().filter(|m| **m != SlotMode::Empty).count()
+    }
+
     fn parse(arg: &str) -> Result<Self, String> {
-        const QUOTA: &str = "disk-quota-mib=";
-        let (quota, dir) = match arg.strip_prefix(QUOTA) {
-            Some(rest) => {
-                let (n, dir) = rest.split_once(' ').unwrap_or((rest, ""));
+        let mut req = Self {
+            dir: PathBuf::new(),
+            disk_quota_mib: None,
+            slots: Vec::new(),
+        };
+        let mut rest = arg;
+        loop {
+            let (word, after) = rest.split_once(' ').unwrap_or((rest, ""));
+            if let Some(n) = word.strip_prefix("disk-quota-mib=") {
                 let n = n
                     .parse::<u64>()
-                    .map_err(|_| format!("{QUOTA} needs a number of MiB, not {n:?}"))?;
-                (Some(n), dir.trim())
+                    .map_err(|_| format!("disk-quota-mib= needs a number of MiB, not {n:?}"))?;
+                req.disk_quota_mib = Some(n);
+            } else if let Some(list) = word.strip_prefix("slots=") {
+                req.slots = list
+                    .split(',')
+                    .map(|m| match m {
+                        "-" => Ok(SlotMode::Empty),
+                        "rw" => Ok(SlotMode::ReadWrite),
+                        "ro" => Ok(SlotMode::ReadOnly),
+                        other => Err(format!("slots=: rw, ro or -, not {other:?}")),
+                    })
+                    .collect::<Result<_, _>>()?;
+                if req.slots.len() > MAX_SLOTS {
+                    return Err(format!("slots=: at most {MAX_SLOTS}"));
+                }
+            } else {
+                break;
             }
-            None => (None, arg),
-        };
-        if dir.is_empty() {
+            rest = after.trim_start();
+        }
+        if rest.is_empty() {
             return Err("restore needs a directory".into());
         }
-        Ok(Self {
-            dir: PathBuf::from(dir),
-            disk_quota_mib: quota,
-        })
+        req.dir = PathBuf::from(rest);
+        Ok(req)
     }
 }
 
@@ -66,6 +113,10 @@ impl fmt::Display for RestoreRequest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some(q) = self.disk_quota_mib {
             write!(f, "disk-quota-mib={q} ")?;
+        }
+        if !self.slots.is_empty() {
+            let words: Vec<_> = self.slots.iter().map(|m| m.word()).collect();
+            write!(f, "slots={} ", words.join(","))?;
         }
         write!(f, "{}", self.dir.display())
     }
@@ -143,10 +194,12 @@ mod tests {
             Request::Restore(RestoreRequest {
                 dir: "/t/tpl-1".into(),
                 disk_quota_mib: None,
+                slots: vec![],
             }),
             Request::Restore(RestoreRequest {
                 dir: "/t/tpl 2".into(),
                 disk_quota_mib: Some(1024),
+                slots: vec![SlotMode::ReadWrite, SlotMode::Empty, SlotMode::ReadOnly],
             }),
             Request::Probe("kill 1 9".into()),
             Request::Settle(2000),
@@ -170,6 +223,9 @@ mod tests {
             "restore disk-quota-mib=",
             "restore disk-quota-mib=lots /t",
             "restore disk-quota-mib=5",
+            "restore slots=rx /t",
+            "restore slots=rw,rw,rw,rw,rw,rw,rw,rw,rw /t",
+            "restore slots=rw",
         ] {
             assert!(Request::parse(bad).is_err(), "{bad:?} was accepted");
         }

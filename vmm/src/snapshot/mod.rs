@@ -210,6 +210,9 @@ pub enum DeviceKind {
     /// guest had written), under an overlay the restoring process is given. (Last, so that
     /// snapshots from before it decode as they did.)
     LayeredBlock { base: PathBuf, id: String },
+    /// An empty disk slot (for a volume): restored empty, or with the media the restoring
+    /// process is given for it, in slot order.
+    Slot { id: String },
 }
 
 /// One virtio device in its mmio slot (slots are restored in the same order).

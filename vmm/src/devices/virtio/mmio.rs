@@ -390,6 +390,13 @@ impl MmioTransport {
     pub fn interrupt(&self) -> &Arc<VirtioInterrupt> {
         &self.interrupt
     }
+
+    /// Tells the driver that the device's configuration changed (a disk slot got its media):
+    /// a new configuration generation and a configuration-change interrupt.
+    pub fn config_changed(&mut self) {
+        self.config_generation = self.config_generation.wrapping_add(1);
+        self.interrupt.signal_config_change();
+    }
 }
 
 impl BusDevice for MmioTransport {

@@ -40,6 +40,8 @@ pub enum BlockError {
     },
     #[error("create queue event")]
     EventFd(#[source] std::io::Error),
+    #[error("media go only into an empty slot")]
+    NotAnEmptySlot,
 }
 
 struct Active {
@@ -55,6 +57,9 @@ pub struct Block {
     backing: Backing,
     sectors: u64,
     read_only: bool,
+    /// A slot: offered writable whatever its media (features are fixed once the driver has
+    /// probed it); media put in read-only refuse writes.
+    slot: bool,
     id: Vec<u8>,
     acked_features: u64,
     queue_evts: Vec<EventFd>,
@@ -124,12 +129,42 @@ impl Block {
             backing,
             sectors,
             read_only,
+            slot: false,
             id: id.as_bytes().to_vec(),
             acked_features: 0,
             queue_evts,
             active: None,
             metrics: Arc::new(BlockMetrics::default()),
         })
+    }
+
+    /// An empty slot, for media put in later ([`Block::insert_media`]): a template's guest
+    /// probes it as a writable disk of no sectors, and a clone's gets its media at restore.
+    pub fn slot(id: &str) -> Result<Self, BlockError> {
+        let mut b = Self::with_backing(Backing::Empty, 0, false, id)?;
+        b.slot = true;
+        Ok(b)
+    }
+
+    /// Puts `file` into an empty slot as its media (read-only: writes fail); the caller tells
+    /// the driver ([`super::super::mmio::MmioTransport::config_changed`]).
+    pub fn insert_media(&mut self, file: File, read_only: bool) -> Result<(), BlockError> {
+        if !self.slot || !matches!(self.backing, Backing::Empty) {
+            return Err(BlockError::NotAnEmptySlot);
+        }
+        let len = file.metadata().map_err(|source| BlockError::Metadata {
+            path: "(slot media)".into(),
+            source,
+        })?;
+        self.sectors = len.len() / SECTOR_SIZE;
+        self.read_only = read_only;
+        self.backing = Backing::Raw(file);
+        Ok(())
+    }
+
+    /// Whether it is a slot for media.
+    pub fn is_slot(&self) -> bool {
+        self.slot
     }
 
     /// Capacity in sectors.
@@ -141,7 +176,7 @@ impl Block {
     pub fn layered_disk(&self) -> Option<&LayeredDisk> {
         match &self.backing {
             Backing::Layered(d) => Some(d),
-            Backing::Raw(_) => None,
+            Backing::Raw(_) | Backing::Empty => None,
         }
     }
 
@@ -261,7 +296,7 @@ impl VirtioDevice for Block {
 
     fn avail_features(&self) -> u64 {
         let mut f = 1u64 << VIRTIO_F_VERSION_1;
-        if self.read_only {
+        if self.read_only && !self.slot {
             f |= 1 << VIRTIO_BLK_F_RO;
         } else {
             f |= 1 << VIRTIO_BLK_F_FLUSH;

@@ -59,11 +59,13 @@ pub enum Malformed {
     NoStatus,
 }
 
-/// Where a disk's bytes are: a raw image file, or a copy-on-write chain.
+/// Where a disk's bytes are: a raw image file, a copy-on-write chain, or nothing (an empty
+/// slot, of no sectors, until media is put in).
 #[derive(Debug)]
 pub enum Backing {
     Raw(File),
     Layered(LayeredDisk),
+    Empty,
 }
 
 impl Backing {
@@ -71,6 +73,7 @@ impl Backing {
         match self {
             Self::Raw(f) => f.read_exact_at(buf, offset),
             Self::Layered(d) => d.read_at(buf, offset),
+            Self::Empty => Err(std::io::ErrorKind::NotFound.into()),
         }
     }
 
@@ -78,6 +81,7 @@ impl Backing {
         match self {
             Self::Raw(f) => Ok(f.write_all_at(buf, offset)?),
             Self::Layered(d) => d.write_at(buf, offset),
+            Self::Empty => Err(WriteError::Io(std::io::ErrorKind::NotFound.into())),
         }
     }
 
@@ -86,7 +90,7 @@ impl Backing {
     fn flush(&self) -> std::io::Result<()> {
         match self {
             Self::Raw(f) => f.sync_data(),
-            Self::Layered(_) => Ok(()),
+            Self::Layered(_) | Self::Empty => Ok(()),
         }
     }
 }
