@@ -96,9 +96,12 @@ impl Agent {
         reseed::handle(self.pid1, self.state_dir.as_deref(), &self.identity, req)
     }
 
-    /// Kills every execution, syncs, and powers the VM off (PID 1) or exits (host mode).
+    /// Kills every execution, unmounts the volumes, syncs, and powers the VM off (PID 1) or
+    /// exits (host mode).
     pub fn power_off(&self) -> ! {
         self.execs.kill_all();
+        let volumes = std::mem::take(&mut self.identity().volumes);
+        crate::volumes::unmount_all(&volumes);
         sys::sync();
         if !self.pid1 {
             std::process::exit(0);

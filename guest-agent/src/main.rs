@@ -14,7 +14,8 @@
 //! 1. `sys` (all unsafe code), `error` (request errors), `clock` (milliseconds).
 //! 2. `conn` (the sending side of a connection), `cgroup`, `reaper` (the only place that reaps
 //!    children), `init` (PID 1 work, console lines), `users` (the accounts requests act as),
-//!    `exec_spec` (a validated Exec request), `disk` (the sandbox's space on a writable root).
+//!    `exec_spec` (a validated Exec request), `disk` (the sandbox's space on a writable root),
+//!    `volumes` (disk slots mounted where Reseed says).
 //! 3. `delivery` (who gets an execution's responses: its owner, or a bounded window while it
 //!    has none), `spawn` (an execution's process: cgroup, command, pipes, reaper).
 //! 4. `execution` (a running execution: kill target, stdin queue, Signal).
@@ -46,6 +47,7 @@ mod server;
 mod spawn;
 mod sys;
 mod users;
+mod volumes;
 
 use std::io;
 use std::path::PathBuf;

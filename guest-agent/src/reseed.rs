@@ -15,7 +15,8 @@ use std::sync::{Mutex, PoisonError};
 
 use airlock_proto::pb::{self, ErrorCode, Reseeded};
 use airlock_proto::{
-    MAX_HOSTNAME_BYTES, MAX_RESEED_ENTROPY, MAX_SANDBOX_ID_BYTES, MIN_RESEED_ENTROPY,
+    MAX_HOSTNAME_BYTES, MAX_RESEED_ENTROPY, MAX_SANDBOX_ID_BYTES, MAX_VOLUME_MOUNTS,
+    MIN_RESEED_ENTROPY,
 };
 
 use crate::error::ReqError;
@@ -37,6 +38,8 @@ pub struct Identity {
     pub hostname: Option<String>,
     /// Set by Reseed: exported to executions, reported in Ready. Empty before any.
     pub sandbox_id: String,
+    /// The volumes Reseed mounted (their paths), unmounted before a power-off.
+    pub volumes: Vec<String>,
 }
 
 /// A validated Reseed request.
@@ -47,6 +50,8 @@ pub struct ReseedSpec {
     pub sandbox_id: Option<String>,
     /// The sandbox's writable space, if a limit was asked for (see [`crate::disk`]).
     pub disk_bytes: Option<u64>,
+    /// Volumes to mount (checked: [`crate::volumes::check`]).
+    pub mounts: Vec<pb::VolumeMount>,
 }
 
 impl ReseedSpec {
@@ -65,11 +70,30 @@ impl ReseedSpec {
         if let Some(id) = &sandbox_id {
             check_sandbox_id(id).map_err(ReqError::invalid)?;
         }
+        if req.mounts.len() > MAX_VOLUME_MOUNTS {
+            return Err(ReqError::invalid(format!(
+                "{} volumes, at most {MAX_VOLUME_MOUNTS}",
+                req.mounts.len()
+            )));
+        }
+        for (i, m) in req.mounts.iter().enumerate() {
+            crate::volumes::check(m)?;
+            if req.mounts[..i]
+                .iter()
+                .any(|o| o.serial == m.serial || o.path == m.path)
+            {
+                return Err(ReqError::invalid(format!(
+                    "volume {} or its path {} given twice",
+                    m.serial, m.path
+                )));
+            }
+        }
         Ok(Self {
             entropy: req.entropy,
             hostname,
             sandbox_id,
             disk_bytes: (req.disk_bytes > 0).then_some(req.disk_bytes),
+            mounts: req.mounts,
         })
     }
 }
@@ -147,6 +171,11 @@ pub fn handle(
             }
             done.disk_limit_set = true;
         }
+        for m in &spec.mounts {
+            crate::volumes::mount(m)?;
+            identity.volumes.push(m.path.clone());
+            done.mounted.push(m.path.clone());
+        }
     }
     if let Some(id) = spec.sandbox_id {
         if let Some(dir) = state_dir {
@@ -210,6 +239,7 @@ mod tests {
             hostname: hostname.into(),
             sandbox_id: sandbox_id.into(),
             disk_bytes: 0,
+            mounts: Vec::new(),
         }
     }
 

@@ -89,6 +89,46 @@ pub fn remount_tmpfs_size(target: &str, bytes: u64) -> io::Result<()> {
     check(rc).map(drop)
 }
 
+/// Mounts the ext4 file system on `device` at `target`, nosuid and nodev, read-only if asked.
+pub fn mount_ext4(device: &str, target: &str, read_only: bool) -> io::Result<()> {
+    let (src, tgt, fst) = (cstr(device)?, cstr(target)?, cstr("ext4")?);
+    let mut flags = libc::MS_NOSUID | libc::MS_NODEV;
+    if read_only {
+        flags |= libc::MS_RDONLY;
+    }
+    // SAFETY: all pointers are valid NUL-terminated strings that outlive the call; no data.
+    let rc = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            tgt.as_ptr(),
+            fst.as_ptr(),
+            flags,
+            std::ptr::null(),
+        )
+    };
+    check(rc).map(drop)
+}
+
+/// Unmounts `target`.
+pub fn unmount(target: &str) -> io::Result<()> {
+    let tgt = cstr(target)?;
+    // SAFETY: `tgt` is a valid NUL-terminated string that outlives the call.
+    check(unsafe { libc::umount2(tgt.as_ptr(), 0) }).map(drop)
+}
+
+/// Makes the block device open as `dev` read-only (`BLKROSET`): nothing, the kernel's own
+/// journal recovery included, may write to it any more.
+pub fn set_block_read_only(dev: &std::fs::File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let one: libc::c_int = 1;
+    // SAFETY: BLKROSET reads one int through the pointer, which points at a live int; the
+    // descriptor is open for the call.
+    check(unsafe { libc::ioctl(dev.as_raw_fd(), BLKROSET, &raw const one) }).map(drop)
+}
+
+/// `_IO(0x12, 93)`.
+const BLKROSET: libc::c_ulong = 0x125d;
+
 /// What `statvfs(path)` says: (block size, free blocks, blocks available to unprivileged
 /// users, read-only).
 pub fn fs_space(path: &str) -> io::Result<(u64, u64, u64, bool)> {

@@ -124,6 +124,7 @@ pub fn clone_identity(sandbox_id: &str, disk_bytes: u64) -> Result<pb::Reseed, C
         hostname: sandbox_id.to_owned(),
         sandbox_id: sandbox_id.to_owned(),
         disk_bytes,
+        mounts: Vec::new(),
     })
 }
 
@@ -544,6 +545,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
             hostname: hostname.to_owned(),
             sandbox_id: sandbox_id.to_owned(),
             disk_bytes: 0,
+            mounts: Vec::new(),
         })
     }
 

@@ -103,5 +103,11 @@ pub const MIN_RESEED_ENTROPY: usize = 16;
 pub const MAX_RESEED_ENTROPY: usize = 512;
 /// Longest `Reseed.hostname` (the kernel's HOST_NAME_MAX).
 pub const MAX_HOSTNAME_BYTES: usize = 64;
+/// Volumes a Reseed may mount (the VM's disk slots).
+pub const MAX_VOLUME_MOUNTS: usize = 8;
+/// The serial of disk slot `n`, as the VMM names it and the agent finds it.
+pub fn slot_serial(n: usize) -> String {
+    format!("airlock-slot-{n}")
+}
 /// Longest `Reseed.sandbox_id`.
 pub const MAX_SANDBOX_ID_BYTES: usize = 64;
