@@ -9,13 +9,15 @@
 use std::path::PathBuf;
 
 use airlock_api::v1::{
-    CreateSandboxRequest, DeleteTemplateRequest, DestroySandboxRequest, Sandbox,
-    SnapshotSandboxRequest, WriteFileHeader, WriteFileRequest, write_file_request,
+    CreateSandboxRequest, CreateVolumeRequest, DeleteTemplateRequest, DeleteVolumeRequest,
+    DestroySandboxRequest, ListVolumesRequest, Sandbox, SnapshotSandboxRequest, VolumeAttachment,
+    WriteFileHeader, WriteFileRequest, write_file_request,
 };
 use airlock_system_tests::harness::{Client, reason, run_as};
 use airlock_system_tests::shared::{Shared, scenario};
 
-const CONFIG: &str = "pool_size = 1\n";
+const TENANT_TOKEN: &str = "token-of-acme";
+const CONFIG: &str = "pool_size = 1\n[tenants.acme]\ntokens = [\"token-of-acme\"]\n";
 
 async fn create(c: &mut Client, s: &Shared, req: CreateSandboxRequest) -> Sandbox {
     c.create_sandbox(req)
@@ -250,4 +252,131 @@ async fn a_snapshot_keeps_the_written_root_and_each_clone_writes_its_own() {
     })
     .await
     .unwrap();
+}
+
+fn mount(name: &str, path: &str, read_only: bool) -> CreateSandboxRequest {
+    CreateSandboxRequest {
+        volumes: vec![VolumeAttachment {
+            name: name.into(),
+            mount_path: path.into(),
+            read_only,
+        }],
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_outlives_its_sandbox_with_one_writer_or_many_readers() {
+    let (_serial, s) = scenario(CONFIG).await;
+    let mut c = s.client(None).await;
+    let v = c
+        .create_volume(CreateVolumeRequest {
+            name: "work".into(),
+            size_mib: 64,
+        })
+        .await
+        .unwrap_or_else(|e| panic!("create volume: {e:?}\n{}", s.log_tail()))
+        .into_inner();
+    assert_eq!((v.name.as_str(), v.size_mib), ("work", 64));
+    // Written by the guest's user in one sandbox...
+    let a = create(&mut c, s, mount("work", "/data", false)).await;
+    assert_eq!(a.volumes.len(), 1);
+    let out = sh(
+        &mut c,
+        s,
+        &a.id,
+        "",
+        "echo kept > /data/notes && cat /data/notes && stat -c %U /data && \
+         df -k --output=size /data | tail -n1",
+    )
+    .await;
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[..2], ["kept", "user"], "{out}");
+    let size_kib: u64 = lines[2].trim().parse().unwrap();
+    assert!(
+        size_kib > 40 << 10 && size_kib <= 64 << 10,
+        "{size_kib} KiB"
+    );
+    // ... and while it has it read-write, nobody else mounts it, and it is not deleted.
+    let listed = c
+        .list_volumes(ListVolumesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .volumes;
+    assert_eq!(listed[0].attached_to, std::slice::from_ref(&a.id));
+    for ro in [true, false] {
+        let err = c
+            .create_sandbox(mount("work", "/data", ro))
+            .await
+            .expect_err("a volume mounted read-write elsewhere");
+        assert_eq!(reason(&err).0, "VOLUME_IN_USE", "{err:?}");
+    }
+    let err = c
+        .delete_volume(DeleteVolumeRequest {
+            name: "work".into(),
+        })
+        .await
+        .expect_err("a mounted volume");
+    assert_eq!(reason(&err).0, "VOLUME_IN_USE");
+    let err = c
+        .snapshot_sandbox(SnapshotSandboxRequest {
+            sandbox_id: a.id.clone(),
+            template_name: "with-volume".into(),
+        })
+        .await
+        .expect_err("a sandbox with a volume is not snapshotted");
+    assert_eq!(reason(&err).0, "VOLUME_IN_USE");
+    destroy(&mut c, &a.id).await;
+    // Read back in two later sandboxes at once, read-only; a writer waits for them.
+    let b = create(&mut c, s, mount("work", "/mnt/work", true)).await;
+    let b2 = create(&mut c, s, mount("work", "/mnt/work", true)).await;
+    let out = sh(
+        &mut c,
+        s,
+        &b.id,
+        "",
+        "cat /mnt/work/notes; echo more > /mnt/work/x 2>/dev/null || echo read-only",
+    )
+    .await;
+    assert_eq!(out, "kept\nread-only\n");
+    let err = c
+        .create_sandbox(mount("work", "/data", false))
+        .await
+        .expect_err("read-only users hold it");
+    assert_eq!(reason(&err).0, "VOLUME_IN_USE");
+    // Another tenant has no such volume.
+    let mut acme = s.client(Some(TENANT_TOKEN)).await;
+    let err = acme
+        .create_sandbox(mount("work", "/data", true))
+        .await
+        .expect_err("another tenant's volume");
+    assert_eq!(reason(&err).0, "VOLUME_NOT_FOUND");
+    assert!(
+        acme.list_volumes(ListVolumesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .volumes
+            .is_empty()
+    );
+    for id in [&b.id, &b2.id] {
+        destroy(&mut c, id).await;
+    }
+    // Deleting frees its file.
+    let files = || {
+        std::fs::read_dir(s.data_dir.join("volumes"))
+            .unwrap()
+            .count()
+    };
+    assert_eq!(files(), 1);
+    let deleted = c
+        .delete_volume(DeleteVolumeRequest {
+            name: "work".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(deleted.deleted);
+    assert_eq!(files(), 0);
 }

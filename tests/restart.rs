@@ -328,3 +328,88 @@ async fn sigterm_keeps_sandboxes_for_the_next_daemon_and_adopt_off_reaps_them() 
     assert!(run_left.is_empty(), "run directories left: {run_left:?}");
     remove_parent_cgroups(&p.cgroup_parent);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_volume_and_the_sandbox_that_mounts_it_survive_a_restart() {
+    let (_serial, p) = prepared().await;
+    let mut d = start(p, ADOPT);
+    let mut c = client(&d, None).await;
+    c.create_volume(CreateVolumeRequest {
+        name: "kept".into(),
+        size_mib: 32,
+    })
+    .await
+    .unwrap();
+    let mount = |read_only| CreateSandboxRequest {
+        volumes: vec![VolumeAttachment {
+            name: "kept".into(),
+            mount_path: "/data".into(),
+            read_only,
+        }],
+        ..Default::default()
+    };
+    let a = c
+        .create_sandbox(mount(false))
+        .await
+        .unwrap_or_else(|e| panic!("create: {e:?}\n{}", tail(&d.log)))
+        .into_inner();
+    let (out, _, rec) = run(
+        &mut c,
+        &a.id,
+        &["sh", "-c", "echo before > /data/f && sync"],
+    )
+    .await;
+    assert_eq!(rec.exit_code, 0, "{out}");
+    stop_daemon(&mut d);
+
+    // The next daemon finds the volume, and the adopted sandbox still has it, read-write.
+    let mut d = start(p, ADOPT);
+    let mut c = client(&d, None).await;
+    let listed = c
+        .list_volumes(ListVolumesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .volumes;
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].attached_to, std::slice::from_ref(&a.id));
+    let err = c
+        .create_sandbox(mount(true))
+        .await
+        .expect_err("the adopted sandbox mounts it read-write");
+    assert_eq!(
+        airlock_api::error_info(&err).map(|i| i.0).as_deref(),
+        Some("VOLUME_IN_USE")
+    );
+    let (out, _, _) = run(
+        &mut c,
+        &a.id,
+        &["sh", "-c", "echo after >> /data/f; cat /data/f"],
+    )
+    .await;
+    assert_eq!(out, "before\nafter\n");
+    c.destroy_sandbox(DestroySandboxRequest {
+        sandbox_id: a.id.clone(),
+    })
+    .await
+    .unwrap();
+    let b = c.create_sandbox(mount(true)).await.unwrap().into_inner();
+    let (out, _, _) = run(&mut c, &b.id, &["cat", "/data/f"]).await;
+    assert_eq!(
+        out, "before\nafter\n",
+        "written across the restart, read after"
+    );
+    c.destroy_sandbox(DestroySandboxRequest { sandbox_id: b.id })
+        .await
+        .unwrap();
+    assert!(
+        c.delete_volume(DeleteVolumeRequest {
+            name: "kept".into()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .deleted
+    );
+    stop_daemon(&mut d);
+}

@@ -69,6 +69,13 @@ pub struct Config {
     /// image, which each sandbox writes into an overlay of its own (false: the root is
     /// read-only and /tmp a tmpfs, as before).
     pub writable_root: bool,
+    /// Empty disk slots every template is built with, for volumes (at most 8; a sandbox mounts
+    /// at most this many). 0: templates without volumes.
+    pub volume_slots: u32,
+    /// The largest volume (MiB).
+    pub max_volume_size_mib: u32,
+    /// `mkfs.ext4`, which makes volumes (default: found on `$PATH` or in /sbin, /usr/sbin).
+    pub mkfs_ext4: Option<PathBuf>,
     /// The largest template a build may make (each of its sandboxes has this shape).
     pub max_template_vcpus: u32,
     pub max_template_memory_mib: u32,
@@ -151,6 +158,9 @@ pub struct Quota {
     pub max_template_mib: u64,
     /// Stored execution output, MiB: past it, the output of the oldest ended executions goes.
     pub max_output_mib: u64,
+    /// Volumes, and the MiB of their sizes together.
+    pub max_volumes: usize,
+    pub max_volume_mib: u64,
 }
 
 impl Default for Quota {
@@ -161,6 +171,8 @@ impl Default for Quota {
             max_templates: 16,
             max_template_mib: 64 << 10,
             max_output_mib: 8 << 10,
+            max_volumes: 32,
+            max_volume_mib: 256 << 10,
         }
     }
 }
@@ -230,6 +242,9 @@ impl Default for Config {
             template_build_timeout_s: 900,
             max_disk_mib: 64 << 10,
             writable_root: true,
+            volume_slots: 4,
+            max_volume_size_mib: 1 << 20,
+            mkfs_ext4: None,
             writable_paths: vec!["/tmp".into()],
             exportable_paths: vec!["/tmp".into()],
             vmm_overhead_mib: 128,

@@ -26,6 +26,17 @@ pub enum ApiError {
     TemplateNotFound(String),
     #[error("template {0} exists; templates are immutable (delete it first)")]
     TemplateExists(String),
+    #[error("volume {0} not found")]
+    VolumeNotFound(String),
+    #[error("volume {0} exists")]
+    VolumeExists(String),
+    /// The volume is mounted where this use cannot share it (`by`: the sandboxes).
+    #[error("volume {name} is in use by {by}: {why}")]
+    VolumeInUse {
+        name: String,
+        by: String,
+        why: &'static str,
+    },
     #[error("sandbox {id} is {state}")]
     SandboxNotRunning { id: String, state: String },
     #[error("host capacity exhausted: {what} {current} of {limit}")]
@@ -83,6 +94,9 @@ impl ApiError {
             Self::ExecutionNotFound(_) => "EXECUTION_NOT_FOUND",
             Self::TemplateNotFound(_) => "TEMPLATE_NOT_FOUND",
             Self::TemplateExists(_) => "TEMPLATE_EXISTS",
+            Self::VolumeNotFound(_) => "VOLUME_NOT_FOUND",
+            Self::VolumeExists(_) => "VOLUME_EXISTS",
+            Self::VolumeInUse { .. } => "VOLUME_IN_USE",
             Self::SandboxNotRunning { .. } => "SANDBOX_NOT_RUNNING",
             Self::Capacity { .. } | Self::DataDirFull(_) => "CAPACITY_EXHAUSTED",
             Self::Quota { .. } => "QUOTA_EXCEEDED",
@@ -104,9 +118,10 @@ impl ApiError {
             Self::SandboxNotFound(_)
             | Self::ExecutionNotFound(_)
             | Self::TemplateNotFound(_)
+            | Self::VolumeNotFound(_)
             | Self::FileNotFound { .. } => Code::NotFound,
-            Self::TemplateExists(_) => Code::AlreadyExists,
-            Self::SandboxNotRunning { .. } => Code::FailedPrecondition,
+            Self::TemplateExists(_) | Self::VolumeExists(_) => Code::AlreadyExists,
+            Self::SandboxNotRunning { .. } | Self::VolumeInUse { .. } => Code::FailedPrecondition,
             Self::Capacity { .. }
             | Self::DataDirFull(_)
             | Self::Quota { .. }
@@ -134,6 +149,13 @@ impl ApiError {
             }
             Self::TemplateNotFound(name) | Self::TemplateExists(name) => {
                 m.insert("template".into(), name.clone());
+            }
+            Self::VolumeNotFound(name) | Self::VolumeExists(name) => {
+                m.insert("volume".into(), name.clone());
+            }
+            Self::VolumeInUse { name, by, .. } => {
+                m.insert("volume".into(), name.clone());
+                m.insert("sandbox_id".into(), by.clone());
             }
             Self::Capacity {
                 what,

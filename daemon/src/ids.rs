@@ -12,6 +12,7 @@ pub const SANDBOX: &str = "sb";
 pub const EXECUTION: &str = "ex";
 pub const TEMPLATE: &str = "tpl";
 pub const VMM: &str = "vm";
+pub const VOLUME: &str = "vol";
 
 /// A new random id with `prefix`.
 pub fn new_id(prefix: &str) -> ApiResult<String> {

@@ -38,6 +38,7 @@ mod stream;
 mod supervisor;
 mod templates;
 mod vmm;
+mod volumes;
 
 #[cfg(test)]
 mod fake;

@@ -165,6 +165,10 @@ impl Recovery<'_> {
             }
         }
         rt.set_vmm(vmm);
+        // Its volumes stay mounted in its guest: theirs again.
+        self.sandboxes
+            .volumes
+            .adopt(&rt.tenant, &rt.id, &rt.snapshot().volumes);
         self.store.put_sandbox(&rt.snapshot())?;
         self.sandboxes.insert(Arc::new(rt));
         info!(sandbox = %id, pid, "adopted the sandbox's VMM");

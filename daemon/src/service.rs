@@ -458,6 +458,49 @@ impl Airlock for Service {
         .await
     }
 
+    async fn create_volume(
+        &self,
+        req: Request<CreateVolumeRequest>,
+    ) -> Result<Response<Volume>, Status> {
+        let tenant = tenant(&req)?;
+        let r = req.into_inner();
+        let quota = self.daemon.cfg.quota_of(&tenant);
+        traced("CreateVolume", &tenant, async {
+            self.daemon
+                .sandboxes
+                .volumes
+                .create(&tenant, &quota, &r.name, r.size_mib)
+                .await
+        })
+        .await
+    }
+
+    async fn list_volumes(
+        &self,
+        req: Request<ListVolumesRequest>,
+    ) -> Result<Response<ListVolumesResponse>, Status> {
+        let tenant = tenant(&req)?;
+        traced("ListVolumes", &tenant, async {
+            Ok(ListVolumesResponse {
+                volumes: self.daemon.sandboxes.volumes.list(&tenant),
+            })
+        })
+        .await
+    }
+
+    async fn delete_volume(
+        &self,
+        req: Request<DeleteVolumeRequest>,
+    ) -> Result<Response<DeleteVolumeResponse>, Status> {
+        let tenant = tenant(&req)?;
+        let r = req.into_inner();
+        traced("DeleteVolume", &tenant, async {
+            let deleted = self.daemon.sandboxes.volumes.delete(&tenant, &r.name)?;
+            Ok(DeleteVolumeResponse { deleted })
+        })
+        .await
+    }
+
     async fn get_usage(&self, req: Request<GetUsageRequest>) -> Result<Response<Usage>, Status> {
         let tenant = tenant(&req)?;
         let d = self.daemon.clone();

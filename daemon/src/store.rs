@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::sync::Mutex;
 
-use airlock_api::v1::{CreateSandboxRequest, EgressEvent, Execution, Sandbox, Template};
+use airlock_api::v1::{CreateSandboxRequest, EgressEvent, Execution, Sandbox, Template, Volume};
 use prost::Message;
 use rusqlite::{Connection, OptionalExtension, params};
 
@@ -102,6 +102,9 @@ CREATE TABLE IF NOT EXISTS egress_events (
     sandbox_id TEXT NOT NULL, seq INTEGER NOT NULL, event BLOB NOT NULL,
     PRIMARY KEY (sandbox_id, seq));
 CREATE TABLE IF NOT EXISTS egress_dropped (sandbox_id TEXT PRIMARY KEY, n INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS volumes (
+    tenant TEXT NOT NULL, name TEXT NOT NULL, id TEXT NOT NULL, record BLOB NOT NULL,
+    PRIMARY KEY (tenant, name));
 ";
 
 fn decode<M: Message + Default>(bytes: Vec<u8>) -> rusqlite::Result<M> {
@@ -138,6 +141,31 @@ impl Store {
         let mut st = db.prepare("SELECT record, dir FROM templates WHERE deleted = 0")?;
         let rows = st.query_map([], |r| Ok((decode(r.get(0)?)?, r.get(1)?)))?;
         Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Records a volume of `tenant`'s (its file is named by `id`).
+    pub fn put_volume(&self, tenant: &str, id: &str, v: &Volume) -> ApiResult<()> {
+        self.db().execute(
+            "INSERT INTO volumes (tenant, name, id, record) VALUES (?1, ?2, ?3, ?4)",
+            params![tenant, v.name, id, v.encode_to_vec()],
+        )?;
+        Ok(())
+    }
+
+    /// Every volume: (tenant, id, record).
+    pub fn volumes(&self) -> ApiResult<Vec<(String, String, Volume)>> {
+        let db = self.db();
+        let mut st = db.prepare("SELECT tenant, id, record FROM volumes")?;
+        let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?, decode(r.get(2)?)?)))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    pub fn delete_volume(&self, tenant: &str, name: &str) -> ApiResult<()> {
+        self.db().execute(
+            "DELETE FROM volumes WHERE tenant = ?1 AND name = ?2",
+            params![tenant, name],
+        )?;
+        Ok(())
     }
 
     pub fn delete_template(&self, id: &str) -> ApiResult<()> {

@@ -62,6 +62,8 @@ impl Sandboxes {
         let template = self.templates.find(tenant, name)?;
         let spec = SandboxSpec::check(&req, &template.record, &self.cfg)?;
         self.egress.within_ceiling(tenant, &spec.egress)?;
+        // Before a VMM is taken; the claim comes with the restore.
+        self.volumes.check_known(tenant, &spec.volumes)?;
         let rt = Arc::new(self.new_rt(tenant, &template, &spec)?);
         if let Err(e) = self.admit(&rt) {
             self.metrics.create_failed(e.reason());
@@ -97,6 +99,7 @@ impl Sandboxes {
             max_lifetime_s: spec.max_lifetime_s,
             created_unix_ms: ids::now_ms(),
             network: Some(spec.network.clone()),
+            volumes: spec.volumes.clone(),
             ..Default::default()
         };
         Ok(SandboxRt::new(
@@ -164,14 +167,18 @@ impl Sandboxes {
                 .map_err(|e| ApiError::Internal(format!("the sandbox's network: {e}")))?;
             rt.set_net(net);
         }
+        // Its volumes are claimed (or the create fails here), their files handed to the VMM
+        // with the restore; a create that fails afterwards releases them with the claim.
+        let claim = self.volumes.claim(&rt.tenant, &rt.id, &spec.volumes)?;
         let t_taken = Instant::now();
         let quota = Some(u64::from(spec.disk_mib));
-        let restored = vmm::control::restore(&vmm.control, &template.dir, quota)
+        let restored = vmm::control::restore(&vmm.control, &template.dir, quota, &claim.media)
             .await
             .map_err(|e| ApiError::Internal(format!("restore: {e}")))?;
         let t_running = Instant::now();
         let restore_ms = restored.running_after_us as f64 / 1000.0;
         let guest = self.greet(rt, &vmm, spec, t_running).await?;
+        drop(claim.keep());
         let total_ms = t0.elapsed().as_secs_f64() * 1000.0;
         // Reseeding and placing files wait on the guest too; a queued create waited for others.
         let guest_ms = guest.ready_ms + guest.identity_ms;
@@ -248,8 +255,19 @@ impl Sandboxes {
             // The clone's identity goes out with the connection (no round trip after Ready),
             // with its writable space (on a writable root, the overlay's quota too).
             let disk_bytes = u64::from(spec.disk_mib) << 20;
-            let identity = airlock_proto::client::clone_identity(&rt.id, disk_bytes)
+            let mut identity = airlock_proto::client::clone_identity(&rt.id, disk_bytes)
                 .map_err(|e| from_agent(e, call))?;
+            // Volumes are in the first disk slots, in the order asked.
+            identity.mounts = spec
+                .volumes
+                .iter()
+                .enumerate()
+                .map(|(slot, v)| airlock_proto::pb::VolumeMount {
+                    serial: airlock_proto::slot_serial(slot),
+                    path: v.mount_path.clone(),
+                    read_only: v.read_only,
+                })
+                .collect();
             let reseed = airlock_proto::pb::request::Kind::Reseed(identity);
             let (mut client, reseed_id) = airlock_proto::vsock::wait_ready_pipelined(
                 &vmm.vsock,

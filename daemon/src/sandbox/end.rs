@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use airlock_api::v1::Sandbox;
+use airlock_api::v1::{Sandbox, SandboxState};
 use tracing::{info, warn};
 
 use super::{SandboxRt, Sandboxes};
@@ -17,6 +17,34 @@ use crate::vmm;
 
 /// How long a killed VMM may take to be gone.
 const KILL_WAIT: Duration = Duration::from_secs(5);
+/// How long a sandbox with volumes may take to unmount them and power off before it is killed.
+const POWER_OFF_WAIT: Duration = Duration::from_secs(20);
+
+/// Asks the guest to unmount its volumes, sync and power off (PowerOff), and waits for its VMM
+/// to end, at most [`POWER_OFF_WAIT`]: what the sandbox wrote to a volume is then on the
+/// host's disk and the volume clean. A guest that does not cooperate is killed anyway (its
+/// volumes' journals replay at their next read-write mount).
+async fn power_off(rt: &SandboxRt, v: &vmm::VmmProcess) {
+    let vsock = v.vsock.clone();
+    let asked = tokio::task::spawn_blocking(move || {
+        let mut c = crate::agent::client(&vsock)?;
+        c.within(POWER_OFF_WAIT, |c| {
+            c.call(airlock_proto::pb::request::Kind::PowerOff(
+                airlock_proto::pb::PowerOff {},
+            ))
+        })
+    })
+    .await;
+    match asked {
+        Ok(Ok(_)) => {
+            if !v.wait_gone(POWER_OFF_WAIT).await {
+                warn!(sandbox = %rt.id, "the guest did not power off within {POWER_OFF_WAIT:?}");
+            }
+        }
+        Ok(Err(e)) => warn!(sandbox = %rt.id, "asking the guest to power off: {e}"),
+        Err(e) => warn!(sandbox = %rt.id, "power-off task: {e}"),
+    }
+}
 
 impl Sandboxes {
     /// Ends a live sandbox for `reason`; the final record.
@@ -32,6 +60,9 @@ impl Sandboxes {
         }
         let usage = rt.snapshot();
         if let Some(v) = rt.vmm() {
+            if !usage.volumes.is_empty() && usage.state == SandboxState::Running as i32 {
+                power_off(rt, &v).await;
+            }
             v.kill();
             if !v.wait_gone(KILL_WAIT).await {
                 warn!(sandbox = %rt.id, pid = v.pid, "the VMM did not end within {KILL_WAIT:?}");
@@ -41,6 +72,7 @@ impl Sandboxes {
         // Its proxy and DNS server stop, their sockets close: with the VMM gone, nothing holds
         // its network namespace any more.
         rt.drop_net();
+        self.volumes.release(&rt.id);
         self.executions
             .end_all_of(&rt.id, &ExecEnd::of_sandbox(&reason, message));
         let record = rt.update(|r| {

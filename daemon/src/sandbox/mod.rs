@@ -180,6 +180,8 @@ pub struct Sandboxes {
     host: Arc<VmmHost>,
     executions: Arc<Executions>,
     pub egress: Arc<crate::net::Egress>,
+    /// Every tenant's volumes (`DATA_DIR/volumes`).
+    pub volumes: Arc<crate::volumes::Volumes>,
     live: Mutex<HashMap<String, Arc<SandboxRt>>>,
     /// Template builds running now: (tenant, guest MiB) by a build's id.
     builds: Mutex<HashMap<u64, (String, u64)>>,
@@ -217,6 +219,17 @@ impl Sandboxes {
             store.clone(),
             metrics.clone(),
         )?);
+        // Next to the run directories, in the data directory.
+        let volumes = Arc::new(
+            crate::volumes::Volumes::load(
+                host.run_root().with_file_name("volumes"),
+                store.clone(),
+                cfg.mkfs_ext4.as_deref(),
+                cfg.volume_slots,
+                cfg.max_volume_size_mib,
+            )
+            .map_err(|e| format!("volumes: {e}"))?,
+        );
         Ok(Self {
             cfg,
             store,
@@ -226,6 +239,7 @@ impl Sandboxes {
             host,
             executions,
             egress,
+            volumes,
             live: Mutex::new(HashMap::new()),
             builds: Mutex::new(HashMap::new()),
             next_build: Default::default(),

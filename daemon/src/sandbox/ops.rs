@@ -77,6 +77,13 @@ impl Sandboxes {
                 state: state_name(state).into(),
             });
         }
+        if let Some(vol) = rt.snapshot().volumes.first() {
+            return Err(ApiError::VolumeInUse {
+                name: vol.name.clone(),
+                by: id.to_owned(),
+                why: "a sandbox with volumes mounted cannot be snapshotted (its template would                       hold them mounted); destroy it and mount them in a sandbox of the template",
+            });
+        }
         let v = rt.vmm_or_err()?;
         let tid = ids::new_id(ids::TEMPLATE)?;
         let dir = self.templates.dir_of(&tid);
@@ -141,6 +148,7 @@ impl Sandboxes {
             created_unix_ms: ids::now_ms(),
             memory_file_bytes: disk_bytes(&dir.join("memory")),
             image: src.map(|t| t.image.clone()).unwrap_or_default(),
+            volume_slots: src.map_or(0, |t| t.volume_slots),
         };
         self.templates.add(record, dir)
     }

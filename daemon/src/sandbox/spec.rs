@@ -3,7 +3,9 @@
 
 use std::collections::HashMap;
 
-use airlock_api::v1::{CreateSandboxRequest, FilePolicy, FileToPlace, NetworkPolicy, Template};
+use airlock_api::v1::{
+    CreateSandboxRequest, FilePolicy, FileToPlace, NetworkPolicy, Template, VolumeAttachment,
+};
 
 use crate::config::Config;
 use crate::error::{ApiError, ApiResult};
@@ -22,6 +24,8 @@ pub struct SandboxSpec {
     /// Its egress policy as asked, and as checked (against the tenant's ceiling at create).
     pub network: NetworkPolicy,
     pub egress: airlock_egress::Policy,
+    /// The volumes to mount (checked by `Volumes::claim`).
+    pub volumes: Vec<VolumeAttachment>,
 }
 
 impl SandboxSpec {
@@ -34,6 +38,19 @@ impl SandboxSpec {
                 "template {} has {} vCPU(s) and {} MiB; a snapshot's shape is fixed (make a \
                  template with CreateTemplate vcpus/memory_mib for another shape)",
                 template.name, template.vcpus, template.memory_mib
+            )));
+        }
+        if req.volumes.len() > template.volume_slots as usize {
+            return Err(ApiError::InvalidArgument(format!(
+                "{} volumes, and template {} has {} disk slots for them{}",
+                req.volumes.len(),
+                template.name,
+                template.volume_slots,
+                if template.volume_slots == 0 {
+                    " (it was built before volumes: build it again)"
+                } else {
+                    ""
+                }
             )));
         }
         let disk_mib = or_default(req.disk_mib, cfg.default_disk_mib);
@@ -70,6 +87,7 @@ impl SandboxSpec {
             files: req.files.clone(),
             network,
             egress,
+            volumes: req.volumes.clone(),
         })
     }
 
@@ -80,6 +98,7 @@ impl SandboxSpec {
             env: self.env.clone(),
             file_policy: Some(self.policy.clone()),
             network: Some(self.network.clone()),
+            volumes: self.volumes.clone(),
             ..Default::default()
         }
     }

@@ -153,6 +153,7 @@ impl Builder {
             created_unix_ms: ids::now_ms(),
             memory_file_bytes: disk_bytes(&dir.join("memory")),
             image: spec.image.clone(),
+            volume_slots: self.cfg.volume_slots,
         };
         let t = self.templates.add(record, dir)?;
         let secs = progress.started.elapsed().as_secs();
@@ -360,6 +361,8 @@ impl Builder {
                 &spec.memory_mib.to_string(),
                 "--warmup",
                 &spec.warmup,
+                "--disk-slots",
+                &self.cfg.volume_slots.to_string(),
             ]
             .map(OsString::from),
         );

@@ -31,15 +31,28 @@ async fn call_within<T: DeserializeOwned>(
         let mut s = UnixStream::connect(path).await?;
         s.write_all(format!("{}\n", request.to_line()).as_bytes())
             .await?;
-        let mut answer = String::new();
-        BufReader::new(s.take(MAX_REPLY))
-            .read_line(&mut answer)
-            .await?;
-        if answer.is_empty() {
-            return Err(ControlError::Closed);
-        }
-        parse_reply(&answer)
+        read_answer(s).await
     };
+    bounded(exchange, request, timeout).await
+}
+
+/// The one answer line on `s`.
+async fn read_answer<T: DeserializeOwned>(s: UnixStream) -> Result<T, ControlError> {
+    let mut answer = String::new();
+    BufReader::new(s.take(MAX_REPLY))
+        .read_line(&mut answer)
+        .await?;
+    if answer.is_empty() {
+        return Err(ControlError::Closed);
+    }
+    parse_reply(&answer)
+}
+
+async fn bounded<T>(
+    exchange: impl std::future::Future<Output = Result<T, ControlError>>,
+    request: &Request,
+    timeout: Duration,
+) -> Result<T, ControlError> {
     tokio::time::timeout(timeout, exchange).await.map_err(|_| {
         ControlError::Io(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
@@ -49,17 +62,54 @@ async fn call_within<T: DeserializeOwned>(
 }
 
 /// Asks a pool process to restore `snapshot`; its copy-on-write root disk (if the snapshot
-/// has one) may then take `disk_quota_mib` of the host's disk.
+/// has one) may then take `disk_quota_mib` of the host's disk, and its first disk slots get
+/// `media` (volumes' files, each read-only or not), whose descriptors go with the request
+/// (SCM_RIGHTS: the VMM's jail holds no volume).
 pub async fn restore(
     path: &Path,
     snapshot: &Path,
     disk_quota_mib: Option<u64>,
+    media: &[(std::fs::File, bool)],
 ) -> Result<RestoreReply, ControlError> {
-    let req = airlock_control::RestoreRequest {
+    use airlock_control::SlotMode;
+    let req = Request::Restore(airlock_control::RestoreRequest {
         dir: snapshot.to_path_buf(),
         disk_quota_mib,
+        slots: media
+            .iter()
+            .map(|(_, ro)| {
+                if *ro {
+                    SlotMode::ReadOnly
+                } else {
+                    SlotMode::ReadWrite
+                }
+            })
+            .collect(),
+    });
+    if media.is_empty() {
+        return call(path, &req).await;
+    }
+    let fds = media
+        .iter()
+        .map(|(f, _)| f.try_clone().map(std::os::fd::OwnedFd::from))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let (path, line) = (path.to_owned(), format!("{}\n", req.to_line()));
+    let exchange = async move {
+        let sent = tokio::task::spawn_blocking(move || {
+            use std::os::fd::AsRawFd;
+            use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+            let s = std::os::unix::net::UnixStream::connect(&path)?;
+            let raw: Vec<_> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+            s.send_with_fds(&[line.as_bytes()], &raw)
+                .map_err(std::io::Error::from)?;
+            s.set_nonblocking(true)?;
+            Ok::<_, std::io::Error>(s)
+        })
+        .await
+        .map_err(std::io::Error::other)??;
+        read_answer(UnixStream::from_std(sent)?).await
     };
-    call(path, &Request::Restore(req)).await
+    bounded(exchange, &req, CALL_TIMEOUT).await
 }
 
 pub async fn pause(path: &Path) -> Result<StateReply, ControlError> {
