@@ -121,6 +121,9 @@ pub enum Command {
     /// Expose a guest TCP port on a host address, for callers presenting a token; prints the
     /// address, the token and the expiry (--json: the record)
     Expose(ExposeArgs),
+    /// Make, list and delete volumes (file systems that outlive sandboxes)
+    #[command(subcommand)]
+    Volume(VolumeCommand),
     /// What your tenant holds (sandboxes, memory, templates, stored output) against its quota
     Usage,
     /// Print the completion script of a shell (airlock completions bash > FILE)
@@ -180,6 +183,62 @@ pub struct TemplateRmArgs {
     pub name: String,
 }
 
+/// `volume ...`.
+#[derive(Debug, Subcommand)]
+pub enum VolumeCommand {
+    /// Make a volume: an ext4 file system that outlives sandboxes, restarts and reboots;
+    /// prints its name (--json: its record)
+    Create(VolumeCreateArgs),
+    /// List your volumes and who has them mounted (--json: a list of records)
+    Ls,
+    /// Delete a volume and free its space (refused while a sandbox has it mounted)
+    Rm(VolumeRmArgs),
+}
+
+/// `volume create`.
+#[derive(Debug, Args)]
+pub struct VolumeCreateArgs {
+    /// Name of the volume: [a-z0-9][a-z0-9_-]{0,62}
+    pub name: String,
+    /// Its size in MiB (16 or more)
+    #[arg(long, value_name = "MIB", default_value_t = 1024)]
+    pub size_mib: u32,
+}
+
+/// `volume rm`.
+#[derive(Debug, Args)]
+pub struct VolumeRmArgs {
+    /// The volume's name
+    pub name: String,
+}
+
+/// `--volume NAME:/GUEST/PATH[:ro]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeSpec {
+    pub name: String,
+    pub path: String,
+    pub read_only: bool,
+}
+
+/// `NAME:/GUEST/PATH` or `NAME:/GUEST/PATH:ro`.
+pub fn parse_volume_spec(s: &str) -> Result<VolumeSpec, String> {
+    let bad = || format!("{s:?}: expected NAME:/GUEST/PATH[:ro]");
+    let (name, rest) = s.split_once(":/").ok_or_else(bad)?;
+    if name.is_empty() {
+        return Err(bad());
+    }
+    let path = format!("/{rest}");
+    let (path, read_only) = match path.strip_suffix(":ro") {
+        Some(p) => (p.to_owned(), true),
+        None => (path, false),
+    };
+    Ok(VolumeSpec {
+        name: name.to_owned(),
+        path: parse_guest_path(&path)?,
+        read_only,
+    })
+}
+
 /// `create`: every field of `CreateSandboxRequest`.
 #[derive(Debug, Args)]
 pub struct CreateArgs {
@@ -192,9 +251,12 @@ pub struct CreateArgs {
     /// Guest memory in MiB: the template's value (as for --vcpus)
     #[arg(long, value_name = "MIB")]
     pub memory_mib: Option<u32>,
-    /// Writable space (the guest's /tmp) in MiB [default: the daemon's]
+    /// Writable space of the sandbox's root (/tmp included) in MiB [default: the daemon's]
     #[arg(long, value_name = "MIB")]
     pub disk_mib: Option<u32>,
+    /// Mount one of your volumes, read-only with `:ro` (repeatable)
+    #[arg(long = "volume", value_name = "NAME:/PATH[:ro]", value_parser = parse_volume_spec)]
+    pub volumes: Vec<VolumeSpec>,
     /// An environment variable of every execution in the sandbox (repeatable)
     #[arg(long = "env", value_name = "K=V", value_parser = parse_kv)]
     pub env: Vec<(String, String)>,

@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use airlock_api::v1::{
     EgressEvent, EgressKind, EgressRule, Exposure, NetworkPolicy, Sandbox, SandboxState, Template,
-    egress_rule,
+    Volume, egress_rule,
 };
 use serde_json::{Value, json};
 
@@ -34,6 +34,10 @@ pub fn sandbox_json(s: &Sandbox) -> Value {
         "created_unix_ms": s.created_unix_ms, "create_ms": s.create_ms,
         "create_host_ms": s.create_host_ms, "create_guest_ms": s.create_guest_ms,
         "restore_ms": s.restore_ms, "network": network_json(s.network.as_ref()),
+        "disk_mib": s.disk_mib,
+        "volumes": s.volumes.iter().map(|v| json!({
+            "name": v.name, "mount_path": v.mount_path, "read_only": v.read_only,
+        })).collect::<Vec<_>>(),
     })
 }
 
@@ -208,6 +212,38 @@ pub fn template_json(t: &Template) -> Value {
         "rootfs_path": t.rootfs_path, "rootfs_version": t.rootfs_version,
         "source_sandbox_id": t.source_sandbox_id, "created_unix_ms": t.created_unix_ms,
     })
+}
+
+/// A volume's JSON record.
+pub fn volume_json(v: &Volume) -> Value {
+    json!({
+        "name": v.name, "size_mib": v.size_mib, "created_unix_ms": v.created_unix_ms,
+        "used_bytes": v.used_bytes, "attached_to": v.attached_to,
+    })
+}
+
+/// The table of `airlock volume ls`.
+pub fn volume_table(list: &[Volume]) -> String {
+    let mut out = format!(
+        "{:<20} {:>9} {:>10} {}\n",
+        "NAME", "SIZE_MIB", "USED_MIB", "MOUNTED_BY"
+    );
+    for v in list {
+        let by = if v.attached_to.is_empty() {
+            "-".to_owned()
+        } else {
+            v.attached_to.join(",")
+        };
+        let _ = writeln!(
+            out,
+            "{:<20} {:>9} {:>10} {}",
+            v.name,
+            v.size_mib,
+            v.used_bytes >> 20,
+            by
+        );
+    }
+    out
 }
 
 /// The table of `airlock ls`.

@@ -7,7 +7,7 @@ use std::path::Path;
 use airlock_api::v1::{
     Argv, Code, CreateSandboxRequest, CreateTemplateRequest, EgressRule, ExecRequest,
     ExposePortRequest, FilePolicy, FileToPlace, ListSandboxesRequest, NetworkPolicy, SandboxState,
-    SetNetworkPolicyRequest, egress_rule, exec_request,
+    SetNetworkPolicyRequest, VolumeAttachment, egress_rule, exec_request,
 };
 
 use crate::args::{
@@ -62,6 +62,15 @@ pub fn create_request(args: &CreateArgs, read: Read) -> Result<CreateSandboxRequ
         max_lifetime_s: args.lifetime.unwrap_or(0),
         file_policy,
         network: network_policy(&args.network),
+        volumes: args
+            .volumes
+            .iter()
+            .map(|v| VolumeAttachment {
+                name: v.name.clone(),
+                mount_path: v.path.clone(),
+                read_only: v.read_only,
+            })
+            .collect(),
     })
 }
 

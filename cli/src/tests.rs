@@ -613,8 +613,26 @@ fn json_records_keep_their_shape() {
     assert_eq!(v["id"], "sb-1");
     assert_eq!(v["state"], "running");
     let keys: Vec<_> = v.as_object().unwrap().keys().cloned().collect();
-    assert_eq!(keys.len(), 16, "{keys:?}");
+    assert_eq!(keys.len(), 18, "{keys:?}");
     assert_eq!(v["network"]["allow_internet"], false);
+    assert_eq!(v["volumes"], serde_json::json!([]));
     let table = crate::output::sandbox_table(&[s]);
     assert!(table.starts_with("ID ") && table.contains("sb-1") && table.contains("running"));
+}
+
+#[test]
+fn a_volume_is_name_colon_absolute_path_with_ro_last() {
+    use crate::args::{VolumeSpec, parse_volume_spec};
+    assert_eq!(
+        parse_volume_spec("work:/data").unwrap(),
+        VolumeSpec {
+            name: "work".into(),
+            path: "/data".into(),
+            read_only: false
+        }
+    );
+    assert!(parse_volume_spec("ref:/mnt/ref:ro").unwrap().read_only);
+    for bad in ["work", ":/data", "work:data"] {
+        assert!(parse_volume_spec(bad).is_err(), "{bad}");
+    }
 }

@@ -32,6 +32,8 @@ struct Seen {
     net: Option<SetNetworkPolicyRequest>,
     egress: Vec<GetEgressLogRequest>,
     expose: Option<ExposePortRequest>,
+    /// Volumes made so far (name, size).
+    volumes: Vec<(String, u32)>,
     /// GetSandbox calls for `sb-ending`: running at the first, destroyed after.
     ending_polls: usize,
 }
@@ -370,6 +372,46 @@ impl Airlock for Mock {
         Ok(Response::new(e))
     }
 
+    async fn create_volume(&self, r: Request<CreateVolumeRequest>) -> Answer<Volume> {
+        let r = r.into_inner();
+        let mut seen = self.0.lock().unwrap();
+        if seen.volumes.iter().any(|(n, _)| *n == r.name) {
+            return Err(Status::already_exists(format!("volume {} exists", r.name)));
+        }
+        seen.volumes.push((r.name.clone(), r.size_mib));
+        Ok(Response::new(Volume {
+            name: r.name,
+            size_mib: r.size_mib,
+            ..Default::default()
+        }))
+    }
+
+    async fn list_volumes(&self, _: Request<ListVolumesRequest>) -> Answer<ListVolumesResponse> {
+        let seen = self.0.lock().unwrap();
+        let volumes = seen
+            .volumes
+            .iter()
+            .map(|(name, size_mib)| Volume {
+                name: name.clone(),
+                size_mib: *size_mib,
+                used_bytes: 3 << 20,
+                attached_to: vec!["sb-1".into()],
+                ..Default::default()
+            })
+            .collect();
+        Ok(Response::new(ListVolumesResponse { volumes }))
+    }
+
+    async fn delete_volume(&self, r: Request<DeleteVolumeRequest>) -> Answer<DeleteVolumeResponse> {
+        let name = r.into_inner().name;
+        let mut seen = self.0.lock().unwrap();
+        let before = seen.volumes.len();
+        seen.volumes.retain(|(n, _)| *n != name);
+        Ok(Response::new(DeleteVolumeResponse {
+            deleted: seen.volumes.len() < before,
+        }))
+    }
+
     async fn get_usage(&self, _: Request<GetUsageRequest>) -> Answer<Usage> {
         Ok(Response::new(Usage {
             tenant: "default".into(),
@@ -383,6 +425,54 @@ impl Airlock for Mock {
 
 #[path = "mock_daemon/net.rs"]
 mod net;
+
+/// `volume create|ls|rm` and `create --volume`.
+#[tokio::test]
+async fn volumes_are_made_listed_mounted_and_deleted() {
+    let d = Daemon::start();
+    let p = d
+        .airlock(&["volume", "create", "work", "--size-mib", "64"])
+        .await;
+    assert_eq!(p.status.code(), Some(0), "{}", text(&p.stderr));
+    assert_eq!(text(&p.stdout), "work\n");
+    let p = d.airlock(&["volume", "ls"]).await;
+    let out = text(&p.stdout);
+    assert!(out.starts_with("NAME "), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["work", "64", "3", "sb-1"]),
+        "{out}"
+    );
+    let p = d.airlock(&["--json", "volume", "ls"]).await;
+    assert_eq!(json(&p.stdout)[0]["size_mib"], 64);
+    let p = d
+        .airlock(&[
+            "create",
+            "--volume",
+            "work:/data",
+            "--volume",
+            "ref:/ref:ro",
+        ])
+        .await;
+    assert_eq!(p.status.code(), Some(0), "{}", text(&p.stderr));
+    let vols = d.seen().create.clone().unwrap().volumes;
+    assert_eq!(
+        vols.iter()
+            .map(|v| (v.name.as_str(), v.mount_path.as_str(), v.read_only))
+            .collect::<Vec<_>>(),
+        [("work", "/data", false), ("ref", "/ref", true)]
+    );
+    let p = d.airlock(&["create", "--volume", "work"]).await;
+    assert_eq!(p.status.code(), Some(2), "a volume needs a path");
+    let p = d.airlock(&["--json", "volume", "rm", "work"]).await;
+    assert_eq!(json(&p.stdout)["deleted"], true);
+    let p = d
+        .airlock(&["volume", "create", "x", "--size-mib", "16"])
+        .await;
+    assert_eq!(p.status.code(), Some(0));
+    let p = d.airlock(&["volume", "create", "x"]).await;
+    assert_eq!(p.status.code(), Some(1), "a name twice: the daemon's error");
+}
 
 /// A scratch directory of this test.
 fn scratch() -> PathBuf {

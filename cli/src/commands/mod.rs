@@ -6,6 +6,7 @@ pub mod files;
 pub mod net;
 pub mod sandbox;
 pub mod template;
+pub mod volume;
 
 use airlock_api::v1::airlock_client::AirlockClient;
 
@@ -55,6 +56,7 @@ pub async fn run(ctx: &mut Ctx, command: Command) -> Result<u8, String> {
         Command::Net(a) => net::net(ctx, &a).await,
         Command::Egress(a) => net::egress(ctx, &a).await,
         Command::Expose(a) => net::expose(ctx, &a).await,
+        Command::Volume(v) => volume::run(ctx, v).await,
         Command::Usage => sandbox::usage(ctx).await,
         Command::Completions(_) => Err("completions need no daemon".into()),
     }
