@@ -18,12 +18,14 @@ from ._common import (
     ExecResult,
     Exposure,
     FileEntry,
+    Mount,
     Network,
     OutputChunk,
     Rule,
     Template,
     TemplateProgress,
     Usage,
+    Volume,
 )
 from .client import Client, Execution, Sandbox
 from . import errors
@@ -46,5 +48,7 @@ __all__ = [
     "EgressEvent",
     "EgressLog",
     "Exposure",
+    "Volume",
+    "Mount",
     "DEFAULT_SOCKET",
 ] + errors.__all__

@@ -126,6 +126,56 @@ def call_metadata(token: Optional[str]) -> Tuple[Tuple[str, str], ...]:
 
 
 @dataclass(frozen=True)
+class Volume:
+    """A volume: an ext4 file system of the caller's that outlives sandboxes."""
+
+    name: str
+    size_mib: int
+    created_unix_ms: int
+    used_bytes: int
+    #: Live sandboxes that have it mounted.
+    attached_to: List[str]
+
+    @classmethod
+    def from_pb(cls, v: "pb.Volume") -> "Volume":
+        return cls(
+            name=v.name,
+            size_mib=v.size_mib,
+            created_unix_ms=v.created_unix_ms,
+            used_bytes=v.used_bytes,
+            attached_to=list(v.attached_to),
+        )
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A volume mounted in a sandbox: ``Mount("work", "/data")``, read-only with
+    ``read_only=True``."""
+
+    volume: str
+    path: str
+    read_only: bool = False
+
+
+#: What ``volumes=`` accepts: a list of :class:`Mount`, or ``{path: volume name}`` (read-write).
+VolumesSpec = Optional[Union[Sequence[Mount], Mapping[str, str]]]
+
+
+def volume_attachments(volumes: VolumesSpec) -> List["pb.VolumeAttachment"]:
+    """The ``VolumeAttachment`` list of a ``volumes=`` argument."""
+    if volumes is None:
+        return []
+    if isinstance(volumes, Mapping):
+        volumes = [Mount(name, path) for path, name in volumes.items()]
+    out = []
+    for m in volumes:
+        if not isinstance(m, Mount):
+            raise TypeError(f"volumes: expected Mount or {{path: name}}, not {type(m).__name__}")
+        out.append(pb.VolumeAttachment(name=m.volume, mount_path=m.path, read_only=m.read_only))
+    return out
+
+
+@dataclass(frozen=True)
 class Template:
     """A template: a snapshot that sandboxes are restored from."""
 
@@ -629,6 +679,11 @@ class SandboxInfo:
         """Its egress policy, as the daemon last answered it."""
         return Network.from_pb(self._info.network if self._info.HasField("network") else None)
 
+    @property
+    def volumes(self) -> List[Mount]:
+        """The volumes it has mounted."""
+        return [Mount(v.name, v.mount_path, v.read_only) for v in self._info.volumes]
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} {self.state} template={self.template}>"
 
@@ -651,6 +706,7 @@ def create_request(
     writable: Optional[Sequence[str]],
     exportable: Optional[Sequence[str]],
     network: NetworkSpec = None,
+    volumes: VolumesSpec = None,
 ) -> "pb.CreateSandboxRequest":
     req = pb.CreateSandboxRequest(
         template=template,
@@ -671,6 +727,7 @@ def create_request(
     policy = network_policy(network)
     if policy is not None:
         req.network.CopyFrom(policy)
+    req.volumes.extend(volume_attachments(volumes))
     return req
 
 

@@ -48,6 +48,7 @@ class AsyncClient:
         self._timeout = timeout
         self.sandboxes = AsyncSandboxes(self)
         self.templates = AsyncTemplates(self)
+        self.volumes = AsyncVolumes(self)
         self.executions = AsyncExecutions(self)
 
     async def close(self) -> None:
@@ -124,6 +125,25 @@ class AsyncTemplates:
         await self._c._unary("DeleteTemplate", pb.DeleteTemplateRequest(name=name))
 
 
+class AsyncVolumes:
+    """As :class:`airlock.client.Volumes`."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._c = client
+
+    async def create(self, name: str, size_mib: int = 1024) -> c.Volume:
+        req = pb.CreateVolumeRequest(name=name, size_mib=size_mib)
+        return c.Volume.from_pb(await self._c._unary("CreateVolume", req))
+
+    async def list(self) -> List[c.Volume]:
+        resp = await self._c._unary("ListVolumes", pb.ListVolumesRequest())
+        return [c.Volume.from_pb(v) for v in resp.volumes]
+
+    async def delete(self, name: str) -> bool:
+        resp = await self._c._unary("DeleteVolume", pb.DeleteVolumeRequest(name=name))
+        return resp.deleted
+
+
 class AsyncSandboxes:
     def __init__(self, client: AsyncClient) -> None:
         self._c = client
@@ -143,11 +163,12 @@ class AsyncSandboxes:
         writable: Optional[Sequence[str]] = None,
         exportable: Optional[Sequence[str]] = None,
         network: c.NetworkSpec = None,
+        volumes: c.VolumesSpec = None,
     ) -> "AsyncSandbox":
         """As :meth:`airlock.client.Sandboxes.create`."""
         req = c.create_request(
             template, vcpus, memory_mib, disk_mib, env, files, labels, timeout, idle_timeout,
-            writable, exportable, network,
+            writable, exportable, network, volumes,
         )
         return AsyncSandbox(self._c, await self._c._unary("CreateSandbox", req))
 

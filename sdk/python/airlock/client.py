@@ -8,7 +8,16 @@ from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Union
 import grpc
 
 from . import _common as c
-from ._common import EgressLog, ExecResult, Exposure, FileEntry, OutputChunk, Template, TemplateProgress
+from ._common import (
+    EgressLog,
+    ExecResult,
+    Exposure,
+    FileEntry,
+    OutputChunk,
+    Template,
+    TemplateProgress,
+    Volume,
+)
 from ._proto import airlock_pb2 as pb
 from ._proto import airlock_pb2_grpc as pb_grpc
 from .errors import AirlockError, Unavailable, from_rpc_error
@@ -52,6 +61,7 @@ class Client:
         self._timeout = timeout
         self.sandboxes = Sandboxes(self)
         self.templates = Templates(self)
+        self.volumes = Volumes(self)
         self.executions = Executions(self)
 
     def close(self) -> None:
@@ -134,6 +144,28 @@ class Templates:
         self._c._unary("DeleteTemplate", pb.DeleteTemplateRequest(name=name))
 
 
+class Volumes:
+    """``client.volumes``: file systems of the caller's that outlive sandboxes, daemon restarts
+    and reboots; mounted with ``client.sandboxes.create(volumes=[Mount(name, path)])``."""
+
+    def __init__(self, client: Client) -> None:
+        self._c = client
+
+    def create(self, name: str, size_mib: int = 1024) -> Volume:
+        """A new, empty volume (ext4, its root owned by the guest's ``user``)."""
+        req = pb.CreateVolumeRequest(name=name, size_mib=size_mib)
+        return Volume.from_pb(self._c._unary("CreateVolume", req))
+
+    def list(self) -> List[Volume]:
+        resp = self._c._unary("ListVolumes", pb.ListVolumesRequest())
+        return [Volume.from_pb(v) for v in resp.volumes]
+
+    def delete(self, name: str) -> bool:
+        """Deletes it and frees its space (:class:`~airlock.VolumeInUse` while mounted);
+        False if there was none."""
+        return self._c._unary("DeleteVolume", pb.DeleteVolumeRequest(name=name)).deleted
+
+
 class Sandboxes:
     """``client.sandboxes``: create, find and list sandboxes."""
 
@@ -155,6 +187,7 @@ class Sandboxes:
         writable: Optional[Sequence[str]] = None,
         exportable: Optional[Sequence[str]] = None,
         network: c.NetworkSpec = None,
+        volumes: c.VolumesSpec = None,
     ) -> "Sandbox":
         """Starts a sandbox from ``template`` and returns once its agent is ready.
 
@@ -171,10 +204,14 @@ class Sandboxes:
                 ``Network(domains=["api.example.com"], ports=[443])`` (a list of
                 :class:`~airlock.Rule` also works). Beyond the operator's ceiling for the
                 tenant: :class:`~airlock.NetworkNotAllowed`.
+            volumes: volumes to mount: ``[Mount("work", "/data"), Mount("ref", "/ref",
+                read_only=True)]`` or ``{"/data": "work"}``. One read-write user at a time,
+                or many read-only ones (:class:`~airlock.VolumeInUse`).
+            disk_mib: what it may write to its root (its writable space).
         """
         req = c.create_request(
             template, vcpus, memory_mib, disk_mib, env, files, labels, timeout, idle_timeout,
-            writable, exportable, network,
+            writable, exportable, network, volumes,
         )
         return Sandbox(self._c, self._c._unary("CreateSandbox", req))
 

@@ -5,7 +5,8 @@ Every failed call raises an :class:`AirlockError` subclass chosen by the reason 
 ``proto/airlock.proto``). The classes tell three kinds of trouble apart:
 
 * your own request: :class:`InvalidArgument`, :class:`Unauthenticated`, :class:`NotFound` and its
-  subclasses, :class:`TemplateExists`, :class:`SandboxNotRunning`, :class:`PathNotAllowed`,
+  subclasses, :class:`TemplateExists`, :class:`VolumeExists`, :class:`VolumeInUse`,
+  :class:`SandboxNotRunning`, :class:`PathNotAllowed`,
   :class:`NetworkNotAllowed`, :class:`GuestPermissionDenied`;
 * limits: :class:`ResourceExhausted` (:class:`CapacityExhausted`, :class:`QuotaExceeded`,
   :class:`FileTooLarge`, :class:`DiskQuotaExceeded`);
@@ -30,6 +31,9 @@ __all__ = [
     "TemplateNotFound",
     "FileNotFound",
     "TemplateExists",
+    "VolumeNotFound",
+    "VolumeExists",
+    "VolumeInUse",
     "SandboxNotRunning",
     "ResourceExhausted",
     "CapacityExhausted",
@@ -121,6 +125,24 @@ class TemplateExists(AirlockError):
     """A template of that name exists; templates are immutable."""
 
     reason_codes = ("TEMPLATE_EXISTS",)
+
+
+class VolumeNotFound(NotFound):
+    reason_codes = ("VOLUME_NOT_FOUND",)
+
+
+class VolumeExists(AirlockError):
+    """A volume of that name exists."""
+
+    reason_codes = ("VOLUME_EXISTS",)
+
+
+class VolumeInUse(AirlockError):
+    """The volume is mounted where this use cannot share it (one read-write user, or any
+    number of read-only ones; a mounted volume is not deleted). ``metadata["sandbox_id"]``
+    names a sandbox that has it."""
+
+    reason_codes = ("VOLUME_IN_USE",)
 
 
 class SandboxNotRunning(AirlockError):
@@ -248,6 +270,9 @@ _BY_REASON = {
         TemplateNotFound,
         FileNotFound,
         TemplateExists,
+        VolumeNotFound,
+        VolumeExists,
+        VolumeInUse,
         SandboxNotRunning,
         CapacityExhausted,
         QuotaExceeded,

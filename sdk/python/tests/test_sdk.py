@@ -163,6 +163,28 @@ def test_files(client):
             sb.files.write("/tmp/elsewhere.txt", "b")
 
 
+def test_volumes_outlive_sandboxes_and_have_one_writer(client):
+    vol = client.volumes.create("sdk-work", size_mib=32)
+    assert (vol.name, vol.size_mib, vol.attached_to) == ("sdk-work", 32, [])
+    assert [v.name for v in client.volumes.list()] == ["sdk-work"]
+    with pytest.raises(airlock.VolumeExists):
+        client.volumes.create("sdk-work", size_mib=32)
+    with client.sandboxes.create(volumes={"/data": "sdk-work"}) as sb:
+        assert sb.volumes == [airlock.Mount("sdk-work", "/data")]
+        sb.exec(["sh", "-c", "echo kept > /data/f"])
+        with pytest.raises(airlock.VolumeInUse) as e:
+            client.sandboxes.create(volumes=[airlock.Mount("sdk-work", "/d", read_only=True)])
+        assert e.value.metadata["sandbox_id"] == sb.id
+        with pytest.raises(airlock.VolumeInUse):
+            client.volumes.delete("sdk-work")
+    with client.sandboxes.create(volumes=[airlock.Mount("sdk-work", "/d", read_only=True)]) as sb:
+        assert sb.exec(["cat", "/d/f"]).stdout == "kept\n"
+    with pytest.raises(airlock.VolumeNotFound):
+        client.sandboxes.create(volumes={"/x": "no-such-volume"})
+    assert client.volumes.delete("sdk-work") is True
+    assert client.volumes.delete("sdk-work") is False
+
+
 def test_network_policy_and_egress_log(client):
     policy = airlock.Network(domains=["example.invalid"])
     with client.sandboxes.create(network=policy) as sb:
