@@ -233,8 +233,26 @@ fn assert_confined(pid: u32, data_dir: &Path, log: &Path, cgroup_parent: &str) {
     assert_eq!(limit("Max open files"), "1024 1024");
     assert_eq!(limit("Max processes"), "128 128");
     assert_eq!(limit("Max core file size"), "0 0");
-    // A snapshot of its 256 MiB guest and logs, no more (RLIMIT_FSIZE).
-    let max_file = (256u64 + 128) << 20;
+    // A snapshot of its 256 MiB guest and logs, or its root disk's overlay (its quota) and a
+    // snapshot's layer (the template's blocks and the overlay's), no more (RLIMIT_FSIZE).
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    let args: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let after = |flag: &str| {
+        let i = args.iter().position(|a| a == flag).unwrap_or_else(|| {
+            panic!("{pid} has no {flag}: {args:?}");
+        });
+        args[i + 1].clone()
+    };
+    let quota_mib: u64 = after("--disk-quota-mib").parse().unwrap();
+    let layer = {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(Path::new(&after("--snapshot")).join("layer")).unwrap();
+        m.blocks() * 512
+    };
+    let max_file = ((256u64 + 128) << 20).max(layer + ((quota_mib + 128) << 20));
     assert_eq!(limit("Max file size"), format!("{max_file} {max_file}"));
     let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
     for var in environ.split(|b| *b == 0).filter(|v| !v.is_empty()) {
