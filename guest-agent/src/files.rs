@@ -1,4 +1,4 @@
-//! File requests: WriteFile, ReadFile, Stat, ListDir, Mkdir, Remove.
+//! File requests: WriteFile, ReadFile, Stat, ListDir, Mkdir, Remove, Rename.
 //!
 //! With `root` set, every path is resolved by `openat2(2)` relative to an `O_PATH` descriptor
 //! of the root with `RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS`: a `..` or a symlink that would
@@ -42,6 +42,7 @@ pub fn handle(users: &Users, kind: &request::Kind) -> Option<Result<response::Ki
         request::Kind::ListDir(r) => &r.user,
         request::Kind::Mkdir(r) => &r.user,
         request::Kind::Remove(r) => &r.user,
+        request::Kind::Rename(r) => &r.user,
         _ => return None,
     };
     Some(as_account(users, user).and_then(|_ids| serve(kind)))
@@ -72,6 +73,7 @@ fn serve(kind: &request::Kind) -> Result<response::Kind, ReqError> {
         request::Kind::ListDir(r) => list_dir(r).map(response::Kind::DirListing),
         request::Kind::Mkdir(r) => mkdir(r).map(ok),
         request::Kind::Remove(r) => remove(r).map(ok),
+        request::Kind::Rename(r) => rename(r).map(ok),
         _ => Err(ReqError::new(ErrorCode::Unsupported, "not a file request")),
     }
 }
@@ -301,31 +303,88 @@ fn file_stat(name: String, meta: &Metadata) -> FileStat {
     }
 }
 
+/// How deep a recursive listing goes.
+const MAX_LIST_DEPTH: usize = 64;
+
 fn list_dir(req: &pb::ListDir) -> Result<DirListing, ReqError> {
     let scope = Scope::new(&req.root)?;
     let parts = scope.components(&req.path)?;
     let fd = scope
         .open(&parts.0, libc::O_RDONLY | libc::O_DIRECTORY, 0)
         .map_err(|e| ReqError::io(&format!("opening directory {}", req.path), &e))?;
-    // Read through the descriptor we resolved, not the path again.
-    let entries = std::fs::read_dir(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-        .map_err(|e| ReqError::io(&format!("listing {}", req.path), &e))?;
+    let max = match req.max_entries as usize {
+        0 => MAX_DIR_ENTRIES,
+        n => n.min(MAX_DIR_ENTRIES),
+    };
     let mut listing = DirListing::default();
     let mut bytes = 0usize;
+    let depth = if req.recursive { MAX_LIST_DEPTH } else { 1 };
+    list_into(&fd, "", depth, max, &mut bytes, &mut listing)
+        .map_err(|e| ReqError::io(&format!("listing {}", req.path), &e))?;
+    listing.entries.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(listing)
+}
+
+/// Lists the directory open as `dir` into `listing`, each entry named `prefix` + its name,
+/// and (with `depth` above 1) its subdirectories, opened beneath it without following links.
+fn list_into(
+    dir: &OwnedFd,
+    prefix: &str,
+    depth: usize,
+    max: usize,
+    bytes: &mut usize,
+    listing: &mut DirListing,
+) -> io::Result<()> {
+    // Read through the descriptor we resolved, not the path again.
+    let entries = std::fs::read_dir(format!("/proc/self/fd/{}", dir.as_raw_fd()))?;
+    let mut subdirs = Vec::new();
     for entry in entries {
         let Ok(entry) = entry else { continue };
         // Gone since readdir: skip it.
         let Ok(meta) = entry.metadata() else { continue };
-        if listing.entries.len() >= MAX_DIR_ENTRIES || bytes >= MAX_LISTING_BYTES {
+        if listing.entries.len() >= max || *bytes >= MAX_LISTING_BYTES {
             listing.truncated = true;
-            break;
+            return Ok(());
         }
-        let name = entry.file_name().to_string_lossy().into_owned();
-        bytes += name.len() + 48;
+        let name = format!("{prefix}{}", entry.file_name().to_string_lossy());
+        *bytes += name.len() + 48;
+        if depth > 1 && meta.is_dir() {
+            subdirs.push((entry.file_name(), name.clone()));
+        }
         listing.entries.push(file_stat(name, &meta));
     }
-    listing.entries.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(listing)
+    for (os_name, name) in subdirs {
+        let Ok(c_name) = CString::new(std::os::unix::ffi::OsStrExt::as_bytes(os_name.as_os_str()))
+        else {
+            continue;
+        };
+        let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW;
+        let resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS;
+        // A directory replaced by something else meanwhile is skipped.
+        let Ok(sub) = sys::openat2(Dir::Fd(dir.as_fd()), &c_name, flags, 0, resolve) else {
+            continue;
+        };
+        list_into(&sub, &format!("{name}/"), depth - 1, max, bytes, listing)?;
+        if listing.truncated {
+            break;
+        }
+    }
+    Ok(())
+}
+
+fn rename(req: &pb::Rename) -> Result<(), ReqError> {
+    let scope = Scope::new(&req.root)?;
+    let from = scope.components(&req.from)?;
+    let to = scope.components(&req.to)?;
+    let (from_dir, from_name) = scope.parent_of(&from.0, "rename")?;
+    let (to_dir, to_name) = scope.parent_of(&to.0, "replace")?;
+    sys::renameat(
+        Dir::Fd(from_dir.as_fd()),
+        &from_name,
+        Dir::Fd(to_dir.as_fd()),
+        &to_name,
+    )
+    .map_err(|e| ReqError::io(&format!("renaming {} to {}", req.from, req.to), &e))
 }
 
 fn mkdir(req: &pb::Mkdir) -> Result<(), ReqError> {

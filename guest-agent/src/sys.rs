@@ -592,6 +592,14 @@ pub fn mkdirat(dir: Dir<'_>, name: &CStr, mode: u32) -> io::Result<()> {
     check(unsafe { libc::mkdirat(dir.raw(), name.as_ptr(), mode) }).map(drop)
 }
 
+/// renameat(2).
+pub fn renameat(from_dir: Dir<'_>, from: &CStr, to_dir: Dir<'_>, to: &CStr) -> io::Result<()> {
+    // SAFETY: both names are NUL-terminated and outlive the call; the directories are
+    // descriptors open for it (or AT_FDCWD).
+    check(unsafe { libc::renameat(from_dir.raw(), from.as_ptr(), to_dir.raw(), to.as_ptr()) })
+        .map(drop)
+}
+
 /// unlinkat(2); `remove_dir` adds AT_REMOVEDIR.
 pub fn unlinkat(dir: Dir<'_>, name: &CStr, remove_dir: bool) -> io::Result<()> {
     let flags = if remove_dir { libc::AT_REMOVEDIR } else { 0 };
