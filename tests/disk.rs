@@ -10,8 +10,9 @@ use std::path::PathBuf;
 
 use airlock_api::v1::{
     CreateSandboxRequest, CreateVolumeRequest, DeleteTemplateRequest, DeleteVolumeRequest,
-    DestroySandboxRequest, ListVolumesRequest, Sandbox, SnapshotSandboxRequest, VolumeAttachment,
-    WriteFileHeader, WriteFileRequest, write_file_request,
+    DestroySandboxRequest, FilePolicy, ListFilesRequest, ListVolumesRequest, MakeDirRequest,
+    ReadFileRequest, RemoveFileRequest, RenameFileRequest, Sandbox, SnapshotSandboxRequest,
+    StatFileRequest, VolumeAttachment, WriteFileHeader, WriteFileRequest, write_file_request,
 };
 use airlock_system_tests::harness::{Client, reason, run_as};
 use airlock_system_tests::shared::{Shared, scenario};
@@ -60,11 +61,16 @@ fn overlays(s: &Shared) -> Vec<(PathBuf, u64)> {
 }
 
 fn write_request(id: &str, path: &str, data: Vec<u8>) -> Vec<WriteFileRequest> {
+    write_as(id, path, "", data)
+}
+
+fn write_as(id: &str, path: &str, user: &str, data: Vec<u8>) -> Vec<WriteFileRequest> {
     vec![
         WriteFileRequest {
             part: Some(write_file_request::Part::Header(WriteFileHeader {
                 sandbox_id: id.into(),
                 path: path.into(),
+                user: user.into(),
                 ..Default::default()
             })),
         },
@@ -379,4 +385,149 @@ async fn a_volume_outlives_its_sandbox_with_one_writer_or_many_readers() {
         .into_inner();
     assert!(deleted.deleted);
     assert_eq!(files(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_go_anywhere_the_account_may_write_and_the_export_policy_holds() {
+    let (_serial, s) = scenario(CONFIG).await;
+    let mut c = s.client(None).await;
+    let everywhere = FilePolicy {
+        writable: vec!["/".into()],
+        exportable: vec!["/".into()],
+        ..Default::default()
+    };
+    let a = create(
+        &mut c,
+        s,
+        CreateSandboxRequest {
+            file_policy: Some(everywhere),
+            ..Default::default()
+        },
+    )
+    .await;
+    // An upload into a system path, as root; the same as `user` is the guest's refusal.
+    let up = |path: &str, user: &str| write_as(&a.id, path, user, b"payload".to_vec());
+    c.write_file(tokio_stream::iter(up("/usr/local/share/up.txt", "root")))
+        .await
+        .unwrap();
+    let err = c
+        .write_file(tokio_stream::iter(up("/usr/local/share/no.txt", "")))
+        .await
+        .expect_err("user may not write there");
+    assert_eq!(reason(&err).0, "GUEST_PERMISSION_DENIED", "{err:?}");
+    let st = c
+        .stat_file(StatFileRequest {
+            sandbox_id: a.id.clone(),
+            path: "/usr/local/share/up.txt".into(),
+            user: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((st.size, st.uid, st.is_dir), (7, 0, false));
+    // A tree: made, listed recursively up to a cap, renamed, removed.
+    c.make_dir(MakeDirRequest {
+        sandbox_id: a.id.clone(),
+        path: "/home/user/w/a/b".into(),
+        parents: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    sh(
+        &mut c,
+        s,
+        &a.id,
+        "",
+        "for i in $(seq 1 30); do echo $i > /home/user/w/a/b/f$i; done",
+    )
+    .await;
+    let list = |max: u32| ListFilesRequest {
+        sandbox_id: a.id.clone(),
+        path: "/home/user/w".into(),
+        recursive: true,
+        max_entries: max,
+        ..Default::default()
+    };
+    let all = c.list_files(list(0)).await.unwrap().into_inner();
+    assert_eq!(all.entries.len(), 32, "a, a/b and 30 files");
+    assert!(!all.truncated);
+    assert!(
+        all.entries
+            .iter()
+            .any(|e| e.name == "a/b/f17" && e.size == 3)
+    );
+    let capped = c.list_files(list(10)).await.unwrap().into_inner();
+    assert_eq!(capped.entries.len(), 10);
+    assert!(capped.truncated);
+    c.rename_file(RenameFileRequest {
+        sandbox_id: a.id.clone(),
+        from: "/home/user/w/a".into(),
+        to: "/home/user/w/moved".into(),
+        user: String::new(),
+    })
+    .await
+    .unwrap();
+    let out = sh(
+        &mut c,
+        s,
+        &a.id,
+        "",
+        "cat /home/user/w/moved/b/f30; ls /home/user/w",
+    )
+    .await;
+    assert_eq!(out, "30\nmoved\n");
+    let err = c
+        .remove_file(RemoveFileRequest {
+            sandbox_id: a.id.clone(),
+            path: "/home/user/w/moved".into(),
+            recursive: false,
+            user: String::new(),
+        })
+        .await
+        .expect_err("a non-empty directory without recursive");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    c.remove_file(RemoveFileRequest {
+        sandbox_id: a.id.clone(),
+        path: "/home/user/w".into(),
+        recursive: true,
+        user: String::new(),
+    })
+    .await
+    .unwrap();
+    let gone = c
+        .stat_file(StatFileRequest {
+            sandbox_id: a.id.clone(),
+            path: "/home/user/w".into(),
+            user: String::new(),
+        })
+        .await
+        .expect_err("removed");
+    assert_eq!(reason(&gone).0, "FILE_NOT_FOUND");
+    // The operator's denied patterns hold whatever the prefixes allow.
+    sh(
+        &mut c,
+        s,
+        &a.id,
+        "",
+        "mkdir -p ~/.ssh && echo k > ~/.ssh/id_rsa && echo s > ~/.env",
+    )
+    .await;
+    for path in ["/home/user/.ssh/id_rsa", "/home/user/.env"] {
+        let mut chunks = c
+            .read_file(ReadFileRequest {
+                sandbox_id: a.id.clone(),
+                path: path.into(),
+                user: String::new(),
+            })
+            .await;
+        let err = match &mut chunks {
+            Err(e) => e.clone(),
+            Ok(stream) => stream.get_mut().message().await.expect_err("denied"),
+        };
+        let (code, meta) = reason(&err);
+        assert_eq!(code, "EXPORT_DENIED", "{path}: {err:?}");
+        assert!(meta["rule"].contains("denied pattern"), "{meta:?}");
+    }
+    destroy(&mut c, &a.id).await;
 }

@@ -87,6 +87,12 @@ pub struct Config {
     /// Default file policy (path prefixes in the guest).
     pub writable_paths: Vec<String>,
     pub exportable_paths: Vec<String>,
+    /// The export policy's ceiling: the largest file ReadFile exports, the bytes it exports
+    /// from one sandbox in all, and the paths it always refuses (patterns; a request may add
+    /// more and lower the caps, never raise them).
+    pub export_max_file_bytes: u64,
+    pub export_max_total_bytes: u64,
+    pub export_denied: Vec<String>,
     /// VMM memory beyond guest memory allowed by the sandbox's cgroup (MiB).
     pub vmm_overhead_mib: u64,
     /// Processes/threads allowed in a sandbox's cgroup (the VMM's threads).
@@ -247,6 +253,22 @@ impl Default for Config {
             mkfs_ext4: None,
             writable_paths: vec!["/tmp".into()],
             exportable_paths: vec!["/tmp".into()],
+            export_max_file_bytes: 100 << 20,
+            export_max_total_bytes: 1 << 30,
+            export_denied: [
+                ".env",
+                ".env.*",
+                "*.pem",
+                "*.key",
+                "id_rsa",
+                "id_dsa",
+                "id_ecdsa",
+                "id_ed25519",
+                ".netrc",
+                ".pgpass",
+            ]
+            .map(String::from)
+            .to_vec(),
             vmm_overhead_mib: 128,
             vmm_pids_max: 64,
             cgroup_parent: "airlock".into(),

@@ -58,6 +58,9 @@ pub enum ApiError {
     DiskQuota { limit: u64, message: String },
     #[error("path {path} is not allowed: {why}")]
     PathNotAllowed { path: String, why: String },
+    /// The export policy refuses a read (`rule`: the pattern or the cap).
+    #[error("{path} may not leave the sandbox: {rule}")]
+    ExportDenied { path: String, rule: String },
     #[error("{path} does not exist in the sandbox")]
     FileNotFound { path: String },
     /// The guest account the call acted as may not do it (file permissions in the guest).
@@ -103,6 +106,7 @@ impl ApiError {
             Self::FileTooLarge { .. } => "FILE_TOO_LARGE",
             Self::DiskQuota { .. } => "DISK_QUOTA_EXCEEDED",
             Self::PathNotAllowed { .. } => "PATH_NOT_ALLOWED",
+            Self::ExportDenied { .. } => "EXPORT_DENIED",
             Self::FileNotFound { .. } => "FILE_NOT_FOUND",
             Self::GuestPermission { .. } => "GUEST_PERMISSION_DENIED",
             Self::Dead { reason, .. } => reason.dead_call_reason(),
@@ -128,6 +132,7 @@ impl ApiError {
             | Self::FileTooLarge { .. }
             | Self::DiskQuota { .. } => Code::ResourceExhausted,
             Self::PathNotAllowed { .. }
+            | Self::ExportDenied { .. }
             | Self::GuestPermission { .. }
             | Self::NetworkNotAllowed { .. } => Code::PermissionDenied,
             Self::Dead { .. } | Self::AgentUnavailable { .. } => Code::Unavailable,
@@ -188,6 +193,10 @@ impl ApiError {
             }
             Self::DiskQuota { limit, .. } => {
                 m.insert("limit".into(), limit.to_string());
+            }
+            Self::ExportDenied { path, rule } => {
+                m.insert("path".into(), path.clone());
+                m.insert("rule".into(), rule.clone());
             }
             Self::DataDirFull(_) => {
                 m.insert("resource".into(), "data_dir".into());

@@ -59,6 +59,51 @@ pub fn check_path<'a>(
     })
 }
 
+/// Whether `pattern` (`*`: any run of characters, `?`: one) matches all of `text`.
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let (p, t): (Vec<char>, Vec<char>) = (pattern.chars().collect(), text.chars().collect());
+    // The classic two-pointer match with backtracking to the last star.
+    let (mut i, mut j) = (0usize, 0usize);
+    let mut star: Option<(usize, usize)> = None;
+    while j < t.len() {
+        match p.get(i) {
+            Some('*') => {
+                star = Some((i, j));
+                i += 1;
+            }
+            Some(c) if *c == '?' || *c == t[j] => {
+                i += 1;
+                j += 1;
+            }
+            _ => match star {
+                Some((si, sj)) => {
+                    i = si + 1;
+                    j = sj + 1;
+                    star = Some((si, sj + 1));
+                }
+                None => return false,
+            },
+        }
+    }
+    p[i..].iter().all(|c| *c == '*')
+}
+
+/// The pattern of `denied` that refuses exporting `path`: one without `/` matches any of the
+/// path's components (a denied directory's files are denied too), one with `/` the whole path.
+pub fn denied_by<'a>(denied: &'a [String], path: &str) -> Option<&'a str> {
+    denied
+        .iter()
+        .find(|pat| {
+            if pat.contains('/') {
+                glob_match(pat, path)
+            } else {
+                path.split('/')
+                    .any(|seg| !seg.is_empty() && glob_match(pat, seg))
+            }
+        })
+        .map(String::as_str)
+}
+
 /// A sandbox as file transfers see it.
 #[derive(Clone, Debug)]
 pub struct FileTarget {
@@ -71,6 +116,8 @@ pub struct FileTarget {
     pub max_file_bytes: u64,
     /// The guest account the transfer acts as (empty: the default, "user").
     pub user: String,
+    /// Bytes ReadFile has exported from the sandbox so far (its export cap's count).
+    pub exported: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl FileTarget {
@@ -193,6 +240,12 @@ fn write_chunk(
 /// returned channel. A file over `max_file_bytes` fails with FILE_TOO_LARGE.
 pub fn read(target: FileTarget, path: String) -> ApiResult<Receiver<ApiResult<FileChunk>>> {
     let (root, rel) = check_path(&path, &target.policy.exportable, "exportable")?;
+    if let Some(pat) = denied_by(&target.policy.export_denied, &path) {
+        return Err(ApiError::ExportDenied {
+            path: path.clone(),
+            rule: format!("it matches the denied pattern {pat:?}"),
+        });
+    }
     let (root, rel) = (root.to_owned(), rel.to_owned());
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     tokio::task::spawn_blocking(move || {
@@ -211,6 +264,8 @@ fn read_blocking(
 ) -> ApiResult<()> {
     let mut client = target.connect(rel)?;
     let limit = target.max_file_bytes;
+    let policy = &target.policy;
+    let path = format!("{}{}", root.trim_end_matches('/'), rel);
     let mut offset = 0u64;
     loop {
         let req = pb::ReadFile {
@@ -241,6 +296,33 @@ fn read_blocking(
                 limit,
             });
         }
+        let size = chunk.size.max(offset + chunk.data.len() as u64);
+        if policy.max_export_file_bytes > 0 && size > policy.max_export_file_bytes {
+            return Err(ApiError::ExportDenied {
+                path,
+                rule: format!(
+                    "{size} bytes, over the per-file export cap of {}",
+                    policy.max_export_file_bytes
+                ),
+            });
+        }
+        // Counted before it is sent: what the cap allows is what can leave.
+        let n = chunk.data.len() as u64;
+        let before = target
+            .exported
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        if policy.max_export_total_bytes > 0 && before + n > policy.max_export_total_bytes {
+            target
+                .exported
+                .fetch_sub(n, std::sync::atomic::Ordering::Relaxed);
+            return Err(ApiError::ExportDenied {
+                path,
+                rule: format!(
+                    "the sandbox's export cap of {} bytes ({before} exported so far)",
+                    policy.max_export_total_bytes
+                ),
+            });
+        }
         offset += chunk.data.len() as u64;
         let eof = chunk.eof || chunk.data.is_empty();
         let msg = FileChunk {
@@ -253,38 +335,140 @@ fn read_blocking(
     }
 }
 
-/// Lists `path` in the sandbox (at most the protocol's MAX_DIR_ENTRIES entries).
-pub async fn list(target: FileTarget, path: String) -> ApiResult<Vec<FileEntry>> {
-    let (root, rel) = check_path(&path, &target.policy.exportable, "exportable")?;
-    let (root, rel) = (root.to_owned(), rel.to_owned());
-    let listing = tokio::task::spawn_blocking(move || {
+/// One request to the agent about `rel` on a blocking thread; its answer.
+async fn ask(
+    target: FileTarget,
+    rel: String,
+    kind: pb::request::Kind,
+) -> ApiResult<pb::response::Kind> {
+    tokio::task::spawn_blocking(move || {
         let mut client = target.connect(&rel)?;
-        let req = pb::ListDir {
-            path: rel.clone(),
-            root,
-            user: target.user.clone(),
-        };
-        match client.within(CALL_TIMEOUT, |c| c.call(pb::request::Kind::ListDir(req))) {
-            Ok(pb::response::Kind::DirListing(l)) => Ok(l),
-            Ok(other) => Err(ApiError::AgentUnavailable {
-                id: target.sandbox_id.clone(),
-                message: format!("the agent answered a listing with {other:?}"),
-            }),
-            Err(e) => Err(from_agent(e, target.call(&rel))),
-        }
+        client
+            .within(CALL_TIMEOUT, |c| c.call(kind))
+            .map_err(|e| from_agent(e, target.call(&rel)))
     })
     .await
-    .map_err(|e| ApiError::Internal(format!("list task: {e}")))??;
-    Ok(listing
-        .entries
-        .into_iter()
-        .map(|e| FileEntry {
-            name: e.name,
-            is_dir: e.kind == pb::FileKind::Dir as i32,
-            size: e.size,
-            mode: e.mode,
-        })
-        .collect())
+    .map_err(|e| ApiError::Internal(format!("file task: {e}")))?
+}
+
+fn unexpected(target_id: &str, what: &str, got: &pb::response::Kind) -> ApiError {
+    ApiError::AgentUnavailable {
+        id: target_id.to_owned(),
+        message: format!("the agent answered {what} with {got:?}"),
+    }
+}
+
+fn entry(e: pb::FileStat) -> FileEntry {
+    FileEntry {
+        name: e.name,
+        is_dir: e.kind == pb::FileKind::Dir as i32,
+        is_symlink: e.kind == pb::FileKind::Symlink as i32,
+        size: e.size,
+        mode: e.mode,
+        mtime_unix_ms: e.mtime_ms,
+        uid: e.uid,
+        gid: e.gid,
+    }
+}
+
+/// Lists `path` in the sandbox (recursively if asked), at most `max_entries` (0: the
+/// protocol's MAX_DIR_ENTRIES); the entries and whether there were more.
+pub async fn list(
+    target: FileTarget,
+    path: String,
+    recursive: bool,
+    max_entries: u32,
+) -> ApiResult<(Vec<FileEntry>, bool)> {
+    let (root, rel) = check_path(&path, &target.policy.exportable, "exportable")?;
+    let req = pb::ListDir {
+        path: rel.to_owned(),
+        root: root.to_owned(),
+        user: target.user.clone(),
+        recursive,
+        max_entries,
+    };
+    let (id, rel) = (target.sandbox_id.clone(), rel.to_owned());
+    match ask(target, rel, pb::request::Kind::ListDir(req)).await? {
+        pb::response::Kind::DirListing(l) => {
+            Ok((l.entries.into_iter().map(entry).collect(), l.truncated))
+        }
+        other => Err(unexpected(&id, "a listing", &other)),
+    }
+}
+
+/// Describes `path` (a symlink itself).
+pub async fn stat(target: FileTarget, path: String) -> ApiResult<FileEntry> {
+    let (root, rel) = check_path(&path, &target.policy.exportable, "exportable")?;
+    let req = pb::Stat {
+        path: rel.to_owned(),
+        root: root.to_owned(),
+        user: target.user.clone(),
+    };
+    let (id, rel) = (target.sandbox_id.clone(), rel.to_owned());
+    match ask(target, rel, pb::request::Kind::Stat(req)).await? {
+        pb::response::Kind::FileStat(s) => Ok(FileEntry {
+            name: path,
+            ..entry(s)
+        }),
+        other => Err(unexpected(&id, "a stat", &other)),
+    }
+}
+
+/// A change to the sandbox's files, under its writable prefixes.
+#[derive(Debug)]
+pub enum Op {
+    MakeDir { parents: bool, mode: u32 },
+    Remove { recursive: bool },
+    Rename { to: String },
+}
+
+/// Makes, removes or renames `path` in the sandbox. A rename's two paths must lie under the
+/// same writable prefix (the agent resolves both inside it).
+pub async fn change(target: FileTarget, path: String, op: Op) -> ApiResult<()> {
+    let (root, rel) = check_path(&path, &target.policy.writable, "writable")?;
+    let (root, rel) = (root.to_owned(), rel.to_owned());
+    let user = target.user.clone();
+    let kind = match op {
+        Op::MakeDir { parents, mode } => pb::request::Kind::Mkdir(pb::Mkdir {
+            path: rel.clone(),
+            parents,
+            mode: mode & 0o7777,
+            root,
+            user,
+        }),
+        Op::Remove { recursive } => {
+            if rel == "/" {
+                return Err(ApiError::InvalidArgument(format!(
+                    "{path} is a policy prefix itself; remove what is under it"
+                )));
+            }
+            pb::request::Kind::Remove(pb::Remove {
+                path: rel.clone(),
+                recursive,
+                root,
+                user,
+            })
+        }
+        Op::Rename { to } => {
+            let (to_root, to_rel) = check_path(&to, &target.policy.writable, "writable")?;
+            if to_root != root {
+                return Err(ApiError::InvalidArgument(format!(
+                    "{path} and {to} lie under different writable prefixes ({root}, {to_root})"
+                )));
+            }
+            pb::request::Kind::Rename(pb::Rename {
+                from: rel.clone(),
+                to: to_rel.to_owned(),
+                root,
+                user,
+            })
+        }
+    };
+    let id = target.sandbox_id.clone();
+    match ask(target, rel, kind).await? {
+        pb::response::Kind::Ok(_) => Ok(()),
+        other => Err(unexpected(&id, "a change", &other)),
+    }
 }
 
 /// Writes a whole file at an absolute `path` (parents created): the files a create places.
@@ -306,6 +490,33 @@ pub fn write_all(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn denied_patterns_match_names_anywhere_and_paths_whole() {
+        let denied: Vec<String> = [".env", "*.pem", "id_rsa", "/tmp/secret/*", "key?.txt"]
+            .map(String::from)
+            .to_vec();
+        for (path, want) in [
+            ("/tmp/.env", Some(".env")),
+            ("/tmp/app/.env", Some(".env")),
+            ("/tmp/.env.local", None),
+            ("/tmp/cert.pem", Some("*.pem")),
+            ("/tmp/.ssh/id_rsa", Some("id_rsa")),
+            ("/tmp/id_rsa.pub", None),
+            ("/tmp/secret/a", Some("/tmp/secret/*")),
+            ("/tmp/secretly", None),
+            ("/tmp/key1.txt", Some("key?.txt")),
+            ("/tmp/key10.txt", None),
+            ("/tmp/id_rsa/inside", Some("id_rsa")),
+            ("/tmp/report.txt", None),
+        ] {
+            assert_eq!(denied_by(&denied, path), want, "{path}");
+        }
+        assert!(glob_match("*", ""));
+        assert!(glob_match("a*b*c", "aXXbYYc"));
+        assert!(!glob_match("a*b*c", "aXXbYY"));
+        assert!(glob_match("**x", "x"));
+    }
 
     #[test]
     fn paths_must_lie_under_a_prefix() {

@@ -402,7 +402,9 @@ async fn a_flood_of_directory_entries_is_refused() {
     t.launcher.set_guest(Guest::FloodListing);
     let sb = t.daemon.sandboxes.running("default", &s.id).unwrap();
     let target = sb.file_target(1 << 20).unwrap();
-    let err = crate::files::list(target, "/tmp".into()).await.unwrap_err();
+    let err = crate::files::list(target, "/tmp".into(), false, 0)
+        .await
+        .unwrap_err();
     assert_eq!(err.reason(), "AGENT_UNAVAILABLE");
     assert!(err.to_string().contains("entries"), "{err}");
 }

@@ -60,6 +60,15 @@ pub struct Service {
     pub daemon: Arc<Daemon>,
 }
 
+impl Service {
+    /// The files of a running sandbox of `tenant`, acting as `user`.
+    fn file_target(&self, tenant: &str, id: &str, user: String) -> ApiResult<files::FileTarget> {
+        let sb = self.daemon.sandboxes.running(tenant, id)?;
+        sb.file_target(self.daemon.cfg.max_file_bytes)?
+            .acting_as(user)
+    }
+}
+
 fn tenant<T>(req: &Request<T>) -> Result<String, Status> {
     req.extensions()
         .get::<Tenant>()
@@ -404,8 +413,76 @@ impl Airlock for Service {
         traced("ListFiles", &tenant, async {
             let sb = self.daemon.sandboxes.running(&tenant, &r.sandbox_id)?;
             let target = sb.file_target(self.daemon.cfg.max_file_bytes)?;
-            let entries = files::list(target.acting_as(r.user)?, r.path).await?;
-            Ok(ListFilesResponse { entries })
+            let (entries, truncated) = files::list(
+                target.acting_as(r.user)?,
+                r.path,
+                r.recursive,
+                r.max_entries,
+            )
+            .await?;
+            Ok(ListFilesResponse { entries, truncated })
+        })
+        .await
+    }
+
+    async fn stat_file(
+        &self,
+        req: Request<StatFileRequest>,
+    ) -> Result<Response<FileEntry>, Status> {
+        let tenant = tenant(&req)?;
+        let r = req.into_inner();
+        traced("StatFile", &tenant, async {
+            let target = self.file_target(&tenant, &r.sandbox_id, r.user)?;
+            files::stat(target, r.path).await
+        })
+        .await
+    }
+
+    async fn make_dir(
+        &self,
+        req: Request<MakeDirRequest>,
+    ) -> Result<Response<MakeDirResponse>, Status> {
+        let tenant = tenant(&req)?;
+        let r = req.into_inner();
+        traced("MakeDir", &tenant, async {
+            let target = self.file_target(&tenant, &r.sandbox_id, r.user)?;
+            let op = files::Op::MakeDir {
+                parents: r.parents,
+                mode: r.mode,
+            };
+            files::change(target, r.path, op).await?;
+            Ok(MakeDirResponse {})
+        })
+        .await
+    }
+
+    async fn remove_file(
+        &self,
+        req: Request<RemoveFileRequest>,
+    ) -> Result<Response<RemoveFileResponse>, Status> {
+        let tenant = tenant(&req)?;
+        let r = req.into_inner();
+        traced("RemoveFile", &tenant, async {
+            let target = self.file_target(&tenant, &r.sandbox_id, r.user)?;
+            let op = files::Op::Remove {
+                recursive: r.recursive,
+            };
+            files::change(target, r.path, op).await?;
+            Ok(RemoveFileResponse {})
+        })
+        .await
+    }
+
+    async fn rename_file(
+        &self,
+        req: Request<RenameFileRequest>,
+    ) -> Result<Response<RenameFileResponse>, Status> {
+        let tenant = tenant(&req)?;
+        let r = req.into_inner();
+        traced("RenameFile", &tenant, async {
+            let target = self.file_target(&tenant, &r.sandbox_id, r.user)?;
+            files::change(target, r.from, files::Op::Rename { to: r.to }).await?;
+            Ok(RenameFileResponse {})
         })
         .await
     }

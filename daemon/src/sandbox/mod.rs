@@ -46,6 +46,8 @@ pub struct SandboxRt {
     ending: AtomicBool,
     /// Its network's proxy and DNS server (with a network); dropped at its end.
     net: Mutex<Option<crate::net::SandboxNet>>,
+    /// Bytes ReadFile exported from it (its export cap counts them).
+    exported: Arc<std::sync::atomic::AtomicU64>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -73,6 +75,7 @@ impl SandboxRt {
             ops: tokio::sync::Mutex::new(()),
             ending: AtomicBool::new(false),
             net: Mutex::new(None),
+            exported: Arc::default(),
         }
     }
 
@@ -165,6 +168,7 @@ impl SandboxRt {
             disk_limit: u64::from(lock(&self.record).disk_mib) << 20,
             max_file_bytes,
             user: String::new(),
+            exported: self.exported.clone(),
         })
     }
 }

@@ -122,11 +122,44 @@ fn normalise_policy(p: Option<FilePolicy>, cfg: &Config) -> ApiResult<FilePolicy
         }
         Ok(list)
     };
+    // The export limits: the operator's ceiling, narrowed by the request.
+    let cap = |asked: u64, ceiling: u64| {
+        if asked == 0 {
+            ceiling
+        } else {
+            asked.min(ceiling)
+        }
+    };
+    if p.export_denied.len() > MAX_DENIED_PATTERNS {
+        return Err(ApiError::InvalidArgument(format!(
+            "{} export_denied patterns, at most {MAX_DENIED_PATTERNS}",
+            p.export_denied.len()
+        )));
+    }
+    for pat in &p.export_denied {
+        if pat.is_empty() || pat.len() > 256 || pat.contains('\0') {
+            return Err(ApiError::InvalidArgument(format!(
+                "export_denied pattern {pat:?}: 1..=256 bytes"
+            )));
+        }
+    }
+    let mut denied = cfg.export_denied.clone();
+    denied.extend(
+        p.export_denied
+            .into_iter()
+            .filter(|d| !cfg.export_denied.contains(d)),
+    );
     Ok(FilePolicy {
         writable: pick(p.writable, &cfg.writable_paths)?,
         exportable: pick(p.exportable, &cfg.exportable_paths)?,
+        max_export_file_bytes: cap(p.max_export_file_bytes, cfg.export_max_file_bytes),
+        max_export_total_bytes: cap(p.max_export_total_bytes, cfg.export_max_total_bytes),
+        export_denied: denied,
     })
 }
+
+/// Denied patterns a request may add.
+const MAX_DENIED_PATTERNS: usize = 64;
 
 #[cfg(test)]
 mod tests {
@@ -212,7 +245,17 @@ mod tests {
                 CreateSandboxRequest {
                     file_policy: Some(FilePolicy {
                         writable: vec!["relative".into()],
-                        exportable: vec![],
+                        ..Default::default()
+                    }),
+                    ..base.clone()
+                },
+                "INVALID_ARGUMENT",
+            ),
+            (
+                CreateSandboxRequest {
+                    file_policy: Some(FilePolicy {
+                        export_denied: vec![String::new()],
+                        ..Default::default()
                     }),
                     ..base.clone()
                 },
@@ -232,5 +275,44 @@ mod tests {
         assert_eq!(placed.idle_ttl_s, 5);
         assert_eq!(placed.files.len(), 1);
         assert_eq!(placed.to_stored().file_policy.unwrap(), placed.policy);
+    }
+
+    #[test]
+    fn a_request_narrows_the_export_policy_and_never_widens_it() {
+        let cfg = Config {
+            export_max_file_bytes: 1000,
+            export_max_total_bytes: 5000,
+            export_denied: vec!["*.pem".into()],
+            ..Config::default()
+        };
+        let policy = |p: FilePolicy| {
+            let req = CreateSandboxRequest {
+                file_policy: Some(p),
+                ..Default::default()
+            };
+            SandboxSpec::check(&req, &template(), &cfg).unwrap().policy
+        };
+        let default = policy(FilePolicy::default());
+        assert_eq!(
+            (
+                default.max_export_file_bytes,
+                default.max_export_total_bytes
+            ),
+            (1000, 5000)
+        );
+        assert_eq!(default.export_denied, ["*.pem"]);
+        let narrowed = policy(FilePolicy {
+            max_export_file_bytes: 10,
+            max_export_total_bytes: 1 << 40,
+            export_denied: vec!["*.pem".into(), "*.sqlite".into()],
+            ..Default::default()
+        });
+        assert_eq!(narrowed.max_export_file_bytes, 10, "lowered");
+        assert_eq!(narrowed.max_export_total_bytes, 5000, "never raised");
+        assert_eq!(
+            narrowed.export_denied,
+            ["*.pem", "*.sqlite"],
+            "added, once each"
+        );
     }
 }
