@@ -106,6 +106,9 @@ pub enum Command {
     Kill(KillArgs),
     /// Copy a file into a sandbox (cp LOCAL ID:PATH) or out of it (cp ID:PATH LOCAL)
     Cp(CpArgs),
+    /// List, describe, make, remove and rename files in a sandbox (paths as ID:/PATH)
+    #[command(subcommand)]
+    Fs(FsCommand),
     /// Pause a sandbox: stop its vCPUs, keep its memory and processes
     Pause(IdArg),
     /// Resume a paused sandbox where it stopped
@@ -285,6 +288,16 @@ pub struct CreateArgs {
     /// A guest path prefix that `cp` may read under (repeatable) [default: the daemon's, /tmp]
     #[arg(long, value_name = "PREFIX", value_parser = parse_guest_path)]
     pub exportable: Vec<String>,
+    /// The largest file `cp` may take out of the sandbox [default and ceiling: the daemon's]
+    #[arg(long, value_name = "BYTES")]
+    pub export_max_file_bytes: Option<u64>,
+    /// The bytes `cp` may take out of the sandbox in all [default and ceiling: the daemon's]
+    #[arg(long, value_name = "BYTES")]
+    pub export_max_total_bytes: Option<u64>,
+    /// A path pattern `cp` may not take out, besides the daemon's ('*.sqlite'; one with '/'
+    /// matches the whole path) (repeatable)
+    #[arg(long = "export-deny", value_name = "PATTERN")]
+    pub export_deny: Vec<String>,
     /// What the sandbox may reach over its network [default: nothing, deny-all]
     #[command(flatten)]
     pub network: NetworkArgs,
@@ -553,6 +566,75 @@ pub struct CpArgs {
     /// user]
     #[arg(long, short, value_name = "NAME")]
     pub user: Option<String>,
+}
+
+/// `fs ...`: file calls on ID:/PATH (listing and stat need an exportable prefix, the rest a
+/// writable one).
+#[derive(Debug, Subcommand)]
+pub enum FsCommand {
+    /// List a directory (--json: a list of entries)
+    Ls(FsLsArgs),
+    /// Describe a path (a symlink itself)
+    Stat(FsPathArgs),
+    /// Make a directory
+    Mkdir(FsMkdirArgs),
+    /// Remove a file, a symlink or a directory
+    Rm(FsRmArgs),
+    /// Rename (move) ID:/FROM to /TO in the same sandbox
+    Mv(FsMvArgs),
+}
+
+/// A path in a sandbox and the account that acts on it.
+#[derive(Debug, Args)]
+pub struct FsPathArgs {
+    /// ID:/PATH
+    pub target: String,
+    /// The guest account that acts: 'root' for root [default: user]
+    #[arg(long, short, value_name = "NAME")]
+    pub user: Option<String>,
+}
+
+/// `fs ls`.
+#[derive(Debug, Args)]
+pub struct FsLsArgs {
+    #[command(flatten)]
+    pub path: FsPathArgs,
+    /// Subdirectories too (entries named by their path below the directory)
+    #[arg(long, short)]
+    pub recursive: bool,
+    /// At most this many entries [default: 10000]
+    #[arg(long, value_name = "N")]
+    pub max: Option<u32>,
+}
+
+/// `fs mkdir`.
+#[derive(Debug, Args)]
+pub struct FsMkdirArgs {
+    #[command(flatten)]
+    pub path: FsPathArgs,
+    /// Make parents too; an existing directory is fine
+    #[arg(long, short)]
+    pub parents: bool,
+}
+
+/// `fs rm`.
+#[derive(Debug, Args)]
+pub struct FsRmArgs {
+    #[command(flatten)]
+    pub path: FsPathArgs,
+    /// A non-empty directory too
+    #[arg(long, short)]
+    pub recursive: bool,
+}
+
+/// `fs mv`.
+#[derive(Debug, Args)]
+pub struct FsMvArgs {
+    #[command(flatten)]
+    pub path: FsPathArgs,
+    /// The new path in the same sandbox
+    #[arg(value_parser = parse_guest_path)]
+    pub to: String,
 }
 
 /// A command that takes a sandbox's id.

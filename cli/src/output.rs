@@ -3,8 +3,8 @@
 use std::fmt::Write as _;
 
 use airlock_api::v1::{
-    EgressEvent, EgressKind, EgressRule, Exposure, NetworkPolicy, Sandbox, SandboxState, Template,
-    Volume, egress_rule,
+    EgressEvent, EgressKind, EgressRule, Exposure, FileEntry, NetworkPolicy, Sandbox, SandboxState,
+    Template, Volume, egress_rule,
 };
 use serde_json::{Value, json};
 
@@ -212,6 +212,35 @@ pub fn template_json(t: &Template) -> Value {
         "rootfs_path": t.rootfs_path, "rootfs_version": t.rootfs_version,
         "source_sandbox_id": t.source_sandbox_id, "created_unix_ms": t.created_unix_ms,
     })
+}
+
+/// A file entry's JSON record.
+pub fn file_entry_json(e: &FileEntry) -> Value {
+    json!({
+        "name": e.name, "is_dir": e.is_dir, "is_symlink": e.is_symlink, "size": e.size,
+        "mode": format!("{:o}", e.mode), "mtime_unix_ms": e.mtime_unix_ms, "uid": e.uid,
+        "gid": e.gid,
+    })
+}
+
+/// The table of `airlock fs ls` and `fs stat`: kind, mode, owner, size, name.
+pub fn file_table(list: &[FileEntry]) -> String {
+    let mut out = String::new();
+    for e in list {
+        let kind = if e.is_dir {
+            'd'
+        } else if e.is_symlink {
+            'l'
+        } else {
+            '-'
+        };
+        let _ = writeln!(
+            out,
+            "{kind}{:04o} {:>5}:{:<5} {:>12} {}",
+            e.mode, e.uid, e.gid, e.size, e.name
+        );
+    }
+    out
 }
 
 /// A volume's JSON record.

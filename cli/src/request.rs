@@ -45,11 +45,18 @@ pub fn create_request(args: &CreateArgs, read: Read) -> Result<CreateSandboxRequ
             })
         })
         .collect::<Result<Vec<_>, String>>()?;
-    let file_policy =
-        (!args.writable.is_empty() || !args.exportable.is_empty()).then(|| FilePolicy {
-            writable: args.writable.clone(),
-            exportable: args.exportable.clone(),
-        });
+    let any = !args.writable.is_empty()
+        || !args.exportable.is_empty()
+        || args.export_max_file_bytes.is_some()
+        || args.export_max_total_bytes.is_some()
+        || !args.export_deny.is_empty();
+    let file_policy = any.then(|| FilePolicy {
+        writable: args.writable.clone(),
+        exportable: args.exportable.clone(),
+        max_export_file_bytes: args.export_max_file_bytes.unwrap_or(0),
+        max_export_total_bytes: args.export_max_total_bytes.unwrap_or(0),
+        export_denied: args.export_deny.clone(),
+    });
     Ok(CreateSandboxRequest {
         template: args.template.clone().unwrap_or_default(),
         vcpus: args.vcpus.unwrap_or(0),

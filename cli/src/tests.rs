@@ -137,6 +137,7 @@ fn every_create_flag_reaches_the_request() {
         Some(FilePolicy {
             writable: vec!["/tmp".into(), "/work".into()],
             exportable: vec!["/out".into()],
+            ..Default::default()
         })
     );
 }

@@ -34,6 +34,8 @@ struct Seen {
     expose: Option<ExposePortRequest>,
     /// Volumes made so far (name, size).
     volumes: Vec<(String, u32)>,
+    /// The `fs` calls, as text.
+    fs: Vec<String>,
     /// GetSandbox calls for `sb-ending`: running at the first, destroyed after.
     ending_polls: usize,
 }
@@ -273,8 +275,69 @@ impl Airlock for Mock {
         let size = data.len() as u64;
         Ok(Response::new(events(vec![FileChunk { data, size }])))
     }
-    async fn list_files(&self, _: Request<ListFilesRequest>) -> Answer<ListFilesResponse> {
-        Err(Status::unimplemented("mock"))
+    async fn list_files(&self, r: Request<ListFilesRequest>) -> Answer<ListFilesResponse> {
+        let r = r.into_inner();
+        let mut seen = self.0.lock().unwrap();
+        seen.fs
+            .push(format!("ls {} {} {}", r.path, r.recursive, r.max_entries));
+        let entries = vec![
+            FileEntry {
+                name: "a".into(),
+                is_dir: true,
+                mode: 0o755,
+                uid: 1000,
+                gid: 1000,
+                ..Default::default()
+            },
+            FileEntry {
+                name: "a/b.txt".into(),
+                size: 12,
+                mode: 0o644,
+                uid: 1000,
+                gid: 1000,
+                ..Default::default()
+            },
+        ];
+        Ok(Response::new(ListFilesResponse {
+            entries,
+            truncated: r.max_entries == 1,
+        }))
+    }
+
+    async fn stat_file(&self, r: Request<StatFileRequest>) -> Answer<FileEntry> {
+        let r = r.into_inner();
+        self.0.lock().unwrap().fs.push(format!("stat {}", r.path));
+        Ok(Response::new(FileEntry {
+            name: r.path,
+            size: 5,
+            mode: 0o600,
+            ..Default::default()
+        }))
+    }
+
+    async fn make_dir(&self, r: Request<MakeDirRequest>) -> Answer<MakeDirResponse> {
+        let r = r.into_inner();
+        let mut seen = self.0.lock().unwrap();
+        seen.fs
+            .push(format!("mkdir {} {} {}", r.path, r.parents, r.user));
+        Ok(Response::new(MakeDirResponse {}))
+    }
+
+    async fn remove_file(&self, r: Request<RemoveFileRequest>) -> Answer<RemoveFileResponse> {
+        let r = r.into_inner();
+        let mut seen = self.0.lock().unwrap();
+        seen.fs.push(format!("rm {} {}", r.path, r.recursive));
+        Ok(Response::new(RemoveFileResponse {}))
+    }
+
+    async fn rename_file(&self, r: Request<RenameFileRequest>) -> Answer<RenameFileResponse> {
+        let r = r.into_inner();
+        self.0
+            .lock()
+            .unwrap()
+            .fs
+            .push(format!("mv {} {}", r.from, r.to));
+        Ok(Response::new(RenameFileResponse {}))
     }
 
     async fn set_network_policy(&self, r: Request<SetNetworkPolicyRequest>) -> Answer<Sandbox> {
@@ -425,6 +488,45 @@ impl Airlock for Mock {
 
 #[path = "mock_daemon/net.rs"]
 mod net;
+
+/// `fs ls|stat|mkdir|rm|mv` send what they are given and print what they get.
+#[tokio::test]
+async fn fs_commands_name_a_sandbox_path() {
+    let d = Daemon::start();
+    let p = d.airlock(&["fs", "ls", "sb-1:/tmp", "-r"]).await;
+    assert_eq!(p.status.code(), Some(0), "{}", text(&p.stderr));
+    assert_eq!(
+        text(&p.stdout),
+        "d0755  1000:1000             0 a\n-0644  1000:1000            12 a/b.txt\n"
+    );
+    let p = d
+        .airlock(&["--json", "fs", "ls", "sb-1:/tmp", "--max", "1"])
+        .await;
+    assert_eq!(json(&p.stdout)[1]["name"], "a/b.txt");
+    assert!(text(&p.stderr).is_empty(), "JSON mode: no notice");
+    for args in [
+        &["fs", "stat", "sb-1:/tmp/x"][..],
+        &["fs", "mkdir", "sb-1:/tmp/d", "-p", "--user", "root"],
+        &["fs", "rm", "sb-1:/tmp/d", "-r"],
+        &["fs", "mv", "sb-1:/tmp/a", "/tmp/b"],
+    ] {
+        let p = d.airlock(args).await;
+        assert_eq!(p.status.code(), Some(0), "{args:?}: {}", text(&p.stderr));
+    }
+    assert_eq!(
+        d.seen().fs,
+        [
+            "ls /tmp true 0",
+            "ls /tmp false 1",
+            "stat /tmp/x",
+            "mkdir /tmp/d true root",
+            "rm /tmp/d true",
+            "mv /tmp/a /tmp/b"
+        ]
+    );
+    let p = d.airlock(&["fs", "ls", "/tmp"]).await;
+    assert_eq!(p.status.code(), Some(1), "a path with no sandbox");
+}
 
 /// `volume create|ls|rm` and `create --volume`.
 #[tokio::test]

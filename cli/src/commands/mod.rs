@@ -3,6 +3,7 @@
 
 pub mod exec;
 pub mod files;
+pub mod fs;
 pub mod net;
 pub mod sandbox;
 pub mod template;
@@ -49,6 +50,7 @@ pub async fn run(ctx: &mut Ctx, command: Command) -> Result<u8, String> {
         Command::Logs(a) => exec::logs(ctx, &a).await,
         Command::Kill(a) => exec::kill(ctx, &a).await,
         Command::Cp(a) => files::cp(ctx, &a).await,
+        Command::Fs(c) => fs::run(ctx, c).await,
         Command::Pause(a) => sandbox::pause(ctx, &a.id).await,
         Command::Resume(a) => sandbox::resume(ctx, &a.id).await,
         Command::Snapshot(a) => sandbox::snapshot(ctx, &a).await,
