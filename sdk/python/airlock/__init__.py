@@ -16,6 +16,7 @@ from ._common import (
     EgressEvent,
     EgressLog,
     ExecResult,
+    ExportPolicy,
     Exposure,
     FileEntry,
     Mount,
@@ -50,5 +51,6 @@ __all__ = [
     "Exposure",
     "Volume",
     "Mount",
+    "ExportPolicy",
     "DEFAULT_SOCKET",
 ] + errors.__all__

@@ -148,6 +148,17 @@ class Volume:
 
 
 @dataclass(frozen=True)
+class ExportPolicy:
+    """What file reads may take out of a sandbox, narrowing the operator's ceiling: the largest
+    file, the bytes in all (0: the ceiling) and path patterns refused besides the operator's
+    (``"*.sqlite"``; one with ``/`` matches the whole path)."""
+
+    max_file_bytes: int = 0
+    max_total_bytes: int = 0
+    denied: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
 class Mount:
     """A volume mounted in a sandbox: ``Mount("work", "/data")``, read-only with
     ``read_only=True``."""
@@ -247,6 +258,20 @@ class FileEntry:
     is_dir: bool
     size: int
     mode: int
+    is_symlink: bool = False
+    mtime_unix_ms: int = 0
+    uid: int = 0
+    gid: int = 0
+
+    @classmethod
+    def from_pb(cls, e: "pb.FileEntry") -> "FileEntry":
+        return cls(e.name, e.is_dir, e.size, e.mode, e.is_symlink, e.mtime_unix_ms, e.uid, e.gid)
+
+
+def list_request(sandbox_id: str, path: str, user: Optional[str], recursive: bool, max_entries: int):
+    return pb.ListFilesRequest(
+        sandbox_id=sandbox_id, path=path, user=user or "", recursive=recursive, max_entries=max_entries
+    )
 
 
 @dataclass(frozen=True)
@@ -707,6 +732,7 @@ def create_request(
     exportable: Optional[Sequence[str]],
     network: NetworkSpec = None,
     volumes: VolumesSpec = None,
+    export: "Optional[ExportPolicy]" = None,
 ) -> "pb.CreateSandboxRequest":
     req = pb.CreateSandboxRequest(
         template=template,
@@ -724,6 +750,10 @@ def create_request(
     if writable is not None or exportable is not None:
         req.file_policy.writable.extend(writable or [])
         req.file_policy.exportable.extend(exportable or [])
+    if export is not None:
+        req.file_policy.max_export_file_bytes = export.max_file_bytes
+        req.file_policy.max_export_total_bytes = export.max_total_bytes
+        req.file_policy.export_denied.extend(export.denied)
     policy = network_policy(network)
     if policy is not None:
         req.network.CopyFrom(policy)

@@ -21,7 +21,7 @@ from . import _common as c
 from ._common import EgressLog, ExecResult, Exposure, FileEntry, OutputChunk, Template, TemplateProgress
 from ._proto import airlock_pb2 as pb
 from ._proto import airlock_pb2_grpc as pb_grpc
-from .errors import AirlockError, Unavailable, from_rpc_error
+from .errors import AirlockError, FileNotFound, Unavailable, from_rpc_error
 
 OutputCallback = Callable[[OutputChunk], Union[None, Awaitable[None]]]
 
@@ -164,11 +164,12 @@ class AsyncSandboxes:
         exportable: Optional[Sequence[str]] = None,
         network: c.NetworkSpec = None,
         volumes: c.VolumesSpec = None,
+        export: Optional[c.ExportPolicy] = None,
     ) -> "AsyncSandbox":
         """As :meth:`airlock.client.Sandboxes.create`."""
         req = c.create_request(
             template, vcpus, memory_mib, disk_mib, env, files, labels, timeout, idle_timeout,
-            writable, exportable, network, volumes,
+            writable, exportable, network, volumes, export,
         )
         return AsyncSandbox(self._c, await self._c._unary("CreateSandbox", req))
 
@@ -274,10 +275,41 @@ class AsyncFiles:
     async def read_text(self, path: str, encoding: str = "utf-8", user: Optional[str] = None) -> str:
         return (await self.read(path, user)).decode(encoding)
 
-    async def list(self, path: str, user: Optional[str] = None) -> List[FileEntry]:
-        req = pb.ListFilesRequest(sandbox_id=self._s.id, path=path, user=user or "")
+    async def list(
+        self,
+        path: str,
+        user: Optional[str] = None,
+        *,
+        recursive: bool = False,
+        max_entries: int = 0,
+    ) -> List[FileEntry]:
+        req = c.list_request(self._s.id, path, user, recursive, max_entries)
         resp = await self._s._c._unary("ListFiles", req)
-        return [FileEntry(e.name, e.is_dir, e.size, e.mode) for e in resp.entries]
+        return [FileEntry.from_pb(e) for e in resp.entries]
+
+    async def stat(self, path: str, user: Optional[str] = None) -> FileEntry:
+        req = pb.StatFileRequest(sandbox_id=self._s.id, path=path, user=user or "")
+        return FileEntry.from_pb(await self._s._c._unary("StatFile", req))
+
+    async def exists(self, path: str, user: Optional[str] = None) -> bool:
+        try:
+            await self.stat(path, user)
+            return True
+        except FileNotFound:
+            return False
+
+    async def make_dir(self, path: str, *, parents: bool = True, mode: int = 0, user: Optional[str] = None) -> None:
+        req = pb.MakeDirRequest(sandbox_id=self._s.id, path=path, parents=parents, mode=mode, user=user or "")
+        await self._s._c._unary("MakeDir", req)
+
+    async def remove(self, path: str, *, recursive: bool = False, user: Optional[str] = None) -> None:
+        req = pb.RemoveFileRequest(sandbox_id=self._s.id, path=path, recursive=recursive, user=user or "")
+        await self._s._c._unary("RemoveFile", req)
+
+    async def rename(self, src: str, dst: str, *, user: Optional[str] = None) -> None:
+        req = pb.RenameFileRequest(sandbox_id=self._s.id, to=dst, user=user or "")
+        setattr(req, "from", src)
+        await self._s._c._unary("RenameFile", req)
 
 
 class AsyncSandbox(c.SandboxInfo):

@@ -20,7 +20,7 @@ from ._common import (
 )
 from ._proto import airlock_pb2 as pb
 from ._proto import airlock_pb2_grpc as pb_grpc
-from .errors import AirlockError, Unavailable, from_rpc_error
+from .errors import AirlockError, FileNotFound, Unavailable, from_rpc_error
 
 OutputCallback = Callable[[OutputChunk], None]
 
@@ -188,6 +188,7 @@ class Sandboxes:
         exportable: Optional[Sequence[str]] = None,
         network: c.NetworkSpec = None,
         volumes: c.VolumesSpec = None,
+        export: Optional[c.ExportPolicy] = None,
     ) -> "Sandbox":
         """Starts a sandbox from ``template`` and returns once its agent is ready.
 
@@ -208,10 +209,12 @@ class Sandboxes:
                 read_only=True)]`` or ``{"/data": "work"}``. One read-write user at a time,
                 or many read-only ones (:class:`~airlock.VolumeInUse`).
             disk_mib: what it may write to its root (its writable space).
+            export: an :class:`~airlock.ExportPolicy` narrowing what file reads may take out
+                (:class:`~airlock.ExportDenied` beyond it).
         """
         req = c.create_request(
             template, vcpus, memory_mib, disk_mib, env, files, labels, timeout, idle_timeout,
-            writable, exportable, network, volumes,
+            writable, exportable, network, volumes, export,
         )
         return Sandbox(self._c, self._c._unary("CreateSandbox", req))
 
@@ -326,10 +329,44 @@ class Files:
     def read_text(self, path: str, encoding: str = "utf-8", user: Optional[str] = None) -> str:
         return self.read(path, user).decode(encoding)
 
-    def list(self, path: str, user: Optional[str] = None) -> List[FileEntry]:
-        req = pb.ListFilesRequest(sandbox_id=self._s.id, path=path, user=user or "")
+    def list(
+        self,
+        path: str,
+        user: Optional[str] = None,
+        *,
+        recursive: bool = False,
+        max_entries: int = 0,
+    ) -> List[FileEntry]:
+        """The entries of a directory (``recursive``: below it too, named by their path
+        relative to it), at most ``max_entries`` (0: 10,000)."""
+        req = c.list_request(self._s.id, path, user, recursive, max_entries)
         resp = self._s._c._unary("ListFiles", req)
-        return [FileEntry(e.name, e.is_dir, e.size, e.mode) for e in resp.entries]
+        return [FileEntry.from_pb(e) for e in resp.entries]
+
+    def stat(self, path: str, user: Optional[str] = None) -> FileEntry:
+        """Describes ``path`` (a symlink itself); :class:`~airlock.FileNotFound` if absent."""
+        req = pb.StatFileRequest(sandbox_id=self._s.id, path=path, user=user or "")
+        return FileEntry.from_pb(self._s._c._unary("StatFile", req))
+
+    def exists(self, path: str, user: Optional[str] = None) -> bool:
+        try:
+            self.stat(path, user)
+            return True
+        except FileNotFound:
+            return False
+
+    def make_dir(self, path: str, *, parents: bool = True, mode: int = 0, user: Optional[str] = None) -> None:
+        req = pb.MakeDirRequest(sandbox_id=self._s.id, path=path, parents=parents, mode=mode, user=user or "")
+        self._s._c._unary("MakeDir", req)
+
+    def remove(self, path: str, *, recursive: bool = False, user: Optional[str] = None) -> None:
+        req = pb.RemoveFileRequest(sandbox_id=self._s.id, path=path, recursive=recursive, user=user or "")
+        self._s._c._unary("RemoveFile", req)
+
+    def rename(self, src: str, dst: str, *, user: Optional[str] = None) -> None:
+        req = pb.RenameFileRequest(sandbox_id=self._s.id, to=dst, user=user or "")
+        setattr(req, "from", src)
+        self._s._c._unary("RenameFile", req)
 
 
 class Sandbox(c.SandboxInfo):

@@ -41,6 +41,7 @@ __all__ = [
     "FileTooLarge",
     "DiskQuotaExceeded",
     "PathNotAllowed",
+    "ExportDenied",
     "NetworkNotAllowed",
     "GuestPermissionDenied",
     "StartFailed",
@@ -193,6 +194,13 @@ class PathNotAllowed(AirlockError):
     reason_codes = ("PATH_NOT_ALLOWED",)
 
 
+class ExportDenied(AirlockError):
+    """The sandbox's export policy refuses the read: a denied pattern, or the per-file or
+    per-sandbox cap; ``metadata["rule"]`` says which."""
+
+    reason_codes = ("EXPORT_DENIED",)
+
+
 class NetworkNotAllowed(AirlockError):
     """A network policy asks for more than the operator allows the tenant (its egress
     ceiling); ``rule`` names the rule that goes beyond it."""
@@ -279,6 +287,7 @@ _BY_REASON = {
         FileTooLarge,
         DiskQuotaExceeded,
         PathNotAllowed,
+        ExportDenied,
         NetworkNotAllowed,
         GuestPermissionDenied,
         StartFailed,

@@ -163,6 +163,45 @@ def test_files(client):
             sb.files.write("/tmp/elsewhere.txt", "b")
 
 
+def test_the_file_api_and_the_export_policy(client):
+    policy = airlock.ExportPolicy(max_file_bytes=64, max_total_bytes=100, denied=["*.sqlite"])
+    with client.sandboxes.create(export=policy) as sb:
+        sb.files.make_dir("/tmp/proj/src")
+        sb.files.write("/tmp/proj/src/main.py", "print(1)\n")
+        sb.files.write("/tmp/proj/.env", "SECRET=1")
+        sb.files.rename("/tmp/proj/src/main.py", "/tmp/proj/app.py")
+        names = [e.name for e in sb.files.list("/tmp/proj", recursive=True)]
+        assert names == [".env", "app.py", "src"], names
+        st = sb.files.stat("/tmp/proj/app.py")
+        assert (st.size, st.is_dir, st.uid) == (9, False, 1000)
+        assert sb.files.exists("/tmp/proj/src") and not sb.files.exists("/tmp/proj/src/main.py")
+        assert sb.files.read_text("/tmp/proj/app.py") == "print(1)\n"
+        with pytest.raises(airlock.ExportDenied) as e:
+            sb.files.read("/tmp/proj/.env")
+        assert ".env" in e.value.metadata["rule"]
+        sb.files.write("/tmp/proj/db.sqlite", "x")
+        with pytest.raises(airlock.ExportDenied):
+            sb.files.read("/tmp/proj/db.sqlite")
+        sb.files.write("/tmp/proj/big.txt", "b" * 65)
+        with pytest.raises(airlock.ExportDenied) as e:
+            sb.files.read("/tmp/proj/big.txt")
+        assert "per-file" in e.value.metadata["rule"]
+        for _ in range(20):
+            try:
+                sb.files.read("/tmp/proj/app.py")
+            except airlock.ExportDenied as e:
+                assert "export cap" in e.metadata["rule"]
+                break
+        else:
+            raise AssertionError("the sandbox's export cap never stopped a read")
+        sb.files.remove("/tmp/proj", recursive=True)
+        assert not sb.files.exists("/tmp/proj")
+        with pytest.raises(airlock.FileNotFound):
+            sb.files.stat("/tmp/proj")
+        with pytest.raises(airlock.PathNotAllowed):
+            sb.files.make_dir("/etc/x")
+
+
 def test_volumes_outlive_sandboxes_and_have_one_writer(client):
     vol = client.volumes.create("sdk-work", size_mib=32)
     assert (vol.name, vol.size_mib, vol.attached_to) == ("sdk-work", 32, [])
