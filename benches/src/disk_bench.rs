@@ -4,7 +4,8 @@
 //! as `--compare-jail` does (the host's share with and without the writable layer); then, in
 //! one sandbox of each, `DD_RUNS` times: `dd` writes `DD_MIB` MiB (`conv=fsync`) where the
 //! sandbox writes (`/root` on the writable root, `/tmp` on the tmpfs), drops the guest's page
-//! cache and reads it back, each rate as `dd` reports it (MB/s in the guest).
+//! cache and reads it back, each rate as `dd` reports it (MB/s in the guest); and the same on a
+//! volume (`volume`: a sandbox of the writable-root daemon with a volume mounted at /data).
 
 use super::net_run::guest_exec;
 use super::*;
@@ -55,10 +56,40 @@ pub async fn compare_disk(a: Args) -> Result<serde_json::Value, String> {
     let p50 = alternate(a.runs, &sides, &mut out).await?;
     out.insert("layer_overhead_ms_p50".into(), p50_diff(&p50, 0));
     out.insert("layer_host_overhead_ms_p50".into(), p50_diff(&p50, 1));
-    for ((name, (_, c)), path) in sides.iter().zip(["/root/dd.bin", "/tmp/dd.bin"]) {
+    let mut lc = layered.1.clone();
+    lc.create_volume(CreateVolumeRequest {
+        name: "bench".into(),
+        size_mib: (a.dd_mib as u32 * 4).max(64),
+    })
+    .await
+    .map_err(|e| format!("create volume: {}", e.message()))?;
+    let on_volume = CreateSandboxRequest {
+        volumes: vec![VolumeAttachment {
+            name: "bench".into(),
+            mount_path: "/data".into(),
+            read_only: false,
+        }],
+        ..Default::default()
+    };
+    let runs = [
+        (
+            "writable_root",
+            &layered.1,
+            "/root/dd.bin",
+            CreateSandboxRequest::default(),
+        ),
+        (
+            "read_only_root",
+            &tmpfs.1,
+            "/tmp/dd.bin",
+            CreateSandboxRequest::default(),
+        ),
+        ("volume", &layered.1, "/data/dd.bin", on_volume),
+    ];
+    for (name, c, path, req) in runs {
         let mut c = c.clone();
         let sb = c
-            .create_sandbox(CreateSandboxRequest::default())
+            .create_sandbox(req)
             .await
             .map_err(|e| format!("create: {}", e.message()))?
             .into_inner();
@@ -78,10 +109,11 @@ pub async fn compare_disk(a: Args) -> Result<serde_json::Value, String> {
         }
         destroy_all(&c, std::slice::from_ref(&sb)).await;
         let side = out
-            .get_mut(*name)
-            .and_then(|v| v.as_object_mut())
+            .entry(name)
+            .or_insert_with(|| serde_json::json!({}))
+            .as_object_mut()
             .ok_or("no side")?;
-        side.insert("dd_path".into(), (*path).into());
+        side.insert("dd_path".into(), path.into());
         side.insert("dd_mib".into(), a.dd_mib.into());
         side.insert("write_mib_s".into(), summary(&write));
         side.insert("read_mib_s".into(), summary(&read));
