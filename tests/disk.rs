@@ -88,6 +88,7 @@ echo lib > /usr/local/lib/airlock-test/x
 echo etc > /etc/airlock-test
 echo root > /root/airlock-test
 echo hello > /usr/local/airlock-test
+sync
 ";
 const WRITE_AS_USER: &str = "set -e
 echo home > $HOME/airlock-test
@@ -120,7 +121,8 @@ async fn a_sandbox_writes_wherever_root_may_and_no_other_sandbox_sees_it() {
          /home/user/airlock-test -\n/tmp/airlock-test -\n",
         "another sandbox of the template sees none of it"
     );
-    // The writes went into a's overlay on the host, not into the base image.
+    // The writes went into a's overlay on the host (synced out of its page cache above), not
+    // into the base image.
     let mine: Vec<_> = overlays(s)
         .into_iter()
         .filter(|(_, len)| *len > 0)
