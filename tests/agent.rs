@@ -7,6 +7,7 @@
 //! Cold boots cost tens of seconds on the nested-KVM build machines, so every agent check
 //! shares one VM. Timeouts are in minutes for the same reason.
 
+use airlock_proto::Requests;
 use std::process::Command;
 use std::time::{Duration, Instant};
 

@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use airlock_proto::pb::{self, StreamKind, exec_exit};
-use airlock_proto::{AGENT_VSOCK_PORT, AgentClient, ClientError};
+use airlock_proto::{AGENT_VSOCK_PORT, AgentClient, ClientError, Requests};
 
 pub mod harness;
 pub mod shared;

@@ -5,6 +5,7 @@
 //! Guest-side steps cost seconds on the nested-KVM build machines (the guest kernel is
 //! emulated); restores themselves take milliseconds.
 
+use airlock_proto::Requests;
 use std::sync::mpsc::channel;
 use std::time::{Duration, Instant};
 

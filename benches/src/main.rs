@@ -16,7 +16,7 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use airlock_proto::pb::{self, exec_exit};
-use airlock_proto::{AGENT_VSOCK_PORT, AgentClient, ClientError};
+use airlock_proto::{AGENT_VSOCK_PORT, AgentClient, ClientError, Requests};
 
 type Client = AgentClient<UnixStream, UnixStream>;
 

@@ -5,6 +5,7 @@
 
 mod common;
 
+use airlock_proto::Requests;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;

@@ -6,6 +6,7 @@
 
 mod common;
 
+use airlock_proto::Requests;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use airlock_proto::pb::{self, ErrorCode, request, response};
-use airlock_proto::{MAX_ARGV_ENV_BYTES, MAX_CONCURRENT_EXECS, MAX_OUTPUT_CHUNK};
+use airlock_proto::{MAX_ARGV_ENV_BYTES, MAX_CONCURRENT_EXECS, MAX_OUTPUT_CHUNK, Requests};
 use common::*;
 
 #[test]

@@ -6,7 +6,7 @@ mod common;
 use std::os::unix::fs::{PermissionsExt, symlink};
 
 use airlock_proto::pb::{self, ErrorCode, FileKind, request, response};
-use airlock_proto::{ClientError, MAX_DIR_ENTRIES, MAX_FILE_BYTES, MAX_FILE_CHUNK};
+use airlock_proto::{ClientError, MAX_DIR_ENTRIES, MAX_FILE_BYTES, MAX_FILE_CHUNK, Requests};
 use common::*;
 
 fn code(r: Result<impl std::fmt::Debug, ClientError>) -> ErrorCode {

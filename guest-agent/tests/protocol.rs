@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::time::Duration;
 
 use airlock_proto::pb::{ErrorCode, Ping, Request, Response, request, response};
-use airlock_proto::{AgentClient, PROTOCOL_VERSION, encode_frame, read_frame};
+use airlock_proto::{AgentClient, PROTOCOL_VERSION, Requests, encode_frame, read_frame};
 use common::*;
 
 /// Reads frames until the agent closes; returns them.

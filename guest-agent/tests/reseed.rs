@@ -5,7 +5,7 @@
 mod common;
 
 use airlock_proto::pb::ErrorCode;
-use airlock_proto::{MAX_RESEED_ENTROPY, MIN_RESEED_ENTROPY};
+use airlock_proto::{MAX_RESEED_ENTROPY, MIN_RESEED_ENTROPY, Requests};
 use common::*;
 
 const ENTROPY: [u8; 32] = [0x5a; 32];

@@ -4,6 +4,7 @@
 
 mod common;
 
+use airlock_proto::Requests;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
 use airlock_proto::ClientError;

@@ -30,7 +30,8 @@ use crate::{MAX_DIR_ENTRIES, MAX_FILE_BYTES, MAX_FILE_CHUNK, PROTOCOL_VERSION};
 
 mod error;
 pub use error::ClientError;
-use error::{agent_error, expect_ok, into_kind, protocol};
+pub(crate) use error::agent_error;
+use error::{expect_ok, into_kind, protocol};
 
 /// `Response.dir_listing`'s field number (agent.proto).
 const DIR_LISTING_FIELD: u32 = 18;
@@ -69,7 +70,7 @@ impl<W: Write> Signaller<W> {
 
 /// What a request in flight still expects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Pending {
+pub(crate) enum Pending {
     /// One response.
     Single,
     /// ExecStarted (or Attached), Output..., then ExecExit (or one Error): Exec and Attach.
@@ -129,7 +130,7 @@ pub fn clone_identity(sandbox_id: &str, disk_bytes: u64) -> Result<pb::Reseed, C
 }
 
 /// How the answers to `req` arrive.
-fn pending_of(req: &Request) -> Pending {
+pub(crate) fn pending_of(req: &Request) -> Pending {
     match req.kind {
         Some(request::Kind::Exec(_) | request::Kind::Attach(_)) => Pending::Exec,
         _ => Pending::Single,
@@ -273,10 +274,79 @@ impl<R: Read, W: Write> AgentClient<R, W> {
             self.stash_response(resp)?;
         }
     }
+}
+
+impl<R: Read, W: Write> AgentClient<R, W> {
+    /// Reads one frame and checks it against the requests in flight.
+    fn read_response(&mut self) -> Result<Response, ClientError> {
+        loop {
+            let resp = self.read_one()?;
+            if !(self.side_requests && resp.id >= SIDE_REQUEST_IDS) {
+                return self.check_response(resp);
+            }
+            // A signaller's answer; whatever it says shows in the execution's outcome.
+        }
+    }
+
+    /// Reads and decodes one frame.
+    fn read_one(&mut self) -> Result<Response, ClientError> {
+        read_response(&mut self.reader)
+    }
+
+    /// Takes the connection apart for [`crate::mux::Mux`]: the buffered read half (it may
+    /// hold frames already received), the write half, `Ready` and the last id used. Refused
+    /// while requests are in flight or responses are buffered (they would be lost).
+    pub fn into_parts(self) -> Result<(BufReader<R>, W, Ready, u64), ClientError> {
+        if !self.in_flight.is_empty() || !self.stash.is_empty() || self.side_requests {
+            return Err(ClientError::InvalidRequest(
+                "requests in flight: the connection cannot be handed over",
+            ));
+        }
+        Ok((self.reader, self.writer, self.ready, self.last_id))
+    }
+
+    /// Checks a response against the requests in flight.
+    fn check_response(&mut self, resp: Response) -> Result<Response, ClientError> {
+        if resp.id == 0 {
+            return match resp.kind {
+                // The agent could not decode a frame of ours; it closes the connection next.
+                Some(response::Kind::Error(e)) => Err(agent_error(e)),
+                other => Err(protocol(format!("response with id 0: {other:?}"))),
+            };
+        }
+        let Some(&pending) = self.in_flight.get(&resp.id) else {
+            return Err(protocol(format!("response to unknown request {}", resp.id)));
+        };
+        if is_last(&resp, pending) {
+            self.in_flight.remove(&resp.id);
+        }
+        Ok(resp)
+    }
+
+    fn stash_response(&mut self, resp: Response) -> Result<(), ClientError> {
+        let len = resp.encoded_len();
+        if self.stash_bytes + len > MAX_STASHED_BYTES {
+            return Err(ClientError::Backlog);
+        }
+        self.stash_bytes += len;
+        self.stash.push_back(resp);
+        Ok(())
+    }
+}
+
+/// The calls of the agent protocol, built on two primitives: sending a request and receiving
+/// the next response to it. [`AgentClient`] (a connection of its own) and
+/// [`crate::mux::MuxClient`] (a caller's share of a connection) implement them.
+pub trait Requests {
+    /// Sends `kind` with a fresh id and returns the id.
+    fn send_kind(&mut self, kind: request::Kind) -> Result<u64, ClientError>;
+
+    /// The next response to request `id`.
+    fn recv_for(&mut self, id: u64) -> Result<Response, ClientError>;
 
     /// Sends `kind` and waits for its single answer; an `Error` answer becomes
     /// [`ClientError::Agent`].
-    pub fn call(&mut self, kind: request::Kind) -> Result<response::Kind, ClientError> {
+    fn call(&mut self, kind: request::Kind) -> Result<response::Kind, ClientError> {
         let id = self.send_kind(kind)?;
         let resp = self.recv_for(id)?;
         into_kind(resp)
@@ -284,7 +354,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
 
     /// Runs `exec` to completion: output chunks go to `on_output` in order per stream, and the
     /// final `ExecExit` is returned. Responses to other requests are buffered meanwhile.
-    pub fn exec_collect(
+    fn exec_collect(
         &mut self,
         exec: pb::Exec,
         mut on_output: impl FnMut(StreamKind, &[u8]),
@@ -299,7 +369,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     /// [`pb::Exec::with_keep_on_disconnect`], for an execution that survives this connection)
     /// and waits for its `ExecStarted`. Returns the request id, whose `Output` and `ExecExit`
     /// follow (read them with [`recv_for`](Self::recv_for)).
-    pub fn start_exec(&mut self, exec: pb::Exec) -> Result<(u64, ExecStarted), ClientError> {
+    fn start_exec(&mut self, exec: pb::Exec) -> Result<(u64, ExecStarted), ClientError> {
         let id = self.send_kind(request::Kind::Exec(exec))?;
         let started = self.exec_started(id)?;
         Ok((id, started))
@@ -309,13 +379,13 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     /// closed since, and waits for the `Attached` answer. Returns the request id, whose
     /// `Output` (all the agent still retains, then live) and `ExecExit` follow (read them with
     /// [`recv_for`](Self::recv_for)); from now on Signal and Stdin for it work here.
-    pub fn attach(&mut self, exec_id: u64) -> Result<(u64, Attached), ClientError> {
+    fn attach(&mut self, exec_id: u64) -> Result<(u64, Attached), ClientError> {
         self.attach_from(exec_id, 0, 0)
     }
 
     /// Like [`attach`](Self::attach), with the retained output replayed only from these
     /// offsets (the output of each stream that this host already has).
-    pub fn attach_from(
+    fn attach_from(
         &mut self,
         exec_id: u64,
         stdout_offset: u64,
@@ -337,7 +407,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     /// output chunk goes to `on_output` with its stream offset (offsets start at the
     /// `Attached` ones and are contiguous), and the `ExecExit` is returned with the `Attached`
     /// answer.
-    pub fn attach_collect(
+    fn attach_collect(
         &mut self,
         exec_id: u64,
         on_output: impl FnMut(StreamKind, u64, &[u8]),
@@ -350,7 +420,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
 
     /// Reads the `Output` frames of request `id` (execution `exec_id`) up to its `ExecExit`.
     /// Each stream's offsets must continue at `expected`, without gaps.
-    pub fn collect_stream(
+    fn collect_stream(
         &mut self,
         id: u64,
         exec_id: u64,
@@ -388,7 +458,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     }
 
     /// Waits for the `ExecStarted` of the exec request `id` (or its `Error`).
-    pub fn exec_started(&mut self, id: u64) -> Result<ExecStarted, ClientError> {
+    fn exec_started(&mut self, id: u64) -> Result<ExecStarted, ClientError> {
         match into_kind(self.recv_for(id)?)? {
             response::Kind::ExecStarted(started) => Ok(started),
             other => Err(protocol(format!("expected ExecStarted, got {other:?}"))),
@@ -397,7 +467,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
 
     /// Writes `data` to `path` (created with mode 0644 and missing parents), in chunks of
     /// [`MAX_FILE_CHUNK`]; the first chunk truncates.
-    pub fn write_file(&mut self, path: &str, data: &[u8]) -> Result<(), ClientError> {
+    fn write_file(&mut self, path: &str, data: &[u8]) -> Result<(), ClientError> {
         let template = pb::WriteFile {
             path: path.to_owned(),
             create_parents: true,
@@ -408,7 +478,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
 
     /// Like [`write_file`](Self::write_file) with `path`, `mode`, `root` and `create_parents`
     /// taken from `template` (its `data`, `offset` and `truncate` are ignored).
-    pub fn write_file_with(
+    fn write_file_with(
         &mut self,
         template: &pb::WriteFile,
         data: &[u8],
@@ -433,12 +503,12 @@ impl<R: Read, W: Write> AgentClient<R, W> {
 
     /// Reads the whole file at `path` in chunks of [`MAX_FILE_CHUNK`] (at most
     /// [`MAX_FILE_BYTES`]).
-    pub fn read_file(&mut self, path: &str) -> Result<Vec<u8>, ClientError> {
+    fn read_file(&mut self, path: &str) -> Result<Vec<u8>, ClientError> {
         self.read_file_in(path, "")
     }
 
     /// Like [`read_file`](Self::read_file), with `path` resolved inside `root`.
-    pub fn read_file_in(&mut self, path: &str, root: &str) -> Result<Vec<u8>, ClientError> {
+    fn read_file_in(&mut self, path: &str, root: &str) -> Result<Vec<u8>, ClientError> {
         let mut out = Vec::new();
         loop {
             let chunk = self.read_chunk(path, root, out.len() as u64)?;
@@ -470,7 +540,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     }
 
     /// Describes `path` (a symlink itself, not its target).
-    pub fn stat(&mut self, path: &str) -> Result<FileStat, ClientError> {
+    fn stat(&mut self, path: &str) -> Result<FileStat, ClientError> {
         let req = pb::Stat {
             path: path.to_owned(),
             ..Default::default()
@@ -482,7 +552,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     }
 
     /// Lists the directory `path`.
-    pub fn list_dir(&mut self, path: &str) -> Result<pb::DirListing, ClientError> {
+    fn list_dir(&mut self, path: &str) -> Result<pb::DirListing, ClientError> {
         let req = pb::ListDir {
             path: path.to_owned(),
             ..Default::default()
@@ -494,7 +564,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     }
 
     /// Creates the directory `path` (and its parents if `parents`), mode 0755.
-    pub fn mkdir(&mut self, path: &str, parents: bool) -> Result<(), ClientError> {
+    fn mkdir(&mut self, path: &str, parents: bool) -> Result<(), ClientError> {
         let req = pb::Mkdir {
             path: path.to_owned(),
             parents,
@@ -504,7 +574,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     }
 
     /// Removes `path` (a non-empty directory only if `recursive`).
-    pub fn remove(&mut self, path: &str, recursive: bool) -> Result<(), ClientError> {
+    fn remove(&mut self, path: &str, recursive: bool) -> Result<(), ClientError> {
         let req = pb::Remove {
             path: path.to_owned(),
             recursive,
@@ -514,14 +584,14 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     }
 
     /// Sends `signal` to every process of execution `exec_id`.
-    pub fn signal(&mut self, exec_id: u64, signal: i32) -> Result<(), ClientError> {
+    fn signal(&mut self, exec_id: u64, signal: i32) -> Result<(), ClientError> {
         let req = pb::Signal { exec_id, signal };
         expect_ok(self.call(request::Kind::Signal(req))?)
     }
 
     /// Writes `data` to the stdin of execution `exec_id` (closing it after if `eof`); returns
     /// once the agent has written it to the process's pipe.
-    pub fn stdin(&mut self, exec_id: u64, data: &[u8], eof: bool) -> Result<(), ClientError> {
+    fn stdin(&mut self, exec_id: u64, data: &[u8], eof: bool) -> Result<(), ClientError> {
         let req = pb::Stdin {
             exec_id,
             data: data.to_vec(),
@@ -534,7 +604,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     /// bytes) into the kernel's pool and a CRNG reseed, then the host name and the sandbox id
     /// (either may be empty: left as is). The answer says what the agent did (an agent in host
     /// mode never touches its machine's RNG or host name).
-    pub fn reseed(
+    fn reseed(
         &mut self,
         entropy: &[u8],
         hostname: &str,
@@ -551,17 +621,13 @@ impl<R: Read, W: Write> AgentClient<R, W> {
 
     /// Gives a restored clone fresh host entropy ([`crate::identity`]), `sandbox_id` as its
     /// id and host name, and `disk_bytes` as the size of its /tmp (0: unchanged).
-    pub fn reseed_clone(
-        &mut self,
-        sandbox_id: &str,
-        disk_bytes: u64,
-    ) -> Result<Reseeded, ClientError> {
+    fn reseed_clone(&mut self, sandbox_id: &str, disk_bytes: u64) -> Result<Reseeded, ClientError> {
         self.reseed_with(clone_identity(sandbox_id, disk_bytes)?)
     }
 
     /// The answer to a Reseed sent as request `id` (for example pipelined with the
     /// connection, see [`from_stream_pipelined`](Self::from_stream_pipelined)).
-    pub fn reseeded(&mut self, id: u64) -> Result<Reseeded, ClientError> {
+    fn reseeded(&mut self, id: u64) -> Result<Reseeded, ClientError> {
         match into_kind(self.recv_for(id)?)? {
             response::Kind::Reseeded(done) => Ok(done),
             other => Err(protocol(format!("expected Reseeded, got {other:?}"))),
@@ -570,7 +636,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
 
     /// [`reseed`](Self::reseed) with every field of the request (for example the size limit
     /// of /tmp).
-    pub fn reseed_with(&mut self, req: pb::Reseed) -> Result<Reseeded, ClientError> {
+    fn reseed_with(&mut self, req: pb::Reseed) -> Result<Reseeded, ClientError> {
         match self.call(request::Kind::Reseed(req))? {
             response::Kind::Reseeded(done) => Ok(done),
             other => Err(protocol(format!("expected Reseeded, got {other:?}"))),
@@ -578,7 +644,7 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     }
 
     /// Round trip; returns the guest's uptime in milliseconds.
-    pub fn ping(&mut self) -> Result<pb::Pong, ClientError> {
+    fn ping(&mut self) -> Result<pb::Pong, ClientError> {
         match self.call(request::Kind::Ping(pb::Ping {}))? {
             response::Kind::Pong(pong) => Ok(pong),
             other => Err(protocol(format!("expected Pong, got {other:?}"))),
@@ -586,65 +652,40 @@ impl<R: Read, W: Write> AgentClient<R, W> {
     }
 
     /// Asks the agent to power the VM off (in host mode: to exit); returns once it said Ok.
-    pub fn power_off(&mut self) -> Result<(), ClientError> {
+    fn power_off(&mut self) -> Result<(), ClientError> {
         expect_ok(self.call(request::Kind::PowerOff(pb::PowerOff {}))?)
     }
+}
 
-    /// Reads one frame and checks it against the requests in flight.
-    fn read_response(&mut self) -> Result<Response, ClientError> {
-        loop {
-            let resp = self.read_one()?;
-            if !(self.side_requests && resp.id >= SIDE_REQUEST_IDS) {
-                return self.check_response(resp);
-            }
-            // A signaller's answer; whatever it says shows in the execution's outcome.
-        }
+impl<R: Read, W: Write> Requests for AgentClient<R, W> {
+    fn send_kind(&mut self, kind: request::Kind) -> Result<u64, ClientError> {
+        AgentClient::send_kind(self, kind)
     }
 
-    /// Reads and decodes one frame (a listing's entries are counted before decoding).
-    fn read_one(&mut self) -> Result<Response, ClientError> {
-        let body = read_frame_bytes(&mut self.reader)?.ok_or(ClientError::Closed)?;
-        // A malformed frame fails to decode below.
-        let entries = count_field(&body, &[DIR_LISTING_FIELD, 1]).unwrap_or(0);
-        if entries > MAX_DIR_ENTRIES {
-            return Err(protocol(format!(
-                "a directory listing of {entries} entries (at most {MAX_DIR_ENTRIES})"
-            )));
-        }
-        Ok(Response::decode(body.as_slice()).map_err(FrameError::Decode)?)
+    fn recv_for(&mut self, id: u64) -> Result<Response, ClientError> {
+        AgentClient::recv_for(self, id)
     }
+}
 
-    /// Checks a response against the requests in flight.
-    fn check_response(&mut self, resp: Response) -> Result<Response, ClientError> {
-        if resp.id == 0 {
-            return match resp.kind {
-                // The agent could not decode a frame of ours; it closes the connection next.
-                Some(response::Kind::Error(e)) => Err(agent_error(e)),
-                other => Err(protocol(format!("response with id 0: {other:?}"))),
-            };
-        }
-        let Some(&pending) = self.in_flight.get(&resp.id) else {
-            return Err(protocol(format!("response to unknown request {}", resp.id)));
-        };
-        let last = match (&resp.kind, pending) {
-            (_, Pending::Single) => true,
-            (Some(response::Kind::ExecExit(_) | response::Kind::Error(_)), Pending::Exec) => true,
-            (_, Pending::Exec) => false,
-        };
-        if last {
-            self.in_flight.remove(&resp.id);
-        }
-        Ok(resp)
+/// Reads and decodes one response frame (a listing's entries are counted before decoding).
+pub(crate) fn read_response(reader: &mut impl Read) -> Result<Response, ClientError> {
+    let body = read_frame_bytes(reader)?.ok_or(ClientError::Closed)?;
+    // A malformed frame fails to decode below.
+    let entries = count_field(&body, &[DIR_LISTING_FIELD, 1]).unwrap_or(0);
+    if entries > MAX_DIR_ENTRIES {
+        return Err(protocol(format!(
+            "a directory listing of {entries} entries (at most {MAX_DIR_ENTRIES})"
+        )));
     }
+    Ok(Response::decode(body.as_slice()).map_err(FrameError::Decode)?)
+}
 
-    fn stash_response(&mut self, resp: Response) -> Result<(), ClientError> {
-        let len = resp.encoded_len();
-        if self.stash_bytes + len > MAX_STASHED_BYTES {
-            return Err(ClientError::Backlog);
-        }
-        self.stash_bytes += len;
-        self.stash.push_back(resp);
-        Ok(())
+/// Whether `resp` is the last answer to a request that expects `pending`.
+pub(crate) fn is_last(resp: &Response, pending: Pending) -> bool {
+    match (&resp.kind, pending) {
+        (_, Pending::Single) => true,
+        (Some(response::Kind::ExecExit(_) | response::Kind::Error(_)), Pending::Exec) => true,
+        (_, Pending::Exec) => false,
     }
 }
 

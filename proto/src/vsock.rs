@@ -249,6 +249,7 @@ mod tests {
     use std::os::unix::net::UnixListener;
 
     use super::*;
+    use crate::Requests;
     use crate::frame::write_frame;
     use crate::pb::{DirListing, FileStat, Ready, Response, response};
 

@@ -4,6 +4,7 @@
 //! agent through the VM's hybrid-vsock socket, sends the command's result back over a channel,
 //! then asks the agent to power the guest off (and stops the VM itself if the guest does not).
 
+use airlock_proto::Requests;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;

@@ -5,6 +5,7 @@
     reason = "each test binary uses a different subset of these helpers"
 )]
 
+use airlock_proto::Requests;
 use std::io::{BufRead, BufReader};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};

@@ -41,6 +41,10 @@ pub enum ClientError {
     /// Too many responses for other requests arrived while waiting.
     #[error("more than {MAX_STASHED_BYTES} bytes of responses are waiting to be read")]
     Backlog,
+    /// A shared connection ([`crate::mux::Mux`]) closed, or stopped routing this caller's
+    /// answers.
+    #[error("the agent connection was lost: {0}")]
+    Lost(String),
     /// The caller's request cannot be sent (zero or duplicate id).
     #[error("invalid request: {0}")]
     InvalidRequest(&'static str),
@@ -56,11 +60,11 @@ impl ClientError {
     }
 }
 
-pub(super) fn protocol(msg: String) -> ClientError {
+pub(crate) fn protocol(msg: String) -> ClientError {
     ClientError::Protocol(msg)
 }
 
-pub(super) fn agent_error(e: pb::Error) -> ClientError {
+pub(crate) fn agent_error(e: pb::Error) -> ClientError {
     ClientError::Agent {
         code: ErrorCode::try_from(e.code).unwrap_or(ErrorCode::Unspecified),
         message: e.message,
