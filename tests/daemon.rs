@@ -561,17 +561,32 @@ async fn a_snapshot_becomes_a_template_whose_clones_have_its_files() {
 async fn metrics_count_sandboxes_creates_and_executions() {
     let (_serial, s) = shared().await;
     let mut c = s.client(None).await;
-    let a = create_sandbox(&mut c, &s.log).await;
-    let (_, _, rec) = run(&mut c, &a.id, &["true"]).await;
-    assert_eq!(rec.state, ExecutionState::Exited as i32);
-    let text = http_get(s.metrics_port, "/metrics").await;
-    let value = |prefix: &str| {
+    let value_in = |text: &str, prefix: &str| {
         text.lines()
             .find(|l| l.starts_with(prefix))
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
     };
+    let before = http_get(s.metrics_port, "/metrics").await;
+    let a = create_sandbox(&mut c, &s.log).await;
+    // Executions and file transfers share the connection the create opened.
+    for argv in [
+        &["true"][..],
+        &["true"],
+        &["sh", "-c", "echo shared > /tmp/mux"],
+    ] {
+        let (_, _, rec) = run(&mut c, &a.id, argv).await;
+        assert_eq!(rec.state, ExecutionState::Exited as i32);
+    }
+    assert_eq!(read_all(&mut c, &a.id, "/tmp/mux").await, b"shared\n");
+    let text = http_get(s.metrics_port, "/metrics").await;
+    let value = |prefix: &str| value_in(&text, prefix);
+    assert_eq!(
+        value("airlock_agent_connections_total"),
+        value_in(&before, "airlock_agent_connections_total") + 1,
+        "one agent connection for the create, three executions and a file read"
+    );
     assert!(value("airlock_sandboxes{state=\"running\"}") >= 1);
     assert!(value("airlock_create_seconds_count") >= 1);
     assert!(value("airlock_executions_total{outcome=\"exited\"}") >= 1);

@@ -4,11 +4,11 @@
 //! threads with the agent's synchronous client, every chunk a call with its own deadline;
 //! sizes are capped by the daemon (`max_file_bytes`) before the guest sees them.
 
-use std::path::PathBuf;
+use airlock_proto::Requests;
 
 use airlock_api::v1::{FileChunk, FileEntry, FilePolicy};
+use airlock_proto::MuxClient;
 use airlock_proto::pb;
-use airlock_proto::vsock::TimedClient;
 use tokio::sync::mpsc::{Receiver, Sender};
 
 use crate::agent::{self, CALL_TIMEOUT};
@@ -108,7 +108,7 @@ pub fn denied_by<'a>(denied: &'a [String], path: &str) -> Option<&'a str> {
 #[derive(Clone, Debug)]
 pub struct FileTarget {
     pub sandbox_id: String,
-    pub vsock: PathBuf,
+    pub agent: std::sync::Arc<agent::AgentLink>,
     pub policy: FilePolicy,
     /// Its writable space, for DISK_QUOTA_EXCEEDED.
     pub disk_limit: u64,
@@ -135,8 +135,10 @@ impl FileTarget {
         }
     }
 
-    fn connect(&self, path: &str) -> ApiResult<TimedClient> {
-        agent::client(&self.vsock).map_err(|e| from_agent(e, self.call(path)))
+    fn connect(&self, path: &str) -> ApiResult<MuxClient> {
+        self.agent
+            .client()
+            .map_err(|e| from_agent(e, self.call(path)))
     }
 }
 
@@ -216,7 +218,7 @@ struct Chunk<'a> {
 
 /// Writes one chunk of `path` inside `root` (the first one truncates).
 fn write_chunk(
-    client: &mut TimedClient,
+    client: &mut MuxClient,
     root: &str,
     path: &str,
     at: Chunk<'_>,
@@ -473,7 +475,7 @@ pub async fn change(target: FileTarget, path: String, op: Op) -> ApiResult<()> {
 
 /// Writes a whole file at an absolute `path` (parents created): the files a create places.
 pub fn write_all(
-    client: &mut TimedClient,
+    client: &mut MuxClient,
     path: &str,
     data: &[u8],
     mode: u32,

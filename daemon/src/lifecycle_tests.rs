@@ -379,6 +379,9 @@ async fn an_execution_stalled_before_ready_is_cut_by_its_timeout() {
     let s = create(&t).await.unwrap();
     t.launcher.set_guest(Guest::StallBeforeReady);
     let sb = t.daemon.sandboxes.running("default", &s.id).unwrap();
+    // The create's connection is gone: the execution has to connect again, to a guest that
+    // never says Ready.
+    sb.vmm().unwrap().agent.close("the test drops it");
     let began = Instant::now();
     let ex = t
         .daemon
@@ -401,6 +404,8 @@ async fn a_flood_of_directory_entries_is_refused() {
     let s = create(&t).await.unwrap();
     t.launcher.set_guest(Guest::FloodListing);
     let sb = t.daemon.sandboxes.running("default", &s.id).unwrap();
+    // A new connection, to the flooding guest.
+    sb.vmm().unwrap().agent.close("the test drops it");
     let target = sb.file_target(1 << 20).unwrap();
     let err = crate::files::list(target, "/tmp".into(), false, 0)
         .await

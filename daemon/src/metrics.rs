@@ -167,6 +167,11 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
+            "# HELP airlock_agent_connections_total Connections opened to guest agents (one per sandbox, shared by its calls, unless one broke).\n# TYPE airlock_agent_connections_total counter\nairlock_agent_connections_total {}",
+            crate::agent::CONNECTIONS.load(std::sync::atomic::Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
             "# HELP airlock_executions_total Executions by outcome.\n# TYPE airlock_executions_total counter"
         );
         for (o, n) in &i.executions {

@@ -263,8 +263,8 @@ impl Recovery<'_> {
     fn follow_executions(&self) -> ApiResult<usize> {
         let mut followed = 0;
         for rt in self.sandboxes.all() {
-            let vsock = match rt.vmm() {
-                Some(v) => v.vsock,
+            let agent = match rt.vmm() {
+                Some(v) => v.agent,
                 None => continue,
             };
             for e in self.store.executions_of(&rt.id)? {
@@ -273,7 +273,7 @@ impl Recovery<'_> {
                 }
                 match self.store.execution_agent(&e.id)? {
                     Some(agent_id) => {
-                        self.executions.adopt(e, agent_id, &vsock)?;
+                        self.executions.adopt(e, agent_id, &agent)?;
                         followed += 1;
                     }
                     None => {

@@ -41,8 +41,8 @@ pub struct ExecTarget {
     pub sandbox_id: String,
     pub tenant: String,
     pub template_id: String,
-    /// The sandbox VMM's hybrid-vsock socket.
-    pub vsock: PathBuf,
+    /// The sandbox's agent connection.
+    pub agent: Arc<crate::agent::AgentLink>,
     /// The sandbox's environment (the request's entries go over it).
     pub env: HashMap<String, String>,
 }
@@ -163,18 +163,18 @@ impl Executions {
                 .mode(0o600)
                 .open(p)?;
         }
-        self.run(record, [0, 0], &target.vsock, Start::Exec(exec), timeout_ms)?;
+        self.run(record, [0, 0], &target.agent, Start::Exec(exec), timeout_ms)?;
         info!(execution = %id, sandbox = %target.sandbox_id, "execution started");
         Ok(id)
     }
 
     /// Follows `record` again after a restart: attaches to the agent's execution `agent_id`
-    /// in the VMM at `vsock`, with the output stored so far; its timeout counts from its start.
+    /// through `agent`, with the output stored so far; its timeout counts from its start.
     pub fn adopt(
         &self,
         record: Execution,
         agent_id: u64,
-        vsock: &std::path::Path,
+        agent: &Arc<crate::agent::AgentLink>,
     ) -> ApiResult<()> {
         let paths = self.output_paths(&record.id);
         let len = |p: &PathBuf| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
@@ -182,7 +182,7 @@ impl Executions {
         let ran_ms = u64::try_from(ids::now_ms() - record.started_unix_ms).unwrap_or(0);
         let left_ms = record.timeout_ms.saturating_sub(ran_ms).max(1);
         info!(execution = %record.id, left_ms, "following the execution again");
-        self.run(record, stored, vsock, Start::Attach(agent_id), left_ms)
+        self.run(record, stored, agent, Start::Attach(agent_id), left_ms)
     }
 
     /// Registers `record` as running and starts its thread and its timeout.
@@ -190,7 +190,7 @@ impl Executions {
         &self,
         record: Execution,
         stored: [u64; 2],
-        vsock: &std::path::Path,
+        agent: &Arc<crate::agent::AgentLink>,
         start: Start,
         timeout_ms: u64,
     ) -> ApiResult<()> {
@@ -205,11 +205,11 @@ impl Executions {
             self.ledger.clone(),
         ));
         self.ledger.live().insert(id.clone(), rt.clone());
-        let (r, vsock) = (rt.clone(), vsock.to_path_buf());
+        let (r, agent) = (rt.clone(), agent.clone());
         let handle = tokio::runtime::Handle::current();
         let spawned = std::thread::Builder::new()
             .name(format!("exec-{}", id.get(3..11).unwrap_or("x")))
-            .spawn(move || runner::run(r, &vsock, start, handle));
+            .spawn(move || runner::run(r, &agent, start, handle));
         if let Err(e) = spawned {
             rt.fail(ExecEnd::AgentUnavailable(format!("no thread: {e}")));
             return Err(ApiError::Internal(format!("exec thread: {e}")));

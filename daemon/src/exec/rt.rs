@@ -1,17 +1,16 @@
-//! A running execution: its record, the output stored so far, its agent connection (to cut
-//! it, and a signaller to signal through it), and its end, stored once, whoever ends it (the
+//! A running execution: its record, the output stored so far, its request on the sandbox's
+//! shared agent connection (to cut it off, and to signal through it), and its end, stored once, whoever ends it (the
 //! guest's exit, the daemon's timeout, a kill, its sandbox's end, a lost connection).
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use airlock_api::v1::Execution;
-use airlock_proto::Signaller;
+use airlock_proto::Mux;
 use airlock_proto::pb::{self, StreamKind};
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -42,9 +41,9 @@ impl Ledger {
 /// The connection side of a running execution.
 #[derive(Debug, Default)]
 struct Conn {
-    /// The socket, to cut it (set as soon as it is connected, before the guest says anything).
-    socket: Option<UnixStream>,
-    signaller: Option<Signaller<UnixStream>>,
+    /// The sandbox's agent connection and the id of this execution's request on it (set as
+    /// soon as the request is sent): cancelling the request cuts the execution's thread off.
+    request: Option<(Mux, u64)>,
     /// The agent's id of the execution, once it has started.
     agent_id: Option<u64>,
     /// A signal asked for before the agent had started the process (sent once it has).
@@ -131,24 +130,23 @@ impl ExecRt {
         tokio::time::timeout(timeout, done).await.is_ok()
     }
 
-    /// The connection's socket, as soon as it is connected.
-    pub fn set_socket(&self, s: &UnixStream) {
-        lock(&self.conn).socket = s.try_clone().ok();
+    /// The execution's request went out as `request` on `mux`.
+    pub fn sent(&self, mux: &Mux, request: u64) {
+        lock(&self.conn).request = Some((mux.clone(), request));
         if self.is_finished() {
             self.cut();
         }
     }
 
-    /// The agent started the process as `agent_id`; signals go through `signaller` now (one
-    /// asked for earlier is sent, and so is the kill of a daemon's end that came first).
-    pub fn started(&self, agent_id: u64, signaller: Signaller<UnixStream>) {
+    /// The agent started the process as `agent_id`; signals go to it now (one asked for
+    /// earlier is sent, and so is the kill of a daemon's end that came first).
+    pub fn started(&self, agent_id: u64) {
         if let Err(e) = self.ledger.store.set_execution_agent(&self.id, agent_id) {
             warn!(execution = %self.id, "recording the agent's id: {e}");
         }
         let pending = {
             let mut c = lock(&self.conn);
             c.agent_id = Some(agent_id);
-            c.signaller = Some(signaller);
             c.pending_signal.take()
         };
         if let Some(sig) = pending {
@@ -176,8 +174,14 @@ impl ExecRt {
     /// process, the signal is sent as soon as it has.
     pub fn signal(&self, signal: i32) -> Result<(), String> {
         let mut c = lock(&self.conn);
-        match (c.agent_id, c.signaller.as_ref()) {
-            (Some(id), Some(s)) => s.signal(id, signal).map_err(|e| e.to_string()),
+        match (c.agent_id, c.request.as_ref()) {
+            (Some(exec_id), Some((mux, _))) => {
+                let kind = pb::request::Kind::Signal(pb::Signal { exec_id, signal });
+                // Its answer is not waited for: the outcome shows in the execution's exit.
+                mux.send_detached(kind)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            }
             _ => {
                 c.pending_signal = Some(signal);
                 Ok(())
@@ -250,10 +254,11 @@ impl ExecRt {
         self.finish(None, Some(&end));
     }
 
-    /// Cuts the agent connection: a thread blocked on it returns.
+    /// Cuts the execution off the agent connection (the sandbox's other calls go on): its
+    /// thread, blocked waiting for the guest, returns.
     pub fn cut(&self) {
-        if let Some(s) = lock(&self.conn).socket.as_ref() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+        if let Some((mux, request)) = lock(&self.conn).request.as_ref() {
+            mux.cancel(*request);
         }
     }
 

@@ -1,21 +1,22 @@
-//! The thread of one execution: connect to the agent (every step until the process has
-//! started bounded by a deadline, the socket registered first so that the timeout can cut it
-//! at any point), start the command or attach to one that outlived the previous daemon, and
-//! store its output until it exits.
+//! The thread of one execution: take the sandbox's agent connection (made first if it has
+//! none; every step until the process has started bounded by a deadline, the request
+//! registered as soon as it is sent so that the timeout can cut it off at any point), start
+//! the command or attach to one that outlived the previous daemon, and store its output until
+//! it exits.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use airlock_proto::pb;
-use airlock_proto::vsock::{self, TimedClient};
-use airlock_proto::{AGENT_VSOCK_PORT, ClientError};
+use airlock_proto::{ClientError, Mux, MuxClient, Requests};
 
 use super::rt::ExecRt;
+use crate::agent::AgentLink;
 use crate::error::error_chain;
 use crate::reason::ExecEnd;
 
-/// Connecting, the agent's Ready and the process's start together may take this long (a
+/// Connecting (when the sandbox has no connection yet), the agent's Ready and the process's
+/// start together may take this long (a
 /// loaded nested-KVM guest forks slowly).
 const START_DEADLINE: Duration = Duration::from_secs(60);
 /// How long an execution whose agent connection broke waits for its sandbox to be reported
@@ -32,8 +33,8 @@ pub enum Start {
 }
 
 /// The thread body: runs the execution to its end and stores the record.
-pub fn run(rt: Arc<ExecRt>, vsock: &Path, start: Start, runtime: tokio::runtime::Handle) {
-    match drive(&rt, vsock, start) {
+pub fn run(rt: Arc<ExecRt>, agent: &AgentLink, start: Start, runtime: tokio::runtime::Handle) {
+    match drive(&rt, agent, start) {
         Ok(exit) => rt.finish(Some(exit), None),
         Err(Failure::Refused(message)) => rt.finish(None, Some(&ExecEnd::StartFailed(message))),
         Err(Failure::Lost(message)) => {
@@ -59,25 +60,22 @@ impl From<String> for Failure {
     }
 }
 
-fn drive(rt: &ExecRt, vsock: &Path, start: Start) -> Result<pb::ExecExit, Failure> {
+fn drive(rt: &ExecRt, agent: &AgentLink, start: Start) -> Result<pb::ExecExit, Failure> {
     let deadline = Instant::now() + START_DEADLINE;
-    let mut client = vsock::connect(vsock, AGENT_VSOCK_PORT, deadline, |s| rt.set_socket(s))
+    let mux = agent
+        .get(deadline)
         .map_err(|e| format!("connecting to the agent: {}", error_chain(&e)))?;
     if rt.is_finished() {
         return Err(Failure::Lost("ended before it started".into()));
     }
-    let signaller = client
-        .reader()
-        .try_clone_socket()
-        .map(|s| client.signaller(s))
-        .map_err(|e| e.to_string())?;
-    let (request, exec_id, offsets) = begin(rt, &mut client, start).map_err(|e| match e {
+    let mut client = mux.client(Some(deadline));
+    let (request, exec_id, offsets) = begin(rt, &mux, &mut client, start).map_err(|e| match e {
         ClientError::Agent { message, .. } => Failure::Refused(message),
         other => Failure::Lost(error_chain(&other)),
     })?;
     // The output may take as long as the execution does; the daemon's timer bounds it.
     client.set_deadline(None);
-    rt.started(exec_id, signaller);
+    rt.started(exec_id);
     let mut sink = rt.open_output().map_err(|e| e.to_string())?;
     let mut failed = None;
     let exit = client
@@ -100,17 +98,21 @@ fn drive(rt: &ExecRt, vsock: &Path, start: Start) -> Result<pb::ExecExit, Failur
 /// Starts or attaches: the request id, the agent's execution id and where output continues.
 fn begin(
     rt: &ExecRt,
-    client: &mut TimedClient,
+    mux: &Mux,
+    client: &mut MuxClient,
     start: Start,
 ) -> Result<(u64, u64, [u64; 2]), ClientError> {
     match start {
         Start::Exec(exec) => {
-            let (id, started) = client.start_exec(exec)?;
+            let id = client.send_kind(pb::request::Kind::Exec(exec))?;
+            rt.sent(mux, id);
+            let started = client.exec_started(id)?;
             Ok((id, started.exec_id, [0, 0]))
         }
         Start::Attach(agent_id) => {
             let have = rt.stored();
             let (id, attached) = client.attach_from(agent_id, have[0], have[1])?;
+            rt.sent(mux, id);
             Ok((
                 id,
                 agent_id,

@@ -2,6 +2,7 @@
 //! for the guest's agent, give the clone its identity and files. A create that fails ends its
 //! sandbox (DEAD, with the error's reason) and leaves nothing running.
 
+use airlock_proto::Requests;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -285,6 +286,9 @@ impl Sandboxes {
             client
                 .within(CALL_TIMEOUT, |c| c.reseeded(reseed_id))
                 .map_err(|e| from_agent(e, call))?;
+            // This connection serves the sandbox from now on (executions, files, control).
+            let mux = vmm.agent.adopt(client).map_err(|e| from_agent(e, call))?;
+            let mut client = mux.client(Some(Instant::now() + CALL_TIMEOUT));
             for f in &spec.files {
                 let mode = if f.mode == 0 { 0o644 } else { f.mode };
                 files::write_all(&mut client, &f.path, &f.content, mode).map_err(|e| {

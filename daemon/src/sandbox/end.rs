@@ -2,6 +2,7 @@
 //! stopping daemon): its VMM is killed and gone, its cgroup and run directory removed, its
 //! executions ended with it, its final record stored. Idempotent.
 
+use airlock_proto::Requests;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,9 +26,9 @@ const POWER_OFF_WAIT: Duration = Duration::from_secs(20);
 /// host's disk and the volume clean. A guest that does not cooperate is killed anyway (its
 /// volumes' journals replay at their next read-write mount).
 async fn power_off(rt: &SandboxRt, v: &vmm::VmmProcess) {
-    let vsock = v.vsock.clone();
+    let agent = v.agent.clone();
     let asked = tokio::task::spawn_blocking(move || {
-        let mut c = crate::agent::client(&vsock)?;
+        let mut c = agent.client()?;
         c.within(POWER_OFF_WAIT, |c| {
             c.call(airlock_proto::pb::request::Kind::PowerOff(
                 airlock_proto::pb::PowerOff {},

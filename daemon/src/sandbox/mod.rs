@@ -154,7 +154,7 @@ impl SandboxRt {
             sandbox_id: self.id.clone(),
             tenant: self.tenant.clone(),
             template_id: lock(&self.record).template_id.clone(),
-            vsock: self.vmm_or_err()?.vsock,
+            agent: self.vmm_or_err()?.agent,
             env: self.env.clone(),
         })
     }
@@ -163,7 +163,7 @@ impl SandboxRt {
     pub fn file_target(&self, max_file_bytes: u64) -> ApiResult<FileTarget> {
         Ok(FileTarget {
             sandbox_id: self.id.clone(),
-            vsock: self.vmm_or_err()?.vsock,
+            agent: self.vmm_or_err()?.agent,
             policy: self.policy.clone(),
             disk_limit: u64::from(lock(&self.record).disk_mib) << 20,
             max_file_bytes,

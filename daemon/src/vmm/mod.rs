@@ -129,6 +129,8 @@ pub struct VmmProcess {
     pub run_dir: PathBuf,
     pub control: PathBuf,
     pub vsock: PathBuf,
+    /// The one connection to its guest agent, shared by every caller.
+    pub agent: Arc<crate::agent::AgentLink>,
     pub cgroup: Option<Cgroup>,
     handle: Arc<dyn Kill>,
     /// Set once the process has ended (by the supervisor).
@@ -152,6 +154,7 @@ impl VmmProcess {
             uid: launched.uid,
             control: run_dir.join("control.sock"),
             vsock: run_dir.join("vsock.sock"),
+            agent: Arc::new(crate::agent::AgentLink::new(run_dir.join("vsock.sock"))),
             run_dir,
             cgroup,
             handle: launched.handle.clone(),
@@ -173,6 +176,7 @@ impl VmmProcess {
     /// Marks the process ended (its exit was seen).
     pub fn mark_gone(&self) {
         self.gone.send_replace(true);
+        self.agent.close("its VMM ended");
     }
 
     /// Waits up to `timeout` for the process to end; whether it did.
