@@ -28,6 +28,12 @@ def distributions(result):
             out.append((f"create -> ready, concurrency {level}", "ms", r.get("samples", []), ""))
             out.append((f"guest's share, concurrency {level}", "ms", r.get("guest_samples", []),
                         ""))
+        d = result.get("daemon_exec", {})
+        if d:
+            out.append(("exec of `true` through airlockd", "ms",
+                        d.get("exec_true_ms", {}).get("samples", []), ""))
+            out.append(("ReadFile through airlockd", "ms",
+                        d.get("read_file_ms", {}).get("samples", []), ""))
     if result.get("bench") == "settle":
         for kind in ("unsettled", "settled"):
             r = result.get(kind, {})

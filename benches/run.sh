@@ -28,7 +28,11 @@
 #         proxied/plain (benches/nettcp.py). NET_TCP=0: the restore part only.
 #   create  CreateSandbox -> ready through a live airlockd (gRPC, warm pool) at concurrency
 #         LEVELS (default 1,10,50), RUNS creates per level (default 20), the host's and the
-#         guest's share, creates/s, and the host memory (PSS) of IDLE (100) idle sandboxes.
+#         guest's share, creates/s, and the host memory (PSS) of IDLE (100) idle sandboxes;
+#         then, in one sandbox, EXEC_RUNS (10) executions of `true` and ReadFiles through the
+#         daemon and `head -c EXEC_MIB (2) MiB` of stdout streamed (`daemon_exec`).
+#         AIRLOCKD=PATH runs another airlockd binary (say, an earlier commit's) under the
+#         same bench client.
 #   soak  CYCLES (default 10000) create/destroy cycles through a live, jailed airlockd (4 at a
 #         time; the system test tests/jail.rs with AIRLOCK_TEST_JAIL_CYCLES), which fails on any
 #         leak: processes, cgroups, run directories, uids, mounts, PID namespaces, the daemon's
@@ -133,9 +137,10 @@ bench_create() {
   artifacts
   (cd "$root" && cargo build --release -q -p airlock-vmm -p airlockd -p airlock-bench >&2)
   "$root/target/release/airlock-create-bench" \
-    --daemon "$root/target/release/airlockd" --vmm "$root/target/release/airlock-vmm" \
+    --daemon "${AIRLOCKD:-$root/target/release/airlockd}" --vmm "$root/target/release/airlock-vmm" \
     --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" \
-    --runs "${RUNS:-20}" --levels "${LEVELS:-1,10,50}" --idle "${IDLE:-100}"
+    --runs "${RUNS:-20}" --levels "${LEVELS:-1,10,50}" --idle "${IDLE:-100}" \
+    --exec-runs "${EXEC_RUNS:-10}" --exec-mib "${EXEC_MIB:-2}"
 }
 
 bench_jail() {

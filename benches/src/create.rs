@@ -4,7 +4,7 @@
 //!
 //! Usage: airlock-create-bench --daemon PATH --vmm PATH --kernel PATH --rootfs PATH
 //!        [--runs N] [--levels 1,10,50] [--idle N] [--compare-jail]
-//!        [--compare-disk [--dd-runs N] [--dd-mib M]]
+//!        [--exec-runs N] [--exec-mib M] [--compare-disk [--dd-runs N] [--dd-mib M]]
 //!
 //! `--compare-disk`: with and without a writable root, side by side (see `disk_bench.rs`).
 //!
@@ -55,6 +55,9 @@ struct Args {
     compare_disk: bool,
     dd_runs: usize,
     dd_mib: usize,
+    /// Executions, file reads and stdout through the daemon (0: none).
+    exec_runs: usize,
+    exec_mib: usize,
     /// Instead of the levels: run `net_argv` in one sandbox allowed `allow_domains`.
     net_run: bool,
     config_extra: String,
@@ -75,6 +78,8 @@ fn parse_args() -> Result<Args, String> {
         compare_disk: false,
         dd_runs: 3,
         dd_mib: 16,
+        exec_runs: 10,
+        exec_mib: 2,
         net_run: false,
         config_extra: String::new(),
         allow_domains: Vec::new(),
@@ -113,6 +118,8 @@ fn parse_args() -> Result<Args, String> {
             "--idle" => a.idle = n(v)?,
             "--dd-runs" => a.dd_runs = n(v)?,
             "--dd-mib" => a.dd_mib = n(v)?,
+            "--exec-runs" => a.exec_runs = n(v)?,
+            "--exec-mib" => a.exec_mib = n(v)?,
             "--levels" => a.levels = v.split(',').map(n).collect::<Result<_, _>>()?,
             "--config-extra" => a.config_extra = v.clone(),
             "--allow-domain" => a.allow_domains.push(v.clone()),
@@ -438,6 +445,12 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
         s["failures"] = failures.into();
         out.insert(format!("create_ms_c{level}"), s);
     }
+    if a.exec_runs > 0 {
+        out.insert(
+            "daemon_exec".into(),
+            daemon_exec::measure(&c, a.exec_runs, a.exec_mib).await?,
+        );
+    }
     let mut cps = creates_per_s.clone();
     cps.sort_by(f64::total_cmp);
     out.insert(
@@ -601,6 +614,7 @@ async fn compare_jail(a: Args) -> Result<serde_json::Value, String> {
     Ok(serde_json::Value::Object(out))
 }
 
+mod daemon_exec;
 mod disk_bench;
 mod net_run;
 
