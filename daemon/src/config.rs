@@ -131,6 +131,9 @@ pub struct Config {
     /// Sandbox networks: the static host map, the default egress ceiling, DNS and proxy limits
     /// (see `net/mod.rs`).
     pub network: crate::net::NetworkConfig,
+    /// The package proxy: its registries, the default package ceiling, the cache, limits
+    /// (see `pkg/mod.rs`).
+    pub packages: crate::pkg::PackagesConfig,
 }
 
 /// A registered image: a kernel and a root filesystem on the daemon's host.
@@ -193,6 +196,9 @@ pub struct TenantConfig {
     /// The most a sandbox of this tenant may be allowed to reach (default:
     /// `[network] default_ceiling`, allow-internet: every public address, no internal range).
     pub egress_ceiling: Option<crate::net::PolicyConfig>,
+    /// The most a sandbox of this tenant may install (default: `[packages] default_ceiling`:
+    /// every registry, any package, no cap).
+    pub packages: Option<crate::pkg::CeilingConfig>,
 }
 
 /// TLS of the TCP listeners (`[tls]`): the server's certificate chain and key (PEM), and, for
@@ -285,6 +291,7 @@ impl Default for Config {
             adopt_on_restart: true,
             jail: crate::jail::JailConfig::default(),
             network: crate::net::NetworkConfig::default(),
+            packages: crate::pkg::PackagesConfig::default(),
         }
     }
 }
@@ -337,6 +344,14 @@ impl Config {
                 .and_then(|p| p.parent().map(|d| d.join("airlock-vmm")))
                 .unwrap_or_else(|| PathBuf::from("airlock-vmm"))
         })
+    }
+
+    /// Tenants' package ceilings, where set.
+    pub fn package_ceilings(&self) -> BTreeMap<String, crate::pkg::CeilingConfig> {
+        self.tenants
+            .iter()
+            .filter_map(|(t, c)| Some((t.clone(), c.packages.clone()?)))
+            .collect()
     }
 
     /// Tenants' egress ceilings, where set.

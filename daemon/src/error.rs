@@ -79,6 +79,9 @@ pub enum ApiError {
     /// A network policy asks for more than the tenant's ceiling allows.
     #[error("egress rule {rule} is beyond what the operator allows tenant {tenant}")]
     NetworkNotAllowed { tenant: String, rule: String },
+    /// A package policy asks for a registry beyond the tenant's ceiling.
+    #[error("package policy: {message} (tenant {tenant})")]
+    PackagesNotAllowed { tenant: String, message: String },
     /// The daemon's data directory (records, output, snapshots) has no space left.
     #[error("the host's data directory is full: {0}")]
     DataDirFull(String),
@@ -92,6 +95,7 @@ impl ApiError {
         match self {
             Self::InvalidArgument(_) => "INVALID_ARGUMENT",
             Self::NetworkNotAllowed { .. } => "NETWORK_NOT_ALLOWED",
+            Self::PackagesNotAllowed { .. } => "PACKAGES_NOT_ALLOWED",
             Self::Unauthenticated(_) => "UNAUTHENTICATED",
             Self::SandboxNotFound(_) => "SANDBOX_NOT_FOUND",
             Self::ExecutionNotFound(_) => "EXECUTION_NOT_FOUND",
@@ -134,7 +138,8 @@ impl ApiError {
             Self::PathNotAllowed { .. }
             | Self::ExportDenied { .. }
             | Self::GuestPermission { .. }
-            | Self::NetworkNotAllowed { .. } => Code::PermissionDenied,
+            | Self::NetworkNotAllowed { .. }
+            | Self::PackagesNotAllowed { .. } => Code::PermissionDenied,
             Self::Dead { .. } | Self::AgentUnavailable { .. } => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
         }
@@ -204,6 +209,9 @@ impl ApiError {
             Self::NetworkNotAllowed { tenant, rule } => {
                 m.insert("tenant".into(), tenant.clone());
                 m.insert("rule".into(), rule.clone());
+            }
+            Self::PackagesNotAllowed { tenant, .. } => {
+                m.insert("tenant".into(), tenant.clone());
             }
             Self::InvalidArgument(_) | Self::Unauthenticated(_) | Self::Internal(_) => {}
         }

@@ -26,6 +26,7 @@ mod janitor;
 mod limits;
 mod metrics;
 mod net;
+mod pkg;
 mod pool;
 mod reason;
 mod recovery;

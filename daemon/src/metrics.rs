@@ -55,6 +55,8 @@ struct Inner {
     /// Egress events by (tenant, kind, verdict) and bytes by (tenant, direction).
     egress: BTreeMap<(String, &'static str, &'static str), u64>,
     egress_bytes: BTreeMap<(String, &'static str), u64>,
+    /// Package proxy requests and bytes by (tenant, registry, outcome).
+    packages: BTreeMap<(String, String, &'static str), (u64, u64)>,
 }
 
 /// The daemon's metrics.
@@ -122,6 +124,18 @@ impl Metrics {
         if inn > 0 {
             *i.egress_bytes.entry((tenant.to_owned(), "in")).or_default() += inn;
         }
+    }
+
+    /// The package proxy answered a request of a sandbox of `tenant` (`outcome`: cached,
+    /// fetched, denied, hash_mismatch, over_cap, upstream_error), serving `bytes`.
+    pub fn package_event(&self, tenant: &str, registry: &str, outcome: &'static str, bytes: u64) {
+        let mut i = self.inner();
+        let e = i
+            .packages
+            .entry((tenant.to_owned(), registry.to_owned(), outcome))
+            .or_default();
+        e.0 += 1;
+        e.1 += bytes;
     }
 
     /// The exposition text, with the sandbox gauges given by the caller.
@@ -203,6 +217,28 @@ impl Metrics {
                 out,
                 "airlock_egress_bytes_total{{tenant=\"{tenant}\",direction=\"{dir}\"}} {n}"
             );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP airlock_package_requests_total Package files (and refused index pages) asked of the package proxy, by outcome.\n# TYPE airlock_package_requests_total counter"
+        );
+        for ((tenant, registry, outcome), (n, _)) in &i.packages {
+            let _ = writeln!(
+                out,
+                "airlock_package_requests_total{{tenant=\"{tenant}\",registry=\"{registry}\",outcome=\"{outcome}\"}} {n}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP airlock_package_bytes_total Bytes of package files served to sandboxes, by outcome (cached, fetched).\n# TYPE airlock_package_bytes_total counter"
+        );
+        for ((tenant, registry, outcome), (_, b)) in &i.packages {
+            if *b > 0 {
+                let _ = writeln!(
+                    out,
+                    "airlock_package_bytes_total{{tenant=\"{tenant}\",registry=\"{registry}\",outcome=\"{outcome}\"}} {b}"
+                );
+            }
         }
         let _ = writeln!(
             out,

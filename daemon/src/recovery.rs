@@ -159,7 +159,22 @@ impl Recovery<'_> {
                 airlock_egress::Policy::DenyAll
             });
             let logged = egress.logged(&rt.id);
-            match egress.start(&rt.id, &rt.tenant, exits, policy, Some(logged)) {
+            let asked = spec.packages.clone().unwrap_or_default();
+            let pkg = egress.packages.policy_for(&rt.tenant, &asked).or_else(|e| {
+                warn!(sandbox = %id, "its package policy: {e}; offline");
+                let offline = airlock_api::v1::PackagePolicy {
+                    offline: true,
+                    ..Default::default()
+                };
+                egress.packages.policy_for(&rt.tenant, &offline)
+            });
+            let Ok(pkg) = pkg else {
+                return Err(ApiError::Internal(
+                    "no package policy for the sandbox".into(),
+                ));
+            };
+            let pkg = egress.packages.session(&rt.tenant, &rt.id, pkg, true);
+            match egress.start(&rt.id, &rt.tenant, exits, policy, Some(logged), pkg) {
                 Ok(net) => rt.set_net(net),
                 Err(e) => warn!(sandbox = %id, "serving its network: {e}"),
             }

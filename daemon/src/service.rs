@@ -521,6 +521,22 @@ impl Airlock for Service {
         .await
     }
 
+    async fn get_install_log(
+        &self,
+        req: Request<GetInstallLogRequest>,
+    ) -> Result<Response<GetInstallLogResponse>, Status> {
+        let tenant = tenant(&req)?;
+        let r = req.into_inner();
+        traced("GetInstallLog", &tenant, async {
+            let (events, dropped) =
+                self.daemon
+                    .sandboxes
+                    .install_log(&tenant, &r.sandbox_id, r.after_seq, r.limit)?;
+            Ok(GetInstallLogResponse { events, dropped })
+        })
+        .await
+    }
+
     async fn expose_port(
         &self,
         req: Request<ExposePortRequest>,

@@ -6,7 +6,9 @@
 use std::path::Path;
 use std::sync::Mutex;
 
-use airlock_api::v1::{CreateSandboxRequest, EgressEvent, Execution, Sandbox, Template, Volume};
+use airlock_api::v1::{
+    CreateSandboxRequest, EgressEvent, Execution, InstallEvent, Sandbox, Template, Volume,
+};
 use prost::Message;
 use rusqlite::{Connection, OptionalExtension, params};
 
@@ -102,6 +104,10 @@ CREATE TABLE IF NOT EXISTS egress_events (
     sandbox_id TEXT NOT NULL, seq INTEGER NOT NULL, event BLOB NOT NULL,
     PRIMARY KEY (sandbox_id, seq));
 CREATE TABLE IF NOT EXISTS egress_dropped (sandbox_id TEXT PRIMARY KEY, n INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS install_events (
+    sandbox_id TEXT NOT NULL, seq INTEGER NOT NULL, event BLOB NOT NULL,
+    PRIMARY KEY (sandbox_id, seq));
+CREATE TABLE IF NOT EXISTS install_dropped (sandbox_id TEXT PRIMARY KEY, n INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS volumes (
     tenant TEXT NOT NULL, name TEXT NOT NULL, id TEXT NOT NULL, record BLOB NOT NULL,
     PRIMARY KEY (tenant, name));
@@ -321,6 +327,14 @@ impl Store {
             "DELETE FROM egress_dropped WHERE sandbox_id = ?1",
             params![id],
         )?;
+        tx.execute(
+            "DELETE FROM install_events WHERE sandbox_id = ?1",
+            params![id],
+        )?;
+        tx.execute(
+            "DELETE FROM install_dropped WHERE sandbox_id = ?1",
+            params![id],
+        )?;
         tx.execute("DELETE FROM sandboxes WHERE id = ?1", params![id])?;
         tx.commit()?;
         Ok(())
@@ -378,6 +392,64 @@ impl Store {
             .db()
             .query_row(
                 "SELECT n FROM egress_dropped WHERE sandbox_id = ?1",
+                params![sandbox_id],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(n.unwrap_or(0) as u64)
+    }
+
+    /// Appends one event to a sandbox's install log.
+    pub fn put_install(&self, sandbox_id: &str, e: &InstallEvent) -> ApiResult<()> {
+        self.db().execute(
+            "INSERT OR REPLACE INTO install_events (sandbox_id, seq, event) VALUES (?1, ?2, ?3)",
+            params![sandbox_id, e.seq as i64, e.encode_to_vec()],
+        )?;
+        Ok(())
+    }
+
+    /// A sandbox's install events after `after_seq`, at most `limit`, oldest first.
+    pub fn installs(
+        &self,
+        sandbox_id: &str,
+        after_seq: u64,
+        limit: u32,
+    ) -> ApiResult<Vec<InstallEvent>> {
+        let db = self.db();
+        let mut q = db.prepare_cached(
+            "SELECT event FROM install_events WHERE sandbox_id = ?1 AND seq > ?2 \
+             ORDER BY seq LIMIT ?3",
+        )?;
+        let rows = q.query_map(params![sandbox_id, after_seq as i64, limit], |r| {
+            decode::<InstallEvent>(r.get(0)?)
+        })?;
+        Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
+    }
+
+    /// The last sequence number and the count of a sandbox's install events.
+    pub fn installs_tail(&self, sandbox_id: &str) -> ApiResult<(u64, u64)> {
+        let (last, n): (i64, i64) = self.db().query_row(
+            "SELECT COALESCE(MAX(seq), 0), COUNT(*) FROM install_events WHERE sandbox_id = ?1",
+            params![sandbox_id],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?;
+        Ok((last as u64, n as u64))
+    }
+
+    /// Install events counted but not kept (beyond the log's cap).
+    pub fn set_installs_dropped(&self, sandbox_id: &str, n: u64) -> ApiResult<()> {
+        self.db().execute(
+            "INSERT OR REPLACE INTO install_dropped (sandbox_id, n) VALUES (?1, ?2)",
+            params![sandbox_id, n as i64],
+        )?;
+        Ok(())
+    }
+
+    pub fn installs_dropped(&self, sandbox_id: &str) -> ApiResult<u64> {
+        let n: Option<i64> = self
+            .db()
+            .query_row(
+                "SELECT n FROM install_dropped WHERE sandbox_id = ?1",
                 params![sandbox_id],
                 |r| r.get(0),
             )

@@ -279,6 +279,9 @@ pub struct Egress {
     metrics: Arc<Metrics>,
     /// The host's own addresses, which no policy opens but a CIDR rule of exactly one.
     pub host_addrs: HostAddrs,
+    /// The package proxy, which every sandbox reaches at its gateway whatever its egress
+    /// policy (its own policy decides there).
+    pub packages: Arc<crate::pkg::Packages>,
 }
 
 /// The host's own addresses (of its interfaces, in the daemon's namespace), read again at
@@ -326,6 +329,7 @@ impl Egress {
         tenant_ceilings: &BTreeMap<String, PolicyConfig>,
         store: Arc<Store>,
         metrics: Arc<Metrics>,
+        packages: Arc<crate::pkg::Packages>,
     ) -> Result<Self, String> {
         let default_ceiling = cfg
             .default_ceiling
@@ -345,6 +349,7 @@ impl Egress {
             store,
             metrics,
             host_addrs: HostAddrs::default(),
+            packages,
         })
     }
 
@@ -386,6 +391,7 @@ impl Egress {
         exits: NetExits,
         policy: Policy,
         logged: Option<Logged>,
+        packages: Arc<crate::pkg::Session>,
     ) -> io::Result<SandboxNet> {
         let Logged {
             last_seq,
@@ -401,6 +407,7 @@ impl Egress {
             kept: AtomicU64::new(kept),
             dropped: AtomicU64::new(dropped),
             egress: self.clone(),
+            packages,
         });
         let proxy = tokio::net::TcpListener::from_std(exits.proxy)?;
         let dns = tokio::net::UdpSocket::from_std(exits.dns)?;
@@ -535,6 +542,8 @@ struct NetState {
     kept: AtomicU64,
     dropped: AtomicU64,
     egress: Arc<Egress>,
+    /// Its use of the package proxy (its package policy, downloads, install log).
+    packages: Arc<crate::pkg::Session>,
 }
 
 /// Names remembered per sandbox.

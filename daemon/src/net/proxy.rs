@@ -115,6 +115,14 @@ async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
         state.record(ev);
         return;
     };
+    // The package proxy, whatever the egress policy: its own policy decides there.
+    if dst == SocketAddr::from((airlock_proto::GATEWAY_IPV4, crate::pkg::PKG_PORT)) {
+        ev.allowed = true;
+        ev.verdict = "the package proxy".into();
+        state.record(ev);
+        crate::pkg::serve(state.packages.clone(), guest).await;
+        return;
+    }
     let policy = state.policy();
     let mut head = Vec::new();
     let bare = Attempt {

@@ -25,11 +25,21 @@ fn egress(ceilings: &str) -> Egress {
     std::fs::create_dir_all(&dir).unwrap();
     let store = Arc::new(Store::open(&dir.join("db")).unwrap());
     let tenants: BTreeMap<String, PolicyConfig> = toml::from_str(ceilings).unwrap();
+    let metrics = Arc::new(Metrics::default());
+    let packages = crate::pkg::Packages::new(
+        crate::pkg::PackagesConfig::default(),
+        &dir,
+        &BTreeMap::new(),
+        store.clone(),
+        metrics.clone(),
+    )
+    .unwrap();
     Egress::new(
         NetworkConfig::default(),
         &tenants,
         store,
-        Arc::new(Metrics::default()),
+        metrics,
+        Arc::new(packages),
     )
     .unwrap()
 }

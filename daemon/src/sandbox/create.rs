@@ -63,14 +63,15 @@ impl Sandboxes {
         let template = self.templates.find(tenant, name)?;
         let spec = SandboxSpec::check(&req, &template.record, &self.cfg)?;
         self.egress.within_ceiling(tenant, &spec.egress)?;
+        let pkg = self.egress.packages.policy_for(tenant, &spec.packages)?;
         // Before a VMM is taken; the claim comes with the restore.
         self.volumes.check_known(tenant, &spec.volumes)?;
-        let rt = Arc::new(self.new_rt(tenant, &template, &spec)?);
+        let rt = Arc::new(self.new_rt(tenant, &template, &spec, &pkg)?);
         if let Err(e) = self.admit(&rt) {
             self.metrics.create_failed(e.reason());
             return Err(e);
         }
-        let started = self.start(&rt, &template, &spec, t0).await;
+        let started = self.start(&rt, &template, &spec, pkg, t0).await;
         // Refilled after the answer: starting a VMM process competes for the CPU with the
         // restore it would replace.
         self.pool.refill(&template);
@@ -85,7 +86,13 @@ impl Sandboxes {
         }
     }
 
-    fn new_rt(&self, tenant: &str, t: &TemplateRt, spec: &SandboxSpec) -> ApiResult<SandboxRt> {
+    fn new_rt(
+        &self,
+        tenant: &str,
+        t: &TemplateRt,
+        spec: &SandboxSpec,
+        pkg: &airlock_packages::policy::Policy,
+    ) -> ApiResult<SandboxRt> {
         let record = Sandbox {
             id: new_sandbox_id()?,
             tenant: tenant.to_owned(),
@@ -101,6 +108,7 @@ impl Sandboxes {
             created_unix_ms: ids::now_ms(),
             network: Some(spec.network.clone()),
             volumes: spec.volumes.clone(),
+            packages: Some(crate::pkg::to_proto(pkg)),
             ..Default::default()
         };
         Ok(SandboxRt::new(
@@ -152,6 +160,7 @@ impl Sandboxes {
         rt: &Arc<SandboxRt>,
         template: &TemplateRt,
         spec: &SandboxSpec,
+        pkg: airlock_packages::policy::Policy,
         t0: Instant,
     ) -> ApiResult<Sandbox> {
         self.store.put_sandbox(&rt.snapshot())?;
@@ -164,7 +173,14 @@ impl Sandboxes {
         if let Some(exits) = vmm.take_exits() {
             let net = self
                 .egress
-                .start(&rt.id, &rt.tenant, exits, spec.egress.clone(), None)
+                .start(
+                    &rt.id,
+                    &rt.tenant,
+                    exits,
+                    spec.egress.clone(),
+                    None,
+                    self.egress.packages.session(&rt.tenant, &rt.id, pkg, false),
+                )
                 .map_err(|e| ApiError::Internal(format!("the sandbox's network: {e}")))?;
             rt.set_net(net);
         }

@@ -217,11 +217,19 @@ impl Sandboxes {
         executions: Arc<Executions>,
     ) -> Result<Self, String> {
         let slots = admission::StartSlots::new(cfg.concurrent_starts(), cfg.max_start_queue);
+        let packages = Arc::new(crate::pkg::Packages::new(
+            cfg.packages.clone(),
+            &cfg.data_dir,
+            &cfg.package_ceilings(),
+            store.clone(),
+            metrics.clone(),
+        )?);
         let egress = Arc::new(crate::net::Egress::new(
             cfg.network.clone(),
             &cfg.egress_ceilings(),
             store.clone(),
             metrics.clone(),
+            packages,
         )?);
         // Next to the run directories, in the data directory.
         let volumes = Arc::new(
@@ -410,6 +418,18 @@ impl Sandboxes {
     ) -> ApiResult<(Vec<airlock_api::v1::EgressEvent>, u64)> {
         self.get(tenant, id)?;
         self.egress.log(id, after_seq, limit)
+    }
+
+    /// GetInstallLog: a sandbox of `tenant` (live or ended) and its install log.
+    pub fn install_log(
+        &self,
+        tenant: &str,
+        id: &str,
+        after_seq: u64,
+        limit: u32,
+    ) -> ApiResult<(Vec<airlock_api::v1::InstallEvent>, u64)> {
+        self.get(tenant, id)?;
+        self.egress.packages.log(id, after_seq, limit)
     }
 
     /// A live, running sandbox of `tenant` (errors say why not).

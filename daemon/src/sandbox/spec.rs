@@ -4,7 +4,8 @@
 use std::collections::HashMap;
 
 use airlock_api::v1::{
-    CreateSandboxRequest, FilePolicy, FileToPlace, NetworkPolicy, Template, VolumeAttachment,
+    CreateSandboxRequest, FilePolicy, FileToPlace, NetworkPolicy, PackagePolicy, Template,
+    VolumeAttachment,
 };
 
 use crate::config::Config;
@@ -26,6 +27,8 @@ pub struct SandboxSpec {
     pub egress: airlock_egress::Policy,
     /// The volumes to mount (checked by `Volumes::claim`).
     pub volumes: Vec<VolumeAttachment>,
+    /// Its package policy as asked (combined with the tenant's ceiling at create).
+    pub packages: PackagePolicy,
 }
 
 impl SandboxSpec {
@@ -88,6 +91,7 @@ impl SandboxSpec {
             network,
             egress,
             volumes: req.volumes.clone(),
+            packages: req.packages.clone().unwrap_or_default(),
         })
     }
 
@@ -99,6 +103,7 @@ impl SandboxSpec {
             file_policy: Some(self.policy.clone()),
             network: Some(self.network.clone()),
             volumes: self.volumes.clone(),
+            packages: Some(self.packages.clone()),
             ..Default::default()
         }
     }

@@ -1,0 +1,193 @@
+//! The proxy's side towards the registries: bounded reads of index pages and packuments, and
+//! files streamed into the cache while their digests are computed, kept only if they match.
+
+use std::io::Write as _;
+use std::path::Path;
+
+use sha2::{Digest as _, Sha256, Sha512};
+
+use super::{FileRef, Packages};
+
+/// Why a registry's answer was not used.
+#[derive(Debug)]
+pub enum FetchError {
+    /// Unreachable, an error status, a body cut short.
+    Upstream(String),
+    /// The registry has no such project or package (404).
+    NotFound,
+    /// Larger than `limit` bytes (`cap`: the limit was what is left of the sandbox's cap).
+    TooLarge { limit: u64, cap: bool },
+    /// The content's digest is not the one the index stated.
+    Mismatch { expected: String, got: String },
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// GETs `url` with `accept` and reads at most `max` bytes of its body; returns the body and
+/// its Content-Type.
+pub async fn get_bounded(
+    pkgs: &Packages,
+    url: &url::Url,
+    accept: &str,
+    max: u64,
+) -> Result<(Vec<u8>, String), FetchError> {
+    let mut resp = pkgs
+        .client
+        .get(url.clone())
+        .header(reqwest::header::ACCEPT, accept)
+        .send()
+        .await
+        .map_err(|e| FetchError::Upstream(format!("{url}: {e}")))?;
+    if resp.status() == reqwest::StatusCode::NOT_FOUND {
+        return Err(FetchError::NotFound);
+    }
+    if !resp.status().is_success() {
+        return Err(FetchError::Upstream(format!(
+            "{url}: HTTP {}",
+            resp.status()
+        )));
+    }
+    if resp.content_length().is_some_and(|n| n > max) {
+        return Err(FetchError::TooLarge {
+            limit: max,
+            cap: false,
+        });
+    }
+    let ctype = resp
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let mut body = Vec::new();
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| FetchError::Upstream(format!("{url}: {e}")))?
+    {
+        if body.len() as u64 + chunk.len() as u64 > max {
+            return Err(FetchError::TooLarge {
+                limit: max,
+                cap: false,
+            });
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok((body, ctype))
+}
+
+/// Fetches `r` into the cache as `key` unless it is there: at most `limit` bytes, verified
+/// against the digest `key` names. Returns the blob's size and SHA-256 (hex).
+pub async fn fetch_into_cache(
+    pkgs: &Packages,
+    key: &str,
+    r: &FileRef,
+    limit: u64,
+    limit_is_cap: bool,
+) -> Result<(u64, String), FetchError> {
+    let blob = pkgs
+        .blob_path(key)
+        .ok_or_else(|| FetchError::Upstream(format!("not a digest: {key}")))?;
+    let tmp = pkgs.cache.join("tmp").join(format!(
+        "{}-{}",
+        key.get(..24).unwrap_or(key),
+        std::process::id() as u64 ^ rand_u64()
+    ));
+    let result = fetch_to(pkgs, key, r, limit, limit_is_cap, &tmp).await;
+    match result {
+        Ok((size, sha256)) => {
+            let publish = || -> std::io::Result<()> {
+                if let Some(dir) = blob.parent() {
+                    std::fs::create_dir_all(dir)?;
+                }
+                if !key.starts_with("sha256-") {
+                    std::fs::write(blob.with_extension("sha256"), &sha256)?;
+                }
+                std::fs::rename(&tmp, &blob)
+            };
+            publish().map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                FetchError::Upstream(format!("caching {}: {e}", blob.display()))
+            })?;
+            Ok((size, sha256))
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(crate::ids::now_ms() as u64);
+    h.finish()
+}
+
+async fn fetch_to(
+    pkgs: &Packages,
+    key: &str,
+    r: &FileRef,
+    limit: u64,
+    limit_is_cap: bool,
+    tmp: &Path,
+) -> Result<(u64, String), FetchError> {
+    let too_large = FetchError::TooLarge {
+        limit,
+        cap: limit_is_cap,
+    };
+    let mut resp = pkgs
+        .client
+        .get(r.url.clone())
+        .send()
+        .await
+        .map_err(|e| FetchError::Upstream(format!("{}: {e}", r.url)))?;
+    if !resp.status().is_success() {
+        return Err(FetchError::Upstream(format!(
+            "{}: HTTP {}",
+            r.url,
+            resp.status()
+        )));
+    }
+    if resp.content_length().is_some_and(|n| n > limit) {
+        return Err(too_large);
+    }
+    let mut file = std::fs::File::create(tmp)
+        .map_err(|e| FetchError::Upstream(format!("{}: {e}", tmp.display())))?;
+    let mut s256 = Sha256::new();
+    let mut s512 = key.starts_with("sha512-").then(Sha512::new);
+    let mut size = 0u64;
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| FetchError::Upstream(format!("{}: {e}", r.url)))?
+    {
+        size += chunk.len() as u64;
+        if size > limit {
+            return Err(too_large);
+        }
+        s256.update(&chunk);
+        if let Some(h) = s512.as_mut() {
+            h.update(&chunk);
+        }
+        file.write_all(&chunk)
+            .map_err(|e| FetchError::Upstream(format!("{}: {e}", tmp.display())))?;
+    }
+    file.sync_all()
+        .map_err(|e| FetchError::Upstream(format!("{}: {e}", tmp.display())))?;
+    let sha256 = hex(&s256.finalize());
+    let got = match s512 {
+        Some(h) => format!("sha512-{}", hex(&h.finalize())),
+        None => format!("sha256-{sha256}"),
+    };
+    if got != key {
+        return Err(FetchError::Mismatch {
+            expected: key.to_owned(),
+            got,
+        });
+    }
+    Ok((size, sha256))
+}

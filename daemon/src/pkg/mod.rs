@@ -1,0 +1,459 @@
+//! The package proxy: the one path by which packages reach a sandbox.
+//!
+//! Every sandbox's guest reaches it at the gateway, `100.96.0.1:3141` (the namespace's ruleset
+//! sends the guest's TCP to the daemon's transparent proxy, which hands connections for that
+//! address here instead of deciding them by the egress policy). The base image's pip and npm
+//! are configured to use it (`/etc/pip.conf`, `/etc/npmrc`). It speaks PyPI's simple index
+//! (PEP 503 HTML and PEP 691 JSON) and the npm registry protocol, as a pull-through cache of
+//! the operator's registries (`[packages.registries]`): index pages and packuments are fetched
+//! for each request and rewritten so that every file URL points here, under the digest the
+//! registry states for it (`/f/sha256-HEX/NAME`, `/f/sha512-HEX/NAME`); files are fetched once,
+//! verified against that digest and kept under it (`DATA_DIR/packages`), so that every tenant
+//! shares the cache safely: a file is only ever served under the digest of its content.
+//!
+//! Each sandbox's [`Session`] holds its policy ([`airlock_packages::policy::Policy`]: the
+//! tenant's ceiling narrowed by the sandbox's request), counts its downloads against its cap
+//! and logs every file it asks for (and every refused page) with the outcome (the install log,
+//! `GetInstallLog`).
+
+mod http;
+mod serve;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use airlock_api::v1::{InstallEvent, InstallOutcome, PackagePolicy};
+use airlock_packages::policy::{Parts, Policy};
+use serde::Deserialize;
+use tracing::warn;
+use url::Url;
+
+use crate::error::{ApiError, ApiResult};
+use crate::metrics::Metrics;
+use crate::store::Store;
+
+pub use serve::serve;
+
+/// The port of the package proxy on the gateway address.
+pub const PKG_PORT: u16 = 3141;
+
+/// A registry's protocol.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    Pypi,
+    Npm,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Pypi => "pypi",
+            Kind::Npm => "npm",
+        }
+    }
+}
+
+/// `[packages.registries.NAME]`: `kind = "pypi"`, `url = "https://pypi.org/simple/"` (a PyPI
+/// registry's simple index; an npm registry's root).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegistryConfig {
+    pub kind: Kind,
+    pub url: String,
+}
+
+/// A package policy in the settings: `[packages.default_ceiling]`, `[tenants.NAME.packages]`.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CeilingConfig {
+    pub registries: Vec<String>,
+    pub allow: Vec<String>,
+    pub deny: Vec<String>,
+    pub offline: bool,
+    /// 0: no cap.
+    pub max_download_mib: u64,
+}
+
+impl CeilingConfig {
+    fn to_parts(&self) -> Parts {
+        Parts {
+            registries: self.registries.clone(),
+            allow: self.allow.clone(),
+            deny: self.deny.clone(),
+            offline: self.offline,
+            max_download_bytes: self.max_download_mib << 20,
+        }
+    }
+}
+
+/// `[packages]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PackagesConfig {
+    /// The registries by name. Default: `pypi` (https://pypi.org/simple/) and `npm`
+    /// (https://registry.npmjs.org/). Giving any replaces both; name an internal PyPI mirror
+    /// `pypi` (and an npm one `npm`) to make it what the base image's pip (npm) uses.
+    pub registries: BTreeMap<String, RegistryConfig>,
+    /// The ceiling of tenants without one of their own: every registry, any package, no cap.
+    pub default_ceiling: CeilingConfig,
+    /// Where files are cached (default: `DATA_DIR/packages`).
+    pub cache_dir: Option<PathBuf>,
+    /// The largest index page or packument read from a registry, and the largest file.
+    pub max_index_mib: u64,
+    pub max_file_mib: u64,
+    /// How long a registry may take to accept a connection, and to send a whole answer.
+    pub connect_timeout_s: u64,
+    pub fetch_timeout_s: u64,
+    /// Install log events kept per sandbox; more are counted, not kept.
+    pub max_log_events: u64,
+}
+
+impl Default for PackagesConfig {
+    fn default() -> Self {
+        let reg = |kind, url: &str| RegistryConfig {
+            kind,
+            url: url.to_owned(),
+        };
+        Self {
+            registries: BTreeMap::from([
+                (
+                    "pypi".to_owned(),
+                    reg(Kind::Pypi, "https://pypi.org/simple/"),
+                ),
+                (
+                    "npm".to_owned(),
+                    reg(Kind::Npm, "https://registry.npmjs.org/"),
+                ),
+            ]),
+            default_ceiling: CeilingConfig::default(),
+            cache_dir: None,
+            max_index_mib: 64,
+            max_file_mib: 2048,
+            connect_timeout_s: 10,
+            fetch_timeout_s: 600,
+            max_log_events: 10_000,
+        }
+    }
+}
+
+/// A registry, parsed.
+#[derive(Clone, Debug)]
+pub struct Registry {
+    pub kind: Kind,
+    /// Ends with `/`.
+    pub url: Url,
+}
+
+/// A file some index page listed: where it is and what it is. Keyed by its digest.
+#[derive(Clone, Debug)]
+pub struct FileRef {
+    pub registry: String,
+    pub kind: Kind,
+    pub package: String,
+    pub version: String,
+    pub filename: String,
+    pub url: Url,
+}
+
+/// Files remembered from index pages; past this the memory is cleared (clients fetch their
+/// index page again before a file, as pip and npm do).
+const MAX_REFS: usize = 200_000;
+
+/// The daemon-wide part: registries, ceilings, the cache and its index of listed files.
+#[derive(Debug)]
+pub struct Packages {
+    pub cfg: PackagesConfig,
+    registries: BTreeMap<String, Registry>,
+    names: Vec<String>,
+    ceilings: HashMap<String, Parts>,
+    default_ceiling: Parts,
+    pub(crate) cache: PathBuf,
+    pub(crate) client: reqwest::Client,
+    refs: Mutex<HashMap<String, FileRef>>,
+    /// One fetch per digest at a time (others wait for it and then find it cached).
+    fetching: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    store: Arc<Store>,
+    metrics: Arc<Metrics>,
+}
+
+impl Packages {
+    pub fn new(
+        cfg: PackagesConfig,
+        data_dir: &Path,
+        tenant_ceilings: &BTreeMap<String, CeilingConfig>,
+        store: Arc<Store>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, String> {
+        let mut registries = BTreeMap::new();
+        for (name, r) in &cfg.registries {
+            if name.is_empty()
+                || !name
+                    .bytes()
+                    .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
+            {
+                return Err(format!(
+                    "[packages.registries] {name:?}: names are letters, digits, - and _"
+                ));
+            }
+            let mut url = Url::parse(&r.url)
+                .map_err(|e| format!("[packages.registries.{name}] url {:?}: {e}", r.url))?;
+            if !matches!(url.scheme(), "http" | "https") {
+                return Err(format!("[packages.registries.{name}] url: http or https"));
+            }
+            if !url.path().ends_with('/') {
+                url.set_path(&format!("{}/", url.path()));
+            }
+            registries.insert(name.clone(), Registry { kind: r.kind, url });
+        }
+        let names: Vec<String> = registries.keys().cloned().collect();
+        let check = |what: &str, p: &Parts| {
+            Policy::combine(p, &Parts::default(), &names)
+                .map(|_| ())
+                .map_err(|e| format!("{what}: {e}"))
+        };
+        let default_ceiling = cfg.default_ceiling.to_parts();
+        check("[packages] default_ceiling", &default_ceiling)?;
+        let mut ceilings = HashMap::new();
+        for (tenant, c) in tenant_ceilings {
+            let p = c.to_parts();
+            check(&format!("[tenants.{tenant}] packages"), &p)?;
+            ceilings.insert(tenant.clone(), p);
+        }
+        let cache = cfg
+            .cache_dir
+            .clone()
+            .unwrap_or_else(|| data_dir.join("packages"));
+        for sub in ["sha256", "sha512", "tmp"] {
+            std::fs::create_dir_all(cache.join(sub))
+                .map_err(|e| format!("{}: {e}", cache.join(sub).display()))?;
+        }
+        // Partial downloads of a previous daemon.
+        if let Ok(rd) = std::fs::read_dir(cache.join("tmp")) {
+            for e in rd.flatten() {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .connect_timeout(Duration::from_secs(cfg.connect_timeout_s))
+            .timeout(Duration::from_secs(cfg.fetch_timeout_s))
+            .user_agent(concat!(
+                "airlockd-package-proxy/",
+                env!("CARGO_PKG_VERSION")
+            ))
+            .build()
+            .map_err(|e| format!("the package proxy's HTTP client: {e}"))?;
+        Ok(Self {
+            cfg,
+            registries,
+            names,
+            ceilings,
+            default_ceiling,
+            cache,
+            client,
+            refs: Mutex::new(HashMap::new()),
+            fetching: Mutex::new(HashMap::new()),
+            store,
+            metrics,
+        })
+    }
+
+    /// The policy in force for a sandbox of `tenant` that asked for `asked`.
+    pub fn policy_for(&self, tenant: &str, asked: &PackagePolicy) -> ApiResult<Policy> {
+        let ceiling = self.ceilings.get(tenant).unwrap_or(&self.default_ceiling);
+        let asked = Parts {
+            registries: asked.registries.clone(),
+            allow: asked.allow.clone(),
+            deny: asked.deny.clone(),
+            offline: asked.offline,
+            max_download_bytes: asked.max_download_bytes,
+        };
+        Policy::combine(ceiling, &asked, &self.names).map_err(|m| {
+            if m.contains("beyond the tenant's ceiling") {
+                ApiError::PackagesNotAllowed {
+                    tenant: tenant.to_owned(),
+                    message: m,
+                }
+            } else {
+                ApiError::InvalidArgument(format!("package policy: {m}"))
+            }
+        })
+    }
+
+    pub fn registry(&self, name: &str) -> Option<&Registry> {
+        self.registries.get(name)
+    }
+
+    pub fn registry_names(&self) -> &[String] {
+        &self.names
+    }
+
+    pub(crate) fn remember(&self, key: String, r: FileRef) {
+        let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
+        if refs.len() >= MAX_REFS && !refs.contains_key(&key) {
+            refs.clear();
+        }
+        refs.insert(key, r);
+    }
+
+    pub(crate) fn file_ref(&self, key: &str) -> Option<FileRef> {
+        self.refs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .cloned()
+    }
+
+    pub(crate) fn fetch_lock(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut m = self.fetching.lock().unwrap_or_else(|e| e.into_inner());
+        if m.len() > 1024 {
+            m.retain(|_, l| Arc::strong_count(l) > 1);
+        }
+        m.entry(key.to_owned()).or_default().clone()
+    }
+
+    /// Where a verified file of digest `key` (`sha256-HEX`, `sha512-HEX`) lives.
+    pub(crate) fn blob_path(&self, key: &str) -> Option<PathBuf> {
+        let (algo, hex) = key.split_once('-')?;
+        let len = match algo {
+            "sha256" => 64,
+            "sha512" => 128,
+            _ => return None,
+        };
+        (hex.len() == len && hex.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')))
+            .then(|| self.cache.join(algo).join(&hex[..2]).join(hex))
+    }
+
+    /// A sandbox's install log.
+    pub fn log(
+        &self,
+        sandbox_id: &str,
+        after_seq: u64,
+        limit: u32,
+    ) -> ApiResult<(Vec<InstallEvent>, u64)> {
+        let limit = match limit {
+            0 => 1000,
+            n => n.min(10_000),
+        };
+        Ok((
+            self.store.installs(sandbox_id, after_seq, limit)?,
+            self.store.installs_dropped(sandbox_id)?,
+        ))
+    }
+
+    /// A session for a sandbox; an adopted sandbox's log goes on from its stored tail.
+    pub fn session(
+        self: &Arc<Self>,
+        tenant: &str,
+        sandbox_id: &str,
+        policy: Policy,
+        adopted: bool,
+    ) -> Arc<Session> {
+        let (last, kept) = if adopted {
+            self.store.installs_tail(sandbox_id).unwrap_or((0, 0))
+        } else {
+            (0, 0)
+        };
+        Arc::new(Session {
+            pkgs: self.clone(),
+            tenant: tenant.to_owned(),
+            sandbox_id: sandbox_id.to_owned(),
+            policy,
+            downloaded: AtomicU64::new(0),
+            seq: AtomicU64::new(last),
+            kept: AtomicU64::new(kept),
+            dropped: AtomicU64::new(0),
+        })
+    }
+}
+
+/// One sandbox's use of the proxy.
+#[derive(Debug)]
+pub struct Session {
+    pub(crate) pkgs: Arc<Packages>,
+    pub tenant: String,
+    pub sandbox_id: String,
+    pub policy: Policy,
+    /// Bytes of files served to it (counted against `policy.max_download_bytes`).
+    pub(crate) downloaded: AtomicU64,
+    seq: AtomicU64,
+    kept: AtomicU64,
+    dropped: AtomicU64,
+}
+
+impl Session {
+    /// Takes `bytes` from the sandbox's download cap, or says how much is left.
+    pub(crate) fn take(&self, bytes: u64) -> Result<(), u64> {
+        let cap = self.policy.max_download_bytes;
+        if cap == 0 {
+            self.downloaded.fetch_add(bytes, Ordering::Relaxed);
+            return Ok(());
+        }
+        self.downloaded
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |d| {
+                (d.saturating_add(bytes) <= cap).then_some(d + bytes)
+            })
+            .map(|_| ())
+            .map_err(|d| cap.saturating_sub(d))
+    }
+
+    /// What is left of the cap (`u64::MAX`: no cap).
+    pub(crate) fn left(&self) -> u64 {
+        match self.policy.max_download_bytes {
+            0 => u64::MAX,
+            cap => cap.saturating_sub(self.downloaded.load(Ordering::Acquire)),
+        }
+    }
+
+    /// Logs one event: counted in the metrics, stored while the log has room.
+    pub(crate) fn record(&self, mut e: InstallEvent) {
+        let outcome = InstallOutcome::try_from(e.outcome).unwrap_or(InstallOutcome::Unspecified);
+        self.pkgs
+            .metrics
+            .package_event(&self.tenant, &e.registry, outcome_label(outcome), e.bytes);
+        if self.kept.fetch_add(1, Ordering::Relaxed) >= self.pkgs.cfg.max_log_events {
+            let n = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+            let _ = self.pkgs.store.set_installs_dropped(&self.sandbox_id, n);
+            return;
+        }
+        e.seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        e.tenant = self.tenant.clone();
+        e.sandbox_id = self.sandbox_id.clone();
+        e.time_unix_ms = crate::ids::now_ms();
+        if let Err(err) = self.pkgs.store.put_install(&self.sandbox_id, &e) {
+            warn!(sandbox = %self.sandbox_id, "install log: {err}");
+        }
+    }
+}
+
+/// The metric label of an outcome.
+pub fn outcome_label(o: InstallOutcome) -> &'static str {
+    match o {
+        InstallOutcome::Cached => "cached",
+        InstallOutcome::Fetched => "fetched",
+        InstallOutcome::Denied => "denied",
+        InstallOutcome::HashMismatch => "hash_mismatch",
+        InstallOutcome::OverCap => "over_cap",
+        InstallOutcome::UpstreamError => "upstream_error",
+        InstallOutcome::Unspecified => "unspecified",
+    }
+}
+
+/// A policy in force, as the API shows it.
+pub fn to_proto(p: &Policy) -> PackagePolicy {
+    let parts = p.to_parts();
+    PackagePolicy {
+        registries: parts.registries,
+        allow: parts.allow,
+        deny: parts.deny,
+        offline: parts.offline,
+        max_download_bytes: parts.max_download_bytes,
+    }
+}
+
+#[cfg(test)]
+mod tests;
