@@ -239,6 +239,34 @@ EOF
 EOF
   # debootstrap copied hostname and resolv.conf with the build machine's modes (0755 in Docker).
   chmod 0644 "$tree/etc/hostname" "$tree/etc/hosts" "$tree/etc/resolv.conf" "$tree/etc/fstab"
+  write_package_config "$tree"
+}
+
+# Packages reach a sandbox through airlockd's package proxy on the gateway (port 3141: its
+# default PyPI registry under /r/pypi/, npm under /r/npm/), never from the public registries
+# directly (a sandbox's egress policy does not include them unless the operator adds them).
+# pip fails at once instead of retrying a refusal; the image is not "externally managed"
+# (PEP 668), so the sandbox user's `pip install` goes to ~/.local.
+write_package_config() {
+  local tree=$1
+  cat >"$tree/etc/pip.conf" <<'EOF'
+[global]
+index-url = http://100.96.0.1:3141/r/pypi/simple/
+trusted-host = 100.96.0.1
+disable-pip-version-check = true
+no-cache-dir = true
+retries = 0
+timeout = 120
+EOF
+  cat >"$tree/etc/npmrc" <<'EOF'
+registry=http://100.96.0.1:3141/r/npm/
+fetch-retries=0
+audit=false
+fund=false
+update-notifier=false
+EOF
+  chmod 0644 "$tree/etc/pip.conf" "$tree/etc/npmrc"
+  rm -f -- "$tree"/usr/lib/python3*/EXTERNALLY-MANAGED
 }
 
 make_mount_points() {
