@@ -1,6 +1,6 @@
 //! The command line: clap's definitions of every command and flag, and the parsers of their
 //! values (`K=V`, `LOCAL:/GUEST/PATH[:MODE]`, octal modes, guest paths, egress domains and
-//! CIDRs).
+//! CIDRs, package patterns and registry names).
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -19,6 +19,8 @@ Examples:
   airlock cp hello.py \"$ID\":/tmp/hello.py
   airlock net \"$ID\" --allow-domain '*.example.com' --allow-port 443
   airlock egress \"$ID\" --follow
+  airlock create --pkg-registry pypi --pkg-allow requests --max-download-mib 50
+  airlock installs \"$ID\" --follow
   airlock expose \"$ID\" 8000 --ttl 600
   airlock --json ls
   airlock rm \"$ID\"
@@ -121,6 +123,9 @@ pub enum Command {
     Net(NetArgs),
     /// Show a sandbox's egress log: its DNS queries and connection attempts, allowed or not
     Egress(EgressArgs),
+    /// Show a sandbox's install log: the package files (and refused index pages) its pip or
+    /// npm asked the daemon's package proxy for, with the outcome
+    Installs(InstallsArgs),
     /// Expose a guest TCP port on a host address, for callers presenting a token; prints the
     /// address, the token and the expiry (--json: the record)
     Expose(ExposeArgs),
@@ -301,7 +306,72 @@ pub struct CreateArgs {
     /// What the sandbox may reach over its network [default: nothing, deny-all]
     #[command(flatten)]
     pub network: NetworkArgs,
+    /// What the sandbox may install through the daemon's package proxy [default: what the
+    /// tenant's ceiling allows]
+    #[command(flatten)]
+    pub packages: PackageArgs,
 }
+
+/// The package policy flags of `create` (`PackagePolicy`).
+#[derive(Debug, Args)]
+pub struct PackageArgs {
+    /// Install only from this registry, by the operator's name ('pypi', 'npm', a mirror's)
+    /// (repeatable) [default: every registry the tenant's ceiling allows]
+    #[arg(
+        long = "pkg-registry",
+        value_name = "NAME",
+        value_parser = parse_registry,
+        help_heading = PACKAGES
+    )]
+    pub pkg_registries: Vec<String>,
+    /// Install only packages matching this pattern ('requests', 'types-*', '@acme/*')
+    /// (repeatable) [default: any package]
+    #[arg(
+        long = "pkg-allow",
+        value_name = "PATTERN",
+        value_parser = parse_pkg_pattern,
+        help_heading = PACKAGES
+    )]
+    pub pkg_allow: Vec<String>,
+    /// Never install packages matching this pattern; wins over --pkg-allow (repeatable)
+    #[arg(
+        long = "pkg-deny",
+        value_name = "PATTERN",
+        value_parser = parse_pkg_pattern,
+        help_heading = PACKAGES
+    )]
+    pub pkg_deny: Vec<String>,
+    /// No installs at all: every index page and package file is refused
+    #[arg(
+        long,
+        conflicts_with_all = ["pkg_registries", "pkg_allow", "pkg_deny", "max_download_mib"],
+        help_heading = PACKAGES
+    )]
+    pub offline: bool,
+    /// The MiB of package files the sandbox may download in all, cached ones included
+    /// [default and ceiling: the tenant's cap]
+    #[arg(
+        long,
+        value_name = "N",
+        value_parser = clap::value_parser!(u64).range(1..=u64::MAX >> 20),
+        help_heading = PACKAGES
+    )]
+    pub max_download_mib: Option<u64>,
+}
+
+impl PackageArgs {
+    /// Whether any package flag is given.
+    pub fn any(&self) -> bool {
+        self.offline
+            || !self.pkg_registries.is_empty()
+            || !self.pkg_allow.is_empty()
+            || !self.pkg_deny.is_empty()
+            || self.max_download_mib.is_some()
+    }
+}
+
+/// The help heading of the package policy flags.
+const PACKAGES: &str = "Packages";
 
 /// The egress policy flags of `create` and `net` (`NetworkPolicy`).
 #[derive(Debug, Args)]
@@ -392,6 +462,28 @@ impl NetArgs {
 /// `egress`: `GetEgressLogRequest`, paged.
 #[derive(Debug, Args)]
 pub struct EgressArgs {
+    /// The sandbox's id
+    pub id: String,
+    /// Only events after this sequence number (the first column) [default: 0, from the first]
+    #[arg(
+        long,
+        value_name = "SEQ",
+        default_value_t = 0,
+        hide_default_value = true
+    )]
+    pub after: u64,
+    /// At most this many events [default: all]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "follow")]
+    pub limit: Option<u32>,
+    /// Keep polling every second for new events until the sandbox ends (or Ctrl-C); --json
+    /// then prints one record per line
+    #[arg(long, short)]
+    pub follow: bool,
+}
+
+/// `installs`: `GetInstallLogRequest`, paged.
+#[derive(Debug, Args)]
+pub struct InstallsArgs {
     /// The sandbox's id
     pub id: String,
     /// Only events after this sequence number (the first column) [default: 0, from the first]
@@ -764,6 +856,40 @@ pub fn parse_cidr(s: &str) -> Result<String, String> {
         }
     }
     Ok(s.to_owned())
+}
+
+/// A package pattern of `--pkg-allow` and `--pkg-deny`: a name with `*` for any run of
+/// characters (`requests`, `types-*`, `@acme/*`): letters, digits, `-_.~@/` and `*`, at most
+/// 214 bytes (the daemon normalises and checks it further).
+pub fn parse_pkg_pattern(s: &str) -> Result<String, String> {
+    let ok = !s.is_empty()
+        && s.len() <= 214
+        && s.bytes().all(|b| {
+            b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~' | b'@' | b'/' | b'*')
+        });
+    if ok {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "{s:?}: expected a package name or pattern (requests, types-*, @acme/*): letters, \
+             digits, `-_.~@/` and `*`"
+        ))
+    }
+}
+
+/// A registry's name, as the operator configured it (`pypi`, `npm`, `pypi-mirror`): letters,
+/// digits, `-` and `_`.
+pub fn parse_registry(s: &str) -> Result<String, String> {
+    let ok = !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "{s:?}: expected a registry's name (pypi, npm, a mirror's): letters, digits, - and _"
+        ))
+    }
 }
 
 /// `ID:/PATH`, a path in a sandbox (ids start with `sb-`): `(id, path)`.

@@ -3,8 +3,8 @@
 use std::fmt::Write as _;
 
 use airlock_api::v1::{
-    EgressEvent, EgressKind, EgressRule, Exposure, FileEntry, NetworkPolicy, Sandbox, SandboxState,
-    Template, Volume, egress_rule,
+    EgressEvent, EgressKind, EgressRule, Exposure, FileEntry, InstallEvent, InstallOutcome,
+    NetworkPolicy, PackagePolicy, Sandbox, SandboxState, Template, Volume, egress_rule,
 };
 use serde_json::{Value, json};
 
@@ -34,6 +34,7 @@ pub fn sandbox_json(s: &Sandbox) -> Value {
         "created_unix_ms": s.created_unix_ms, "create_ms": s.create_ms,
         "create_host_ms": s.create_host_ms, "create_guest_ms": s.create_guest_ms,
         "restore_ms": s.restore_ms, "network": network_json(s.network.as_ref()),
+        "packages": packages_json(s.packages.as_ref()),
         "disk_mib": s.disk_mib,
         "volumes": s.volumes.iter().map(|v| json!({
             "name": v.name, "mount_path": v.mount_path, "read_only": v.read_only,
@@ -87,6 +88,106 @@ pub fn network_text(p: Option<&NetworkPolicy>) -> String {
     }
 }
 
+/// A package policy's JSON record: `{"registries", "allow", "deny", "offline",
+/// "max_download_bytes"}` (none: every field empty, what the tenant's ceiling allows).
+pub fn packages_json(p: Option<&PackagePolicy>) -> Value {
+    let p = p.cloned().unwrap_or_default();
+    json!({
+        "registries": p.registries, "allow": p.allow, "deny": p.deny, "offline": p.offline,
+        "max_download_bytes": p.max_download_bytes,
+    })
+}
+
+/// A package policy as text: `offline`, or what it sets of `registries=pypi,npm`,
+/// `allow=requests,types-*`, `deny=evil-*` and `max-download=50MiB`, separated by spaces;
+/// `any` when it sets nothing (every registry and package, no cap of its own).
+pub fn packages_text(p: Option<&PackagePolicy>) -> String {
+    let Some(p) = p else {
+        return "any".into();
+    };
+    if p.offline {
+        return "offline".into();
+    }
+    let mut parts = Vec::new();
+    for (key, list) in [
+        ("registries", &p.registries),
+        ("allow", &p.allow),
+        ("deny", &p.deny),
+    ] {
+        if !list.is_empty() {
+            parts.push(format!("{key}={}", list.join(",")));
+        }
+    }
+    match p.max_download_bytes {
+        0 => {}
+        b if b % (1 << 20) == 0 => parts.push(format!("max-download={}MiB", b >> 20)),
+        b => parts.push(format!("max-download={b}B")),
+    }
+    if parts.is_empty() {
+        return "any".into();
+    }
+    parts.join(" ")
+}
+
+/// The lowercase name of an `InstallOutcome`: `cached`, `fetched`, `denied`, `hash_mismatch`,
+/// `over_cap`, `upstream_error` (`unknown` for anything else).
+pub fn install_outcome_name(o: i32) -> &'static str {
+    match InstallOutcome::try_from(o) {
+        Ok(InstallOutcome::Cached) => "cached",
+        Ok(InstallOutcome::Fetched) => "fetched",
+        Ok(InstallOutcome::Denied) => "denied",
+        Ok(InstallOutcome::HashMismatch) => "hash_mismatch",
+        Ok(InstallOutcome::OverCap) => "over_cap",
+        Ok(InstallOutcome::UpstreamError) => "upstream_error",
+        _ => "unknown",
+    }
+}
+
+/// An install event's JSON record: its fields, the outcome by its lowercase name.
+pub fn install_json(e: &InstallEvent) -> Value {
+    json!({
+        "seq": e.seq, "time_unix_ms": e.time_unix_ms, "tenant": e.tenant,
+        "sandbox_id": e.sandbox_id, "registry": e.registry, "kind": e.kind,
+        "package": e.package, "version": e.version, "file": e.file, "bytes": e.bytes,
+        "sha256": e.sha256, "outcome": install_outcome_name(e.outcome), "message": e.message,
+    })
+}
+
+/// The header of the install log's lines.
+pub fn install_header() -> String {
+    format!(
+        "{:>6} {:<24} {:<10} {:<24} {:<12} {:<40} {:>10} {:<14} MESSAGE",
+        "SEQ", "TIME (UTC)", "REGISTRY", "PACKAGE", "VERSION", "FILE", "BYTES", "OUTCOME"
+    )
+}
+
+/// One install event as a line: sequence number, time, registry, package, version, file
+/// (`-` for a refused index page's), bytes, outcome and message.
+pub fn install_line(e: &InstallEvent) -> String {
+    let line = format!(
+        "{:>6} {:<24} {:<10} {:<24} {:<12} {:<40} {:>10} {:<14} {}",
+        e.seq,
+        utc_time(e.time_unix_ms),
+        dash(&e.registry),
+        dash(&e.package),
+        dash(&e.version),
+        dash(&e.file),
+        e.bytes,
+        install_outcome_name(e.outcome),
+        e.message
+    );
+    line.trim_end().to_owned()
+}
+
+/// `s`, or `-` for an empty one (a table's empty cell).
+fn dash(s: &str) -> String {
+    if s.is_empty() {
+        "-".to_owned()
+    } else {
+        s.to_owned()
+    }
+}
+
 /// The lowercase name of an `EgressKind`.
 pub fn egress_kind_name(k: i32) -> &'static str {
     match EgressKind::try_from(k) {
@@ -118,13 +219,6 @@ pub fn egress_header() -> String {
 /// One egress event as a line: sequence number, time, kind (with the DNS query type), name,
 /// address:port, bytes out and in, duration, ALLOWED or DENIED, and the verdict.
 pub fn egress_line(e: &EgressEvent) -> String {
-    let dash = |s: &str| {
-        if s.is_empty() {
-            "-".to_owned()
-        } else {
-            s.to_owned()
-        }
-    };
     let kind = match egress_kind_name(e.kind) {
         "dns" if !e.query_type.is_empty() => format!("dns {}", e.query_type),
         k => k.to_owned(),
@@ -321,7 +415,7 @@ pub fn sandbox_text(s: &Sandbox) -> String {
     let mut labels: Vec<_> = s.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
     labels.sort();
     let mut out = String::new();
-    let rows: [(&str, String); 13] = [
+    let rows: [(&str, String); 14] = [
         ("id", s.id.clone()),
         ("state", state_name(s.state).to_owned()),
         ("template", format!("{} ({})", s.template, s.template_id)),
@@ -334,6 +428,7 @@ pub fn sandbox_text(s: &Sandbox) -> String {
         ("created_unix_ms", s.created_unix_ms.to_string()),
         ("create_ms", format!("{:.1}", s.create_ms)),
         ("network", network_text(s.network.as_ref())),
+        ("packages", packages_text(s.packages.as_ref())),
         ("end", format!("{} {}", s.end_reason, s.end_message)),
     ];
     for (k, v) in rows {

@@ -6,12 +6,13 @@ use std::path::Path;
 
 use airlock_api::v1::{
     Argv, Code, CreateSandboxRequest, CreateTemplateRequest, EgressRule, ExecRequest,
-    ExposePortRequest, FilePolicy, FileToPlace, ListSandboxesRequest, NetworkPolicy, SandboxState,
-    SetNetworkPolicyRequest, VolumeAttachment, egress_rule, exec_request,
+    ExposePortRequest, FilePolicy, FileToPlace, ListSandboxesRequest, NetworkPolicy, PackagePolicy,
+    SandboxState, SetNetworkPolicyRequest, VolumeAttachment, egress_rule, exec_request,
 };
 
 use crate::args::{
-    CreateArgs, ExecArgs, ExposeArgs, LsArgs, NetArgs, NetworkArgs, StateArg, TemplateCreateArgs,
+    CreateArgs, ExecArgs, ExposeArgs, LsArgs, NetArgs, NetworkArgs, PackageArgs, StateArg,
+    TemplateCreateArgs,
 };
 
 /// Reads a local file (`-`: our stdin, where a command allows it); the error names the file.
@@ -78,6 +79,21 @@ pub fn create_request(args: &CreateArgs, read: Read) -> Result<CreateSandboxRequ
                 read_only: v.read_only,
             })
             .collect(),
+        packages: package_policy(&args.packages),
+    })
+}
+
+/// The `PackagePolicy` of the package flags; `None` without any: what the tenant's ceiling
+/// allows. `--max-download-mib N` is N MiB in bytes.
+pub fn package_policy(args: &PackageArgs) -> Option<PackagePolicy> {
+    args.any().then(|| PackagePolicy {
+        registries: args.pkg_registries.clone(),
+        allow: args.pkg_allow.clone(),
+        deny: args.pkg_deny.clone(),
+        offline: args.offline,
+        max_download_bytes: args
+            .max_download_mib
+            .map_or(0, |mib| mib.saturating_mul(1 << 20)),
     })
 }
 

@@ -26,6 +26,7 @@ use crate::request::{
 };
 
 mod net;
+mod packages;
 
 fn parse(args: &[&str]) -> Cli {
     Cli::try_parse_from(std::iter::once("airlock").chain(args.iter().copied()))
@@ -462,6 +463,7 @@ fn the_other_commands_parse() {
     assert!(matches!(parse(&["rm", "sb-1"]).command, Command::Rm(a) if a.id == "sb-1"));
     assert!(matches!(parse(&["get", "sb-1"]).command, Command::Get(a) if a.id == "sb-1"));
     assert!(matches!(parse(&["egress", "sb-1"]).command, Command::Egress(a) if a.id == "sb-1"));
+    assert!(matches!(parse(&["installs", "sb-1"]).command, Command::Installs(a) if a.id == "sb-1"));
     assert!(matches!(parse(&["expose", "sb-1", "22"]).command, Command::Expose(a) if a.port == 22));
     assert!(matches!(
         parse(&["snapshot", "sb-1", "snap"]).command,
@@ -614,8 +616,9 @@ fn json_records_keep_their_shape() {
     assert_eq!(v["id"], "sb-1");
     assert_eq!(v["state"], "running");
     let keys: Vec<_> = v.as_object().unwrap().keys().cloned().collect();
-    assert_eq!(keys.len(), 18, "{keys:?}");
+    assert_eq!(keys.len(), 19, "{keys:?}");
     assert_eq!(v["network"]["allow_internet"], false);
+    assert_eq!(v["packages"]["offline"], false);
     assert_eq!(v["volumes"], serde_json::json!([]));
     let table = crate::output::sandbox_table(&[s]);
     assert!(table.starts_with("ID ") && table.contains("sb-1") && table.contains("running"));

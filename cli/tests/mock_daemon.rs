@@ -31,6 +31,7 @@ struct Seen {
     files: HashMap<String, (u32, Vec<u8>)>,
     net: Option<SetNetworkPolicyRequest>,
     egress: Vec<GetEgressLogRequest>,
+    installs: Vec<GetInstallLogRequest>,
     expose: Option<ExposePortRequest>,
     /// Volumes made so far (name, size).
     volumes: Vec<(String, u32)>,
@@ -125,6 +126,39 @@ fn egress_event(
     }
 }
 
+fn install_event(
+    seq: u64,
+    package: &str,
+    version: &str,
+    outcome: InstallOutcome,
+    message: &str,
+) -> InstallEvent {
+    let file = if version.is_empty() {
+        String::new()
+    } else {
+        format!("{}-{version}-py3-none-any.whl", package.replace('-', "_"))
+    };
+    InstallEvent {
+        seq,
+        time_unix_ms: 1_700_000_000_000 + seq as i64,
+        tenant: "default".into(),
+        sandbox_id: "sb-1".into(),
+        registry: "pypi".into(),
+        kind: "pypi".into(),
+        package: package.into(),
+        version: version.into(),
+        bytes: if file.is_empty() { 0 } else { 64_928 },
+        sha256: if file.is_empty() {
+            String::new()
+        } else {
+            "5e".repeat(32)
+        },
+        file,
+        outcome: outcome as i32,
+        message: message.into(),
+    }
+}
+
 #[tonic::async_trait]
 impl Airlock for Mock {
     type CreateTemplateStream = Events<TemplateEvent>;
@@ -167,8 +201,23 @@ impl Airlock for Mock {
     }
     async fn create_sandbox(&self, r: Request<CreateSandboxRequest>) -> Answer<Sandbox> {
         let r = r.into_inner();
+        if r.packages
+            .as_ref()
+            .is_some_and(|p| p.registries.iter().any(|n| n == "corp"))
+        {
+            return Err(Status::permission_denied("PACKAGES_NOT_ALLOWED"));
+        }
         let mut s = sandbox("sb-1");
         s.labels = r.labels.clone();
+        // The policy in force: the request's over a ceiling of pypi and npm, 1 GiB.
+        let mut packages = r.packages.clone().unwrap_or_default();
+        if packages.registries.is_empty() {
+            packages.registries = vec!["npm".into(), "pypi".into()];
+        }
+        if packages.max_download_bytes == 0 {
+            packages.max_download_bytes = 1 << 30;
+        }
+        s.packages = Some(packages);
         self.0.lock().unwrap().create = Some(r);
         Ok(Response::new(s))
     }
@@ -418,6 +467,59 @@ impl Airlock for Mock {
             .collect();
         Ok(Response::new(GetEgressLogResponse { events, dropped: 5 }))
     }
+    async fn get_install_log(
+        &self,
+        r: Request<GetInstallLogRequest>,
+    ) -> Answer<GetInstallLogResponse> {
+        let r = r.into_inner();
+        let mut seen = self.0.lock().unwrap();
+        seen.installs.push(r.clone());
+        // Three events; `sb-ending` logs a fourth once it has been seen running.
+        let mut log = vec![
+            install_event(
+                1,
+                "requests",
+                "2.32.3",
+                InstallOutcome::Fetched,
+                "fetched from pypi, sha256 verified",
+            ),
+            install_event(
+                2,
+                "urllib3",
+                "2.2.3",
+                InstallOutcome::Cached,
+                "served from the cache",
+            ),
+            install_event(
+                3,
+                "evil-pkg",
+                "",
+                InstallOutcome::Denied,
+                "evil-pkg: denied by the deny list (evil-*)",
+            ),
+        ];
+        match r.sandbox_id.as_str() {
+            "sb-1" => {}
+            "sb-ending" if seen.ending_polls >= 1 => {
+                log.push(install_event(
+                    4,
+                    "numpy",
+                    "2.1.0",
+                    InstallOutcome::OverCap,
+                    "over the sandbox's download cap (1048576 bytes)",
+                ));
+            }
+            "sb-ending" => {}
+            _ => return Err(Status::not_found("SANDBOX_NOT_FOUND")),
+        }
+        let limit = if r.limit == 0 { 1000 } else { r.limit as usize };
+        let events: Vec<_> = log
+            .into_iter()
+            .filter(|e| e.seq > r.after_seq)
+            .take(limit)
+            .collect();
+        Ok(Response::new(GetInstallLogResponse { events, dropped: 2 }))
+    }
     async fn expose_port(&self, r: Request<ExposePortRequest>) -> Answer<Exposure> {
         let r = r.into_inner();
         if r.sandbox_id != "sb-1" {
@@ -488,6 +590,8 @@ impl Airlock for Mock {
 
 #[path = "mock_daemon/net.rs"]
 mod net;
+#[path = "mock_daemon/packages.rs"]
+mod packages;
 
 /// `fs ls|stat|mkdir|rm|mv` send what they are given and print what they get.
 #[tokio::test]

@@ -4,7 +4,9 @@
 pub mod exec;
 pub mod files;
 pub mod fs;
+mod log;
 pub mod net;
+pub mod packages;
 pub mod sandbox;
 pub mod template;
 pub mod volume;
@@ -58,6 +60,7 @@ pub async fn run(ctx: &mut Ctx, command: Command) -> Result<u8, String> {
         Command::Net(a) => net::net(ctx, &a).await,
         Command::Egress(a) => net::egress(ctx, &a).await,
         Command::Expose(a) => net::expose(ctx, &a).await,
+        Command::Installs(a) => packages::installs(ctx, &a).await,
         Command::Volume(v) => volume::run(ctx, v).await,
         Command::Usage => sandbox::usage(ctx).await,
         Command::Completions(_) => Err("completions need no daemon".into()),

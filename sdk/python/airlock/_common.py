@@ -582,6 +582,163 @@ def egress_log_request(sandbox_id: str, after_seq: int, limit: int) -> "pb.GetEg
     return pb.GetEgressLogRequest(sandbox_id=sandbox_id, after_seq=after_seq, limit=limit)
 
 
+# ---- packages ----
+
+
+@dataclass(frozen=True)
+class Packages:
+    """A sandbox's package policy: what its pip and npm may install through the daemon's
+    package proxy (the one path packages reach a sandbox by).
+
+    * ``Packages()``: what the operator's ceiling for the tenant allows, as when no policy is
+      given at all;
+    * ``Packages(offline=True)``: no installs at all (every index page and file is refused);
+    * ``Packages(registries=["pypi"], allow=["requests", "types-*"], deny=["evil-*"],
+      max_download_bytes=50 << 20)``: only these registries (by the operator's names; empty:
+      every registry the ceiling allows), only packages matching ``allow`` (empty: any),
+      never those matching ``deny`` (it wins over ``allow``), and at most this many bytes of
+      package files in all, cached ones included (0: the ceiling's cap).
+
+    Patterns are package names (PEP 503-normalised for PyPI: ``Foo_Bar`` is ``foo-bar``) with
+    ``*`` for any run of characters (``types-*``, ``@acme/*``). The ceiling narrows a policy,
+    never widens it: its lists add to the policy's, offline if either is, the smaller cap; a
+    registry the ceiling does not allow raises :class:`~airlock.PackagesNotAllowed`.
+    :attr:`~airlock.Sandbox.packages` is the policy in force (the two combined).
+    """
+
+    registries: List[str] = field(default_factory=list)
+    allow: List[str] = field(default_factory=list)
+    deny: List[str] = field(default_factory=list)
+    offline: bool = False
+    max_download_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("registries", "allow", "deny"):
+            object.__setattr__(self, name, list(_strings(name, getattr(self, name))))  # frozen: only here
+        object.__setattr__(self, "offline", bool(self.offline))
+        cap = self.max_download_bytes
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
+            raise errors.InvalidArgument(
+                f"max_download_bytes must be a number of bytes (0: the ceiling's cap): {cap!r}", "INVALID_ARGUMENT"
+            )
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.registries), tuple(self.allow), tuple(self.deny), self.offline, self.max_download_bytes))
+
+    def to_pb(self) -> "pb.PackagePolicy":
+        return pb.PackagePolicy(
+            registries=self.registries,
+            allow=self.allow,
+            deny=self.deny,
+            offline=self.offline,
+            max_download_bytes=self.max_download_bytes,
+        )
+
+    @classmethod
+    def from_pb(cls, p: Optional["pb.PackagePolicy"]) -> "Packages":
+        if p is None:
+            return cls()
+        return cls(
+            registries=list(p.registries),
+            allow=list(p.allow),
+            deny=list(p.deny),
+            offline=p.offline,
+            max_download_bytes=p.max_download_bytes,
+        )
+
+    def __str__(self) -> str:
+        """As the CLI shows it: ``offline``, what it sets of ``registries=pypi,npm``,
+        ``allow=requests,types-*``, ``deny=evil-*`` and ``max-download=50MiB``, or ``any``."""
+        if self.offline:
+            return "offline"
+        parts = [f"{k}={','.join(v)}" for k, v in (("registries", self.registries), ("allow", self.allow), ("deny", self.deny)) if v]
+        cap = self.max_download_bytes
+        if cap:
+            parts.append(f"max-download={cap >> 20}MiB" if cap % (1 << 20) == 0 else f"max-download={cap}B")
+        return " ".join(parts) or "any"
+
+
+def package_policy(packages: "Optional[Packages]") -> Optional["pb.PackagePolicy"]:
+    """The ``PackagePolicy`` of a ``packages=`` argument (``None`` for ``None``: the ceiling's)."""
+    if packages is None:
+        return None
+    if isinstance(packages, pb.PackagePolicy):
+        return packages
+    if isinstance(packages, Packages):
+        return packages.to_pb()
+    raise errors.InvalidArgument(
+        f"packages: expected None or a Packages, not {type(packages).__name__}", "INVALID_ARGUMENT"
+    )
+
+
+#: The lowercase names of ``InstallOutcome`` (as the CLI prints them).
+_INSTALL_OUTCOMES = {
+    pb.INSTALL_OUTCOME_CACHED: "cached",
+    pb.INSTALL_OUTCOME_FETCHED: "fetched",
+    pb.INSTALL_OUTCOME_DENIED: "denied",
+    pb.INSTALL_OUTCOME_HASH_MISMATCH: "hash_mismatch",
+    pb.INSTALL_OUTCOME_OVER_CAP: "over_cap",
+    pb.INSTALL_OUTCOME_UPSTREAM_ERROR: "upstream_error",
+}
+
+
+@dataclass(frozen=True)
+class InstallEvent:
+    """One entry of a sandbox's install log: a package file (or a refused index page) its pip
+    or npm asked the daemon's package proxy for, and what came of it."""
+
+    seq: int  # 1, 2, ... per sandbox
+    time_unix_ms: int
+    tenant: str
+    sandbox_id: str
+    registry: str  # the operator's name of the registry
+    kind: str  # its kind: "pypi" or "npm"
+    package: str  # the package's name, normalised
+    version: str  # the version of the file ("" for a refused index page)
+    file: str  # the file's name ("" for a refused index page)
+    bytes: int  # the file's size and SHA-256 (hex), as served or as fetched
+    sha256: str
+    outcome: str  # "cached", "fetched", "denied", "hash_mismatch", "over_cap" or "upstream_error"
+    message: str  # why, in a sentence (the rule that refused it, the digests, the cap)
+
+    @classmethod
+    def from_pb(cls, e: "pb.InstallEvent") -> "InstallEvent":
+        return cls(
+            seq=e.seq,
+            time_unix_ms=e.time_unix_ms,
+            tenant=e.tenant,
+            sandbox_id=e.sandbox_id,
+            registry=e.registry,
+            kind=e.kind,
+            package=e.package,
+            version=e.version,
+            file=e.file,
+            bytes=e.bytes,
+            sha256=e.sha256,
+            outcome=_INSTALL_OUTCOMES.get(e.outcome, "unknown"),
+            message=e.message,
+        )
+
+
+class InstallLog(List[InstallEvent]):
+    """The events :meth:`~airlock.Sandbox.install_log` returned (a list), and ``dropped``: how
+    many events the sandbox made beyond what its log keeps (counted, not stored)."""
+
+    def __init__(self, events: Iterable[InstallEvent] = (), dropped: int = 0) -> None:
+        super().__init__(events)
+        self.dropped = dropped
+
+    @classmethod
+    def from_pb(cls, resp: "pb.GetInstallLogResponse") -> "InstallLog":
+        return cls((InstallEvent.from_pb(e) for e in resp.events), resp.dropped)
+
+
+def install_log_request(sandbox_id: str, after_seq: int, limit: int) -> "pb.GetInstallLogRequest":
+    if after_seq < 0 or limit < 0:
+        raise errors.InvalidArgument("after_seq and limit cannot be negative", "INVALID_ARGUMENT")
+    return pb.GetInstallLogRequest(sandbox_id=sandbox_id, after_seq=after_seq, limit=limit)
+
+
 #: The HTTP header in which a caller of an exposed port presents its token.
 TOKEN_HEADER = "X-Airlock-Token"
 
@@ -705,6 +862,12 @@ class SandboxInfo:
         return Network.from_pb(self._info.network if self._info.HasField("network") else None)
 
     @property
+    def packages(self) -> Packages:
+        """Its package policy in force (the tenant's ceiling and the request's combined), as the
+        daemon last answered it."""
+        return Packages.from_pb(self._info.packages if self._info.HasField("packages") else None)
+
+    @property
     def volumes(self) -> List[Mount]:
         """The volumes it has mounted."""
         return [Mount(v.name, v.mount_path, v.read_only) for v in self._info.volumes]
@@ -733,6 +896,7 @@ def create_request(
     network: NetworkSpec = None,
     volumes: VolumesSpec = None,
     export: "Optional[ExportPolicy]" = None,
+    packages: "Optional[Packages]" = None,
 ) -> "pb.CreateSandboxRequest":
     req = pb.CreateSandboxRequest(
         template=template,
@@ -757,6 +921,9 @@ def create_request(
     policy = network_policy(network)
     if policy is not None:
         req.network.CopyFrom(policy)
+    pkg = package_policy(packages)
+    if pkg is not None:
+        req.packages.CopyFrom(pkg)
     req.volumes.extend(volume_attachments(volumes))
     return req
 

@@ -18,7 +18,16 @@ import grpc
 import grpc.aio
 
 from . import _common as c
-from ._common import EgressLog, ExecResult, Exposure, FileEntry, OutputChunk, Template, TemplateProgress
+from ._common import (
+    EgressLog,
+    ExecResult,
+    Exposure,
+    FileEntry,
+    InstallLog,
+    OutputChunk,
+    Template,
+    TemplateProgress,
+)
 from ._proto import airlock_pb2 as pb
 from ._proto import airlock_pb2_grpc as pb_grpc
 from .errors import AirlockError, FileNotFound, Unavailable, from_rpc_error
@@ -165,11 +174,12 @@ class AsyncSandboxes:
         network: c.NetworkSpec = None,
         volumes: c.VolumesSpec = None,
         export: Optional[c.ExportPolicy] = None,
+        packages: Optional[c.Packages] = None,
     ) -> "AsyncSandbox":
         """As :meth:`airlock.client.Sandboxes.create`."""
         req = c.create_request(
             template, vcpus, memory_mib, disk_mib, env, files, labels, timeout, idle_timeout,
-            writable, exportable, network, volumes, export,
+            writable, exportable, network, volumes, export, packages,
         )
         return AsyncSandbox(self._c, await self._c._unary("CreateSandbox", req))
 
@@ -420,6 +430,11 @@ class AsyncSandbox(c.SandboxInfo):
         """As :meth:`airlock.client.Sandbox.egress_log`."""
         req = c.egress_log_request(self.id, after_seq, limit)
         return EgressLog.from_pb(await self._c._unary("GetEgressLog", req))
+
+    async def install_log(self, after_seq: int = 0, limit: int = 0) -> InstallLog:
+        """As :meth:`airlock.client.Sandbox.install_log`."""
+        req = c.install_log_request(self.id, after_seq, limit)
+        return InstallLog.from_pb(await self._c._unary("GetInstallLog", req))
 
     async def expose_port(self, port: int, ttl: Optional[float] = None) -> Exposure:
         """As :meth:`airlock.client.Sandbox.expose_port`."""

@@ -11,6 +11,7 @@ from . import _common as c
 from ._common import (
     EgressLog,
     ExecResult,
+    InstallLog,
     Exposure,
     FileEntry,
     OutputChunk,
@@ -189,6 +190,7 @@ class Sandboxes:
         network: c.NetworkSpec = None,
         volumes: c.VolumesSpec = None,
         export: Optional[c.ExportPolicy] = None,
+        packages: Optional[c.Packages] = None,
     ) -> "Sandbox":
         """Starts a sandbox from ``template`` and returns once its agent is ready.
 
@@ -211,10 +213,15 @@ class Sandboxes:
             disk_mib: what it may write to its root (its writable space).
             export: an :class:`~airlock.ExportPolicy` narrowing what file reads may take out
                 (:class:`~airlock.ExportDenied` beyond it).
+            packages: what its pip and npm may install through the daemon's package proxy: a
+                :class:`~airlock.Packages` such as ``Packages(allow=["requests"],
+                max_download_bytes=50 << 20)`` or ``Packages(offline=True)`` (``None``, the
+                default: what the operator's ceiling for the tenant allows). A registry beyond
+                the ceiling: :class:`~airlock.PackagesNotAllowed`.
         """
         req = c.create_request(
             template, vcpus, memory_mib, disk_mib, env, files, labels, timeout, idle_timeout,
-            writable, exportable, network, volumes, export,
+            writable, exportable, network, volumes, export, packages,
         )
         return Sandbox(self._c, self._c._unary("CreateSandbox", req))
 
@@ -496,6 +503,16 @@ class Sandbox(c.SandboxInfo):
         events beyond what the log keeps. Kept after the sandbox ended, with its record."""
         req = c.egress_log_request(self.id, after_seq, limit)
         return EgressLog.from_pb(self._c._unary("GetEgressLog", req))
+
+    def install_log(self, after_seq: int = 0, limit: int = 0) -> InstallLog:
+        """Its install log, oldest first: every package file (and every refused index page)
+        its pip or npm asked the daemon's package proxy for, with the outcome (``"cached"``,
+        ``"fetched"``, ``"denied"``, ``"hash_mismatch"``, ``"over_cap"``,
+        ``"upstream_error"``), after sequence number ``after_seq``, at most ``limit`` of them
+        (0: the daemon's default, 1000). A list of :class:`~airlock.InstallEvent`; its
+        ``dropped`` counts the events beyond what the log keeps. Kept with its record."""
+        req = c.install_log_request(self.id, after_seq, limit)
+        return InstallLog.from_pb(self._c._unary("GetInstallLog", req))
 
     def expose_port(self, port: int, ttl: Optional[float] = None) -> Exposure:
         """Exposes the guest's TCP ``port`` (the sandbox running) on a host address of the

@@ -7,7 +7,7 @@ Every failed call raises an :class:`AirlockError` subclass chosen by the reason 
 * your own request: :class:`InvalidArgument`, :class:`Unauthenticated`, :class:`NotFound` and its
   subclasses, :class:`TemplateExists`, :class:`VolumeExists`, :class:`VolumeInUse`,
   :class:`SandboxNotRunning`, :class:`PathNotAllowed`,
-  :class:`NetworkNotAllowed`, :class:`GuestPermissionDenied`;
+  :class:`NetworkNotAllowed`, :class:`PackagesNotAllowed`, :class:`GuestPermissionDenied`;
 * limits: :class:`ResourceExhausted` (:class:`CapacityExhausted`, :class:`QuotaExceeded`,
   :class:`FileTooLarge`, :class:`DiskQuotaExceeded`);
 * the code you ran or the sandbox it ran in: :class:`StartFailed`, :class:`ExecTimeout`,
@@ -43,6 +43,7 @@ __all__ = [
     "PathNotAllowed",
     "ExportDenied",
     "NetworkNotAllowed",
+    "PackagesNotAllowed",
     "GuestPermissionDenied",
     "StartFailed",
     "ExecTimeout",
@@ -212,6 +213,17 @@ class NetworkNotAllowed(AirlockError):
         return self.metadata.get("rule", "")
 
 
+class PackagesNotAllowed(AirlockError):
+    """A package policy asks for more than the operator allows the tenant (its package
+    ceiling): a registry the ceiling does not allow; ``tenant`` names the tenant."""
+
+    reason_codes = ("PACKAGES_NOT_ALLOWED",)
+
+    @property
+    def tenant(self) -> str:
+        return self.metadata.get("tenant", "")
+
+
 class GuestPermissionDenied(AirlockError):
     """The guest account the call acted as (``user``) may not touch the path."""
 
@@ -289,6 +301,7 @@ _BY_REASON = {
         PathNotAllowed,
         ExportDenied,
         NetworkNotAllowed,
+        PackagesNotAllowed,
         GuestPermissionDenied,
         StartFailed,
         ExecTimeout,

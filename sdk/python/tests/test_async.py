@@ -22,6 +22,10 @@ def test_async_sandbox_lifecycle_exec_and_files(daemon):
                 assert sb.state == "running"
                 assert [s.id for s in await client.sandboxes.list(labels={"suite": "async"})] == [sb.id]
                 assert (await client.sandboxes.get(sb.id)).id == sb.id
+                # Nothing installed, nothing logged; the package policy is the ceiling's (open).
+                log = await sb.install_log()
+                assert isinstance(log, airlock.InstallLog) and list(log) == [] and log.dropped == 0
+                assert not sb.packages.offline
 
                 # Output arrives through an async callback as it comes.
                 seen = []

@@ -244,6 +244,32 @@ def test_a_network_policy_beyond_the_ceiling_is_refused(client):
     assert e.value.reason == "NETWORK_NOT_ALLOWED"
 
 
+def test_an_offline_sandbox_installs_nothing_and_logs_why(client):
+    with client.sandboxes.create(packages=airlock.Packages(offline=True)) as sb:
+        assert sb.packages.offline, sb.packages
+        # What pip asks first, asked with Python's urllib (pip's own start costs minutes of
+        # emulated guest kernel on the nested build hosts; tests/packages.rs runs pip itself).
+        index = "http://100.96.0.1:3141/r/pypi/simple/anything-at-all/"
+        r = sb.exec(["python3", "-c", f"import urllib.request; urllib.request.urlopen({index!r})"], timeout=300)
+        assert r.state == "exited" and r.exit_code != 0, f"fetched offline:\n{r.stdout}\n{r.stderr}"
+        assert "403" in r.stderr and "offline mode" in r.stderr, r.stderr
+        # The proxy logs each refusal as it answers it; wait a little for the record anyway.
+        deadline = time.monotonic() + 10
+        while True:
+            log = sb.install_log()
+            denied = [e for e in log if e.outcome == "denied"]
+            if denied or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert isinstance(log, airlock.InstallLog) and log.dropped == 0
+        assert all(isinstance(e, airlock.InstallEvent) for e in log), list(log)
+        assert denied, f"no denied install event: {list(log)}\n{r.stdout}\n{r.stderr}"
+        assert any("offline" in e.message for e in denied), denied
+        assert all(e.sandbox_id == sb.id and e.seq > 0 for e in log), list(log)
+        # Paged: the first event alone.
+        assert [e.seq for e in sb.install_log(limit=1)] == [log[0].seq]
+
+
 def _http_get(url: str, headers=None) -> bytes:
     # No proxy from the environment: the exposed address is the daemon's host.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
