@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every fuzz target (fuzz/fuzz_targets: agent frames, control-socket lines, snapshot state
-# files, virtio-blk and virtio-vsock queues) for SECONDS each (default 60) with libFuzzer
-# through cargo-fuzz, starting from the seeds in fuzz/seeds, and prints one JSON object as its
-# last line: per target the executions, executions per second and crashes. Exits 1 on a crash
+# files, virtio-blk and virtio-vsock queues, package index pages and packuments) for SECONDS
+# each (default 60) with libFuzzer through cargo-fuzz, starting from the seeds in fuzz/seeds,
+# and prints one JSON object as its last line: per target the executions, executions per
+# second and crashes. Exits 1 on a crash
 # (the input is kept under the cache's fuzz/artifacts and named in the output).
 #   fuzz/run.sh [SECONDS]     FUZZ_SANITIZER=none (default; stable toolchain) | address (needs
 #                             RUSTC_BOOTSTRAP=1 on a stable toolchain)

@@ -20,7 +20,12 @@ build_artifacts() {
   AIRLOCK_KERNEL=$(kernel-config/build.sh | tail -n1)
   echo "== base image" >&2
   AIRLOCK_ROOTFS=$(rootfs/build.sh | tail -n1)
-  export AIRLOCK_KERNEL AIRLOCK_ROOTFS
+  echo "== registry software of the package tests (tests/registries.sh)" >&2
+  local registries
+  registries=$(tests/registries.sh | tail -n2)
+  AIRLOCK_PYPISERVER=$(head -n1 <<<"$registries")
+  AIRLOCK_VERDACCIO=$(tail -n1 <<<"$registries")
+  export AIRLOCK_KERNEL AIRLOCK_ROOTFS AIRLOCK_PYPISERVER AIRLOCK_VERDACCIO
   echo "kernel: $AIRLOCK_KERNEL" >&2
   echo "rootfs: $AIRLOCK_ROOTFS" >&2
 }
