@@ -105,6 +105,11 @@ fn hostile_pages_neither_panic_nor_blow_up() {
     ] {
         let _ = parse_html(s, &page());
     }
+    // A character reference cut by a multi-byte character (found by the fuzzer).
+    let value = format!("&{}3", "\u{FFFD}".repeat(4));
+    let cut = format!("<a href=\"x\" data-requires-python=\"{value}\">x</a>");
+    let f = parse_html(&cut, &page()).unwrap();
+    assert_eq!(f[0].requires_python.as_deref(), Some(value.as_str()));
     // Many anchors: capped.
     let many = "<a href=x>x</a>".repeat(MAX_FILES + 1);
     assert_eq!(parse_html(&many, &page()), Err(ParseError::TooManyFiles));
