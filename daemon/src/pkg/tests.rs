@@ -3,11 +3,14 @@
 use super::*;
 
 fn packages(tenants: &str) -> Packages {
+    // A directory (and database) of its own per call: tests run in parallel.
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let dir = std::env::temp_dir().join(format!(
         "airlock-pkg-test-{}-{}",
         std::process::id(),
-        crate::ids::now_ms()
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
+    let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let store = Arc::new(Store::open(&dir.join("db")).unwrap());
     let ceilings: BTreeMap<String, CeilingConfig> = toml::from_str(tenants).unwrap();
