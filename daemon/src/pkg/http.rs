@@ -90,11 +90,13 @@ pub async fn fetch_into_cache(
     let blob = pkgs
         .blob_path(key)
         .ok_or_else(|| FetchError::Upstream(format!("not a digest: {key}")))?;
-    let tmp = pkgs.cache.join("tmp").join(format!(
-        "{}-{}",
-        key.get(..24).unwrap_or(key),
-        std::process::id() as u64 ^ rand_u64()
-    ));
+    // One fetch per digest runs at a time (`fetch_lock`); the counter keeps names apart anyway.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = pkgs
+        .cache
+        .join("tmp")
+        .join(format!("{}-{n}", key.get(..24).unwrap_or(key)));
     let result = fetch_to(pkgs, key, r, limit, limit_is_cap, &tmp).await;
     match result {
         Ok((size, sha256)) => {
@@ -118,13 +120,6 @@ pub async fn fetch_into_cache(
             Err(e)
         }
     }
-}
-
-fn rand_u64() -> u64 {
-    use std::hash::{BuildHasher as _, Hasher as _};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(crate::ids::now_ms() as u64);
-    h.finish()
 }
 
 async fn fetch_to(
