@@ -5,6 +5,8 @@
 #![allow(missing_debug_implementations)] // generated code
 
 /// Types, client and server of `airlock.v1`.
+pub mod audit;
+
 pub mod v1 {
     tonic::include_proto!("airlock.v1");
 }
