@@ -82,6 +82,9 @@ pub enum ApiError {
     /// A package policy asks for a registry beyond the tenant's ceiling.
     #[error("package policy: {message} (tenant {tenant})")]
     PackagesNotAllowed { tenant: String, message: String },
+    /// SnapshotSandbox of a sandbox whose guest holds or held secret values.
+    #[error("sandbox {id} cannot be snapshotted: {why}")]
+    SecretsPresent { id: String, why: String },
     /// The daemon's data directory (records, output, snapshots) has no space left.
     #[error("the host's data directory is full: {0}")]
     DataDirFull(String),
@@ -105,6 +108,7 @@ impl ApiError {
             Self::VolumeExists(_) => "VOLUME_EXISTS",
             Self::VolumeInUse { .. } => "VOLUME_IN_USE",
             Self::SandboxNotRunning { .. } => "SANDBOX_NOT_RUNNING",
+            Self::SecretsPresent { .. } => "SECRETS_PRESENT",
             Self::Capacity { .. } | Self::DataDirFull(_) => "CAPACITY_EXHAUSTED",
             Self::Quota { .. } => "QUOTA_EXCEEDED",
             Self::FileTooLarge { .. } => "FILE_TOO_LARGE",
@@ -129,7 +133,9 @@ impl ApiError {
             | Self::VolumeNotFound(_)
             | Self::FileNotFound { .. } => Code::NotFound,
             Self::TemplateExists(_) | Self::VolumeExists(_) => Code::AlreadyExists,
-            Self::SandboxNotRunning { .. } | Self::VolumeInUse { .. } => Code::FailedPrecondition,
+            Self::SandboxNotRunning { .. }
+            | Self::VolumeInUse { .. }
+            | Self::SecretsPresent { .. } => Code::FailedPrecondition,
             Self::Capacity { .. }
             | Self::DataDirFull(_)
             | Self::Quota { .. }
@@ -150,6 +156,7 @@ impl ApiError {
         match self {
             Self::SandboxNotFound(id)
             | Self::SandboxNotRunning { id, .. }
+            | Self::SecretsPresent { id, .. }
             | Self::Dead { id, .. }
             | Self::AgentUnavailable { id, .. } => {
                 m.insert("sandbox_id".into(), id.clone());

@@ -12,6 +12,7 @@
 //! to the guest agent); `janitor` (TTLs); `recovery` (adopt or reap after a restart).
 
 mod agent;
+mod audit;
 mod auth;
 mod cgroup;
 mod config;
@@ -32,6 +33,7 @@ mod reason;
 mod recovery;
 mod retention;
 mod sandbox;
+mod secrets;
 mod server;
 mod service;
 mod store;
@@ -120,7 +122,7 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(secrets::logs::RedactingStderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let rt = match tokio::runtime::Builder::new_multi_thread()

@@ -105,6 +105,12 @@ impl Recovery<'_> {
         if !matches!(record.state(), SandboxState::Running | SandboxState::Paused) {
             return Ok(false); // a create in flight, or already ended
         }
+        if !record.secrets.is_empty() {
+            // Its values were in the old daemon's memory only: this one could neither deliver
+            // nor redact them. It ends (DAEMON_RESTARTED) with its VMM.
+            warn!(sandbox = %id, "it had secrets, which a restart loses: not taken over");
+            return Ok(false);
+        }
         let spec = self.store.sandbox_spec(id)?.unwrap_or_default();
         let launcher = self.host.launcher.clone();
         let (pid, ticks, uid) = (rec.pid, rec.start_ticks, rec.uid);

@@ -45,6 +45,9 @@ pub struct ExecTarget {
     pub agent: Arc<crate::agent::AgentLink>,
     /// The sandbox's environment (the request's entries go over it).
     pub env: HashMap<String, String>,
+    /// The sandbox's secrets (its variables go over its environment; every value is redacted
+    /// from the execution's output and record).
+    pub secrets: Arc<crate::secrets::SandboxSecrets>,
 }
 
 /// The executions.
@@ -123,14 +126,31 @@ impl Executions {
             0 => self.limits.default_timeout_ms,
             t => t.min(self.limits.max_timeout_ms),
         };
-        let env = merged_env(&target.env, &req.env)?;
+        let own = crate::secrets::check(&req.secrets, true)?;
+        let (mut base, mut secret_names) = target.secrets.env();
+        for s in &own {
+            if let crate::secrets::Delivery::Env { var } = &s.delivery {
+                base.insert(var.clone(), s.value.to_string());
+                secret_names.push(s.name.clone());
+            }
+        }
+        // The sandbox's environment, its secrets' variables over it, the request's over both.
+        let mut sandbox_env = target.env.clone();
+        sandbox_env.extend(base);
+        let env = merged_env(&sandbox_env, &req.env)?;
+        let patterns = target.secrets.patterns_with(&own);
         let id = ids::new_id(ids::EXECUTION)?;
         let record = Execution {
             id: id.clone(),
             sandbox_id: target.sandbox_id.clone(),
             tenant: target.tenant.clone(),
             template_id: target.template_id.clone(),
-            command: argv.clone(),
+            // The record keeps the command with secret values redacted (code may quote one).
+            command: argv
+                .iter()
+                .map(|a| patterns.redact_str(a).into_owned())
+                .collect(),
+            secret_names,
             cwd: req.cwd.clone(),
             user: req.user.clone(),
             state: ExecutionState::Running as i32,
@@ -163,7 +183,33 @@ impl Executions {
                 .mode(0o600)
                 .open(p)?;
         }
-        self.run(record, [0, 0], &target.agent, Start::Exec(exec), timeout_ms)?;
+        let patterns_for_audit = patterns.clone();
+        let secret_names_for_audit = record.secret_names.clone();
+        let patterns = (!patterns.is_empty()).then_some(patterns);
+        self.run(
+            record,
+            [0, 0],
+            &target.agent,
+            Start::Exec(exec),
+            timeout_ms,
+            patterns,
+        )?;
+        crate::audit::emit(
+            &target.tenant,
+            "exec.start",
+            &target.sandbox_id,
+            &id,
+            audit_command(req, &patterns_for_audit),
+        );
+        if !secret_names_for_audit.is_empty() {
+            crate::audit::emit(
+                &target.tenant,
+                "secret.use",
+                &target.sandbox_id,
+                &id,
+                serde_json::json!({ "names": secret_names_for_audit, "delivery": "env" }),
+            );
+        }
         info!(execution = %id, sandbox = %target.sandbox_id, "execution started");
         Ok(id)
     }
@@ -182,7 +228,14 @@ impl Executions {
         let ran_ms = u64::try_from(ids::now_ms() - record.started_unix_ms).unwrap_or(0);
         let left_ms = record.timeout_ms.saturating_sub(ran_ms).max(1);
         info!(execution = %record.id, left_ms, "following the execution again");
-        self.run(record, stored, agent, Start::Attach(agent_id), left_ms)
+        self.run(
+            record,
+            stored,
+            agent,
+            Start::Attach(agent_id),
+            left_ms,
+            None,
+        )
     }
 
     /// Registers `record` as running and starts its thread and its timeout.
@@ -193,6 +246,7 @@ impl Executions {
         agent: &Arc<crate::agent::AgentLink>,
         start: Start,
         timeout_ms: u64,
+        patterns: Option<Arc<crate::secrets::redact::Patterns>>,
     ) -> ApiResult<()> {
         let id = record.id.clone();
         let full_timeout = record.timeout_ms;
@@ -203,6 +257,7 @@ impl Executions {
             stored,
             self.limits.max_output_bytes,
             self.ledger.clone(),
+            patterns,
         ));
         self.ledger.live().insert(id.clone(), rt.clone());
         let (r, agent) = (rt.clone(), agent.clone());
@@ -281,6 +336,51 @@ fn merged_env(
     env.extend(over.iter().map(|(k, v)| (k.clone(), v.clone())));
     limits::check_env(&env)?;
     Ok(env)
+}
+
+/// Interpreter flags whose next argument is code (`python3 -c CODE`, `node -e CODE`).
+const CODE_FLAGS: &[&str] = &["-c", "-e", "--eval", "-E", "--command"];
+
+/// An execution's command as the audit trail keeps it: code and long arguments as their
+/// SHA-256 and size, unless the operator records code (then redacted of secret values).
+fn audit_command(
+    req: &ExecRequest,
+    patterns: &crate::secrets::redact::Patterns,
+) -> serde_json::Value {
+    use crate::audit::digest;
+    let raw = crate::audit::records_code();
+    let code = |text: &str| {
+        let mut d = digest(text.as_bytes());
+        if raw {
+            d["text"] = patterns.redact_str(text).into_owned().into();
+        }
+        d
+    };
+    let command = match &req.command {
+        Some(exec_request::Command::Argv(a)) => serde_json::json!({
+            "argv": a.args.iter().enumerate().map(|(i, arg)| {
+                let after_code_flag = i > 0
+                    && a.args.get(i - 1).is_some_and(|f| CODE_FLAGS.contains(&f.as_str()));
+                if after_code_flag || arg.len() > 256 || arg.contains('\n') {
+                    code(arg)
+                } else {
+                    patterns.redact_str(arg).into_owned().into()
+                }
+            }).collect::<Vec<serde_json::Value>>()
+        }),
+        Some(exec_request::Command::Code(c)) => {
+            serde_json::json!({ "language": c.language, "code": code(&c.source) })
+        }
+        Some(exec_request::Command::Shell(sh)) => serde_json::json!({ "shell": code(sh) }),
+        None => serde_json::Value::Null,
+    };
+    serde_json::json!({
+        "command": command,
+        "user": req.user,
+        "cwd": req.cwd,
+        "timeout_ms": req.timeout_ms,
+        "stdin": digest(&req.stdin),
+    })
 }
 
 /// The command line an Exec request runs.

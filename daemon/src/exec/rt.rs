@@ -19,6 +19,7 @@ use super::record::final_record;
 use crate::ids;
 use crate::metrics::Metrics;
 use crate::reason::{ExecEnd, Outcome};
+use crate::secrets::redact::{Patterns, StreamRedactor};
 use crate::store::Store;
 
 /// How long the guest gets to report a killed execution's exit before the daemon cuts it off.
@@ -57,6 +58,15 @@ pub struct OutputSink {
     pub truncated: bool,
 }
 
+/// An execution's redaction: one redactor per stream, and the bytes of each stream the guest
+/// sent (redaction changes lengths: the stored bytes no longer count the guest's offsets).
+#[derive(Debug)]
+struct Redaction {
+    streams: [StreamRedactor; 2],
+    consumed: [u64; 2],
+    patterns: Arc<Patterns>,
+}
+
 /// A running execution.
 #[derive(Debug)]
 pub struct ExecRt {
@@ -75,6 +85,9 @@ pub struct ExecRt {
     paths: [PathBuf; 2],
     max_output: u64,
     ledger: Arc<Ledger>,
+    /// With secrets: their redaction (output is stored redacted, so every stream and replay
+    /// shows it redacted).
+    redaction: Option<Mutex<Redaction>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -89,7 +102,18 @@ impl ExecRt {
         stored: [u64; 2],
         max_output: u64,
         ledger: Arc<Ledger>,
+        patterns: Option<Arc<Patterns>>,
     ) -> Self {
+        let redaction = patterns.map(|p| {
+            Mutex::new(Redaction {
+                streams: [
+                    StreamRedactor::new(p.clone()),
+                    StreamRedactor::new(p.clone()),
+                ],
+                consumed: stored,
+                patterns: p,
+            })
+        });
         Self {
             id: record.id.clone(),
             sandbox_id: record.sandbox_id.clone(),
@@ -103,6 +127,15 @@ impl ExecRt {
             paths,
             max_output,
             ledger,
+            redaction,
+        }
+    }
+
+    /// `text` with the execution's secret values redacted.
+    pub fn redact(&self, text: &str) -> String {
+        match &self.redaction {
+            Some(r) => lock(r).patterns.redact_str(text).into_owned(),
+            None => text.to_owned(),
         }
     }
 
@@ -199,7 +232,8 @@ impl ExecRt {
     }
 
     /// Stores an output chunk that starts at `offset` of its stream: what this host has
-    /// already (a replay after a restart) is skipped, what is over the cap is dropped.
+    /// already (a replay after a restart) is skipped, secret values are redacted, what is over
+    /// the cap is dropped.
     pub fn store_output(
         &self,
         sink: &mut OutputSink,
@@ -208,13 +242,46 @@ impl ExecRt {
         data: &[u8],
     ) -> Result<(), String> {
         let slot = usize::from(stream == StreamKind::Stderr);
-        let mut stored = lock(&self.stored);
-        let skip = stored[slot].saturating_sub(offset).min(data.len() as u64) as usize;
-        if offset > stored[slot] {
+        let redacted;
+        let data = match &self.redaction {
+            None => self.unseen(sink, slot, offset, data, None),
+            Some(r) => {
+                let mut r = lock(r);
+                let fresh = self.unseen(sink, slot, offset, data, Some(&mut r.consumed[slot]));
+                redacted = r.streams[slot].push(fresh);
+                &redacted[..]
+            }
+        };
+        self.append(sink, slot, data)
+    }
+
+    /// The part of a chunk at `offset` not stored yet (`consumed`: the guest's bytes taken so
+    /// far when they differ from the stored ones).
+    fn unseen<'d>(
+        &self,
+        sink: &mut OutputSink,
+        slot: usize,
+        offset: u64,
+        data: &'d [u8],
+        consumed: Option<&mut u64>,
+    ) -> &'d [u8] {
+        let stored = lock(&self.stored)[slot];
+        let had = consumed.as_deref().copied().unwrap_or(stored);
+        let skip = had.saturating_sub(offset).min(data.len() as u64) as usize;
+        if offset > had {
             // The agent no longer had what came between (see `Attached`).
             sink.truncated = true;
         }
-        let data = data.get(skip..).unwrap_or_default();
+        let fresh = data.get(skip..).unwrap_or_default();
+        if let Some(c) = consumed {
+            *c = offset.max(had) + fresh.len() as u64;
+        }
+        fresh
+    }
+
+    /// Appends to stream `slot`'s file up to the cap.
+    fn append(&self, sink: &mut OutputSink, slot: usize, data: &[u8]) -> Result<(), String> {
+        let mut stored = lock(&self.stored);
         let room = self.max_output.saturating_sub(stored[slot]) as usize;
         let take = data.len().min(room);
         sink.truncated |= take < data.len();
@@ -226,6 +293,23 @@ impl ExecRt {
         }
         drop(stored);
         self.bump();
+        Ok(())
+    }
+
+    /// The end of the output: what the redactors held back (it begins no value) is stored.
+    pub fn flush_output(&self, sink: &mut OutputSink) -> Result<(), String> {
+        let Some(r) = &self.redaction else {
+            return Ok(());
+        };
+        let tails = {
+            let mut r = lock(r);
+            [r.streams[0].finish(), r.streams[1].finish()]
+        };
+        for (slot, tail) in tails.iter().enumerate() {
+            if !tail.is_empty() {
+                self.append(sink, slot, tail)?;
+            }
+        }
         Ok(())
     }
 
@@ -268,6 +352,15 @@ impl ExecRt {
             return;
         }
         self.cut();
+        if self.redaction.is_some() {
+            let flushed = self
+                .open_output()
+                .map_err(|e| e.to_string())
+                .and_then(|mut sink| self.flush_output(&mut sink));
+            if let Err(e) = flushed {
+                warn!(execution = %self.id, "storing the output's end: {e}");
+            }
+        }
         let ended_by = lock(&self.ended_by).clone();
         let record = {
             let mut r = lock(&self.record);
@@ -279,6 +372,7 @@ impl ExecRt {
                 ended_by.as_ref(),
                 ids::now_ms(),
             );
+            r.error_message = self.redact(&r.error_message);
             r.clone()
         };
         let ledger = &self.ledger;
@@ -288,6 +382,21 @@ impl ExecRt {
         let _ = ledger.store.remove_execution_agent(&self.id);
         let outcome = Outcome::of(record.state()).label();
         ledger.metrics.execution_ended(outcome);
+        crate::audit::emit(
+            &record.tenant,
+            "exec.end",
+            &record.sandbox_id,
+            &record.id,
+            serde_json::json!({
+                "outcome": outcome,
+                "exit_code": record.exit_code,
+                "signal": record.signal,
+                "error_reason": record.error_reason,
+                "stdout_bytes": record.stdout_bytes,
+                "stderr_bytes": record.stderr_bytes,
+                "duration_ms": record.ended_unix_ms - record.started_unix_ms,
+            }),
+        );
         ledger.live().remove(&self.id);
         info!(execution = %self.id, outcome, exit_code = record.exit_code, "execution ended");
         self.bump();

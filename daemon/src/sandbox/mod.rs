@@ -7,6 +7,7 @@ pub mod admission;
 mod create;
 mod end;
 mod ops;
+mod secrets;
 pub mod spec;
 
 use std::collections::HashMap;
@@ -48,6 +49,8 @@ pub struct SandboxRt {
     net: Mutex<Option<crate::net::SandboxNet>>,
     /// Bytes ReadFile exported from it (its export cap counts them).
     exported: Arc<std::sync::atomic::AtomicU64>,
+    /// Its secrets (in memory only).
+    pub secrets: Arc<crate::secrets::SandboxSecrets>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -76,6 +79,7 @@ impl SandboxRt {
             ending: AtomicBool::new(false),
             net: Mutex::new(None),
             exported: Arc::default(),
+            secrets: Arc::default(),
         }
     }
 
@@ -156,6 +160,7 @@ impl SandboxRt {
             template_id: lock(&self.record).template_id.clone(),
             agent: self.vmm_or_err()?.agent,
             env: self.env.clone(),
+            secrets: self.secrets.clone(),
         })
     }
 

@@ -77,6 +77,12 @@ impl Sandboxes {
                 state: state_name(state).into(),
             });
         }
+        if let Some(why) = rt.secrets.snapshot_refusal() {
+            return Err(ApiError::SecretsPresent {
+                id: id.to_owned(),
+                why,
+            });
+        }
         if let Some(vol) = rt.snapshot().volumes.first() {
             return Err(ApiError::VolumeInUse {
                 name: vol.name.clone(),

@@ -1,0 +1,102 @@
+//! A live sandbox's secrets after its create: removed by RemoveSecrets or at their TTL (their
+//! files deleted in the guest, their variables no longer given, their headers no longer
+//! added), its record showing which.
+
+use std::sync::Arc;
+
+use airlock_api::v1::Sandbox;
+use airlock_proto::Requests;
+use tracing::{info, warn};
+
+use super::{SandboxRt, Sandboxes};
+use crate::agent::CALL_TIMEOUT;
+use crate::error::ApiResult;
+use crate::secrets::RemovedFile;
+use crate::store::Store;
+
+impl Sandboxes {
+    /// RemoveSecrets: `names` (empty: all) of `tenant`'s sandbox `id`.
+    pub async fn remove_secrets(
+        &self,
+        tenant: &str,
+        id: &str,
+        names: &[String],
+    ) -> ApiResult<Sandbox> {
+        let rt = self.running(tenant, id)?;
+        let files = rt.secrets.remove(names)?;
+        let record = settle_removal(&rt, &self.store, files).await;
+        info!(sandbox = %id, names = ?names, "secrets removed");
+        crate::audit::emit(
+            tenant,
+            "secret.remove",
+            id,
+            "",
+            serde_json::json!({ "names": names, "by": "RemoveSecrets" }),
+        );
+        Ok(record)
+    }
+
+    /// Removes `rt`'s secrets as their TTLs end, until it ends.
+    pub(super) fn expire_secrets_later(&self, rt: &Arc<SandboxRt>) {
+        let (weak, store) = (Arc::downgrade(rt), self.store.clone());
+        tokio::spawn(async move {
+            loop {
+                let Some(next) = weak.upgrade().and_then(|rt| rt.secrets.next_expiry()) else {
+                    return;
+                };
+                tokio::time::sleep_until(next.into()).await;
+                let Some(rt) = weak.upgrade().filter(|rt| !rt.is_ending()) else {
+                    return;
+                };
+                let (names, files) = rt.secrets.expire(std::time::Instant::now());
+                if !names.is_empty() {
+                    info!(sandbox = %rt.id, names = ?names, "secrets expired");
+                    crate::audit::emit(
+                        &rt.tenant,
+                        "secret.remove",
+                        &rt.id,
+                        "",
+                        serde_json::json!({ "names": names, "by": "ttl" }),
+                    );
+                    settle_removal(&rt, &store, files).await;
+                }
+            }
+        });
+    }
+}
+
+/// After secrets of `rt` were marked removed: deletes their files in its guest, updates its
+/// record.
+async fn settle_removal(rt: &Arc<SandboxRt>, store: &Store, files: Vec<RemovedFile>) -> Sandbox {
+    if !files.is_empty()
+        && let Some(vmm) = rt.vmm()
+    {
+        let agent = vmm.agent.clone();
+        let removed = tokio::task::spawn_blocking(move || remove_files(&agent, &files)).await;
+        if let Ok(Err(e)) | Err(e) = removed.map_err(|e| e.to_string()) {
+            warn!(sandbox = %rt.id, "deleting secret files in the guest: {e}");
+        }
+    }
+    let info = rt.secrets.info();
+    let record = rt.update(|r| r.secrets = info);
+    if let Err(e) = store.put_sandbox(&record) {
+        warn!(sandbox = %rt.id, "storing the record: {e}");
+    }
+    record
+}
+
+fn remove_files(agent: &crate::agent::AgentLink, files: &[RemovedFile]) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + CALL_TIMEOUT;
+    let mux = agent.get(deadline).map_err(|e| e.to_string())?;
+    let mut client = mux.client(Some(deadline));
+    for f in files {
+        let req = airlock_proto::pb::Remove {
+            path: f.path.clone(),
+            ..Default::default()
+        };
+        client
+            .call(airlock_proto::pb::request::Kind::Remove(req))
+            .map_err(|e| format!("{} ({}): {e}", f.path, f.name))?;
+    }
+    Ok(())
+}
