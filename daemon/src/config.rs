@@ -134,6 +134,8 @@ pub struct Config {
     /// The package proxy: its registries, the default package ceiling, the cache, limits
     /// (see `pkg/mod.rs`).
     pub packages: crate::pkg::PackagesConfig,
+    /// The audit trail: its retention, whether code is recorded (see `audit.rs`).
+    pub audit: crate::audit::AuditConfig,
 }
 
 /// A registered image: a kernel and a root filesystem on the daemon's host.
@@ -292,6 +294,7 @@ impl Default for Config {
             jail: crate::jail::JailConfig::default(),
             network: crate::net::NetworkConfig::default(),
             packages: crate::pkg::PackagesConfig::default(),
+            audit: crate::audit::AuditConfig::default(),
         }
     }
 }

@@ -113,6 +113,7 @@ impl Daemon {
         let cfg = Arc::new(cfg);
         let db = data_dir.join("airlock.db");
         let store = Arc::new(Store::open(&db).map_err(|e| e.to_string())?);
+        crate::audit::init(store.clone(), cfg.audit.clone());
         private(&db, 0o600)?;
         let metrics = Arc::new(Metrics::default());
         let (supervisor, events) = Supervisor::new(store.clone());

@@ -38,6 +38,12 @@ impl Retention {
     pub async fn run(self: Arc<Self>) {
         loop {
             tokio::time::sleep(Duration::from_secs(60)).await;
+            let store = self.store.clone();
+            match tokio::task::spawn_blocking(move || crate::audit::prune(&store)).await {
+                Ok(Ok(n)) if n > 0 => info!(events = n, "audit retention"),
+                Ok(Err(e)) => warn!("audit retention: {e}"),
+                _ => {}
+            }
             let me = self.clone();
             match tokio::task::spawn_blocking(move || me.sweep(ids::now_ms())).await {
                 Ok(Ok(s)) if s != Swept::default() => info!(?s, "retention"),

@@ -89,9 +89,49 @@ async fn traced<T>(
         Ok(v) => Ok(Response::new(v)),
         Err(e) => {
             span.in_scope(|| tracing::info!(reason = e.reason(), "failed: {e}"));
-            Err(e.into())
+            audit_denial(tenant, "", call, &e);
+            Err(redacted(tenant, e.into()))
         }
     }
+}
+
+/// The reasons that are a policy's refusal, recorded in the audit trail.
+const DENIALS: &[&str] = &[
+    "PATH_NOT_ALLOWED",
+    "EXPORT_DENIED",
+    "NETWORK_NOT_ALLOWED",
+    "PACKAGES_NOT_ALLOWED",
+    "QUOTA_EXCEEDED",
+    "SECRETS_PRESENT",
+    "GUEST_PERMISSION_DENIED",
+    "UNAUTHENTICATED",
+];
+
+fn audit_denial(tenant: &str, sandbox_id: &str, call: &str, e: &ApiError) {
+    if DENIALS.contains(&e.reason()) {
+        let message = crate::secrets::logs::redact(Some(tenant), &e.to_string());
+        crate::audit::emit(
+            tenant,
+            "denial",
+            sandbox_id,
+            "",
+            serde_json::json!({ "call": call, "reason": e.reason(), "message": message }),
+        );
+    }
+}
+
+/// `status` with the caller's secret values redacted from its message.
+fn redacted(tenant: &str, status: Status) -> Status {
+    let message = crate::secrets::logs::redact(Some(tenant), status.message());
+    if message == status.message() {
+        return status;
+    }
+    Status::with_details_and_metadata(
+        status.code(),
+        message,
+        status.details().to_vec().into(),
+        status.metadata().clone(),
+    )
 }
 
 /// Runs `f` on a task of its own, so that it finishes (or cleans up) even if the client goes
@@ -367,17 +407,34 @@ impl Airlock for Service {
                 .file_target(d.cfg.max_file_bytes)?
                 .acting_as(header.user)?;
             let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(4);
+            let path = header.path.clone();
             let writer = tokio::spawn(files::write(target, header.path, header.mode, rx));
+            let mut hash = <sha2::Sha256 as sha2::Digest>::new();
             while let Some(data) = next_data(&mut stream).await? {
+                sha2::Digest::update(&mut hash, &data);
                 if tx.send(data).await.is_err() {
                     break; // the writer ended (with an error it returns below)
                 }
             }
             drop(tx);
-            let bytes_written = writer
+            let written = writer
                 .await
-                .map_err(|e| ApiError::Internal(format!("file task: {e}")))??;
-            Ok(WriteFileResponse { bytes_written })
+                .map_err(|e| ApiError::Internal(format!("file task: {e}")))?;
+            crate::audit::emit(
+                &tenant,
+                "file.write",
+                &sb.id,
+                "",
+                serde_json::json!({
+                    "path": path,
+                    "bytes": written.as_ref().ok(),
+                    "sha256": crate::audit::hex(&sha2::Digest::finalize(hash)),
+                    "error": written.as_ref().err().map(|e| e.reason().to_owned()),
+                }),
+            );
+            Ok(WriteFileResponse {
+                bytes_written: written?,
+            })
         })
         .await
     }
@@ -392,14 +449,44 @@ impl Airlock for Service {
         let r = req.into_inner();
         let sb = self.daemon.sandboxes.running(&tenant, &r.sandbox_id)?;
         let target = sb.file_target(self.daemon.cfg.max_file_bytes)?;
-        let mut chunks = files::read(target.acting_as(r.user)?, r.path)?;
+        let path = r.path.clone();
+        let mut chunks = match files::read(target.acting_as(r.user)?, r.path) {
+            Ok(c) => c,
+            Err(e) => {
+                audit_denial(&tenant, &sb.id, "ReadFile", &e);
+                return Err(e.into());
+            }
+        };
         let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let sandbox_id = sb.id.clone();
         tokio::spawn(async move {
+            let (mut hash, mut bytes, mut error) =
+                (<sha2::Sha256 as sha2::Digest>::new(), 0u64, None);
             while let Some(c) = chunks.recv().await {
+                match &c {
+                    Ok(chunk) => {
+                        sha2::Digest::update(&mut hash, &chunk.data);
+                        bytes += chunk.data.len() as u64;
+                    }
+                    Err(e) => error = Some(e.reason().to_owned()),
+                }
                 if tx.send(c.map_err(Status::from)).await.is_err() {
-                    return;
+                    error.get_or_insert_with(|| "the caller went away".into());
+                    break;
                 }
             }
+            crate::audit::emit(
+                &tenant,
+                "file.read",
+                &sandbox_id,
+                "",
+                serde_json::json!({
+                    "path": path,
+                    "bytes": bytes,
+                    "sha256": crate::audit::hex(&sha2::Digest::finalize(hash)),
+                    "error": error,
+                }),
+            );
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -517,6 +604,37 @@ impl Airlock for Service {
                     .sandboxes
                     .egress_log(&tenant, &r.sandbox_id, r.after_seq, r.limit)?;
             Ok(GetEgressLogResponse { events, dropped })
+        })
+        .await
+    }
+
+    async fn remove_secrets(
+        &self,
+        req: Request<RemoveSecretsRequest>,
+    ) -> Result<Response<Sandbox>, Status> {
+        let tenant = tenant(&req)?;
+        let r = req.into_inner();
+        traced("RemoveSecrets", &tenant, async {
+            self.daemon
+                .sandboxes
+                .remove_secrets(&tenant, &r.sandbox_id, &r.names)
+                .await
+        })
+        .await
+    }
+
+    async fn list_audit_events(
+        &self,
+        req: Request<ListAuditEventsRequest>,
+    ) -> Result<Response<ListAuditEventsResponse>, Status> {
+        let tenant = tenant(&req)?;
+        let r = req.into_inner();
+        let store = self.daemon.store.clone();
+        traced("ListAuditEvents", &tenant, async {
+            let t = tenant.clone();
+            tokio::task::spawn_blocking(move || crate::audit::list(&store, &t, &r))
+                .await
+                .map_err(|e| ApiError::Internal(format!("audit task: {e}")))?
         })
         .await
     }

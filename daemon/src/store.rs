@@ -108,6 +108,10 @@ CREATE TABLE IF NOT EXISTS install_events (
     sandbox_id TEXT NOT NULL, seq INTEGER NOT NULL, event BLOB NOT NULL,
     PRIMARY KEY (sandbox_id, seq));
 CREATE TABLE IF NOT EXISTS install_dropped (sandbox_id TEXT PRIMARY KEY, n INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS audit_events (
+    tenant TEXT NOT NULL, seq INTEGER NOT NULL, time_ms INTEGER NOT NULL, kind TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL, execution_id TEXT NOT NULL, detail TEXT NOT NULL,
+    prev_hash TEXT NOT NULL, hash TEXT NOT NULL, PRIMARY KEY (tenant, seq));
 CREATE TABLE IF NOT EXISTS volumes (
     tenant TEXT NOT NULL, name TEXT NOT NULL, id TEXT NOT NULL, record BLOB NOT NULL,
     PRIMARY KEY (tenant, name));
@@ -128,7 +132,8 @@ impl Store {
         Ok(Self { db: Mutex::new(db) })
     }
 
-    fn db(&self) -> std::sync::MutexGuard<'_, Connection> {
+    /// The connection, for the audit trail's own statements (`crate::audit`).
+    pub(crate) fn db(&self) -> std::sync::MutexGuard<'_, Connection> {
         self.db.lock().unwrap_or_else(|e| e.into_inner())
     }
 

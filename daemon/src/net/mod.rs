@@ -614,6 +614,19 @@ impl NetState {
         if let Err(err) = self.egress.store.put_egress(&self.sandbox_id, &e) {
             warn!(sandbox = %self.sandbox_id, "egress log: {err}");
         }
+        let detail = serde_json::json!({
+            "egress_seq": e.seq,
+            "type": kind,
+            "name": e.name,
+            "address": e.address,
+            "port": e.port,
+            "allowed": e.allowed,
+            "verdict": e.verdict,
+            "bytes_out": e.bytes_out,
+            "bytes_in": e.bytes_in,
+        });
+        let audit_kind = if e.allowed { "egress" } else { "denial" };
+        crate::audit::emit(&self.tenant, audit_kind, &self.sandbox_id, "", detail);
     }
 }
 

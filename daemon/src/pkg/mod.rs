@@ -427,6 +427,24 @@ impl Session {
         if let Err(err) = self.pkgs.store.put_install(&self.sandbox_id, &e) {
             warn!(sandbox = %self.sandbox_id, "install log: {err}");
         }
+        let detail = serde_json::json!({
+            "install_seq": e.seq,
+            "registry": e.registry,
+            "type": e.kind,
+            "package": e.package,
+            "version": e.version,
+            "file": e.file,
+            "bytes": e.bytes,
+            "sha256": e.sha256,
+            "outcome": outcome_label(outcome),
+            "message": e.message,
+        });
+        let kind = if outcome == InstallOutcome::Denied {
+            "denial"
+        } else {
+            "package"
+        };
+        crate::audit::emit(&self.tenant, kind, &self.sandbox_id, "", detail);
     }
 }
 

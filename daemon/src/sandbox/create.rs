@@ -64,9 +64,27 @@ impl Sandboxes {
         let spec = SandboxSpec::check(&req, &template.record, &self.cfg)?;
         self.egress.within_ceiling(tenant, &spec.egress)?;
         let pkg = self.egress.packages.policy_for(tenant, &spec.packages)?;
+        let secrets = crate::secrets::check(&req.secrets, false)?;
+        if let Some(b) = secrets
+            .iter()
+            .find(|s| matches!(s.delivery, crate::secrets::Delivery::Broker(_)))
+        {
+            return Err(ApiError::InvalidArgument(format!(
+                "secret {}: brokered secrets are not served by this daemon yet (use env or \
+                 file delivery)",
+                b.name
+            )));
+        }
         // Before a VMM is taken; the claim comes with the restore.
         self.volumes.check_known(tenant, &spec.volumes)?;
-        let rt = Arc::new(self.new_rt(tenant, &template, &spec, &pkg)?);
+        let mut rt = self.new_rt(tenant, &template, &spec, &pkg)?;
+        if !secrets.is_empty() {
+            let secrets = Arc::new(crate::secrets::SandboxSecrets::new(secrets));
+            crate::secrets::logs::register(&rt.id, tenant, secrets.patterns());
+            rt.update(|r| r.secrets = secrets.info());
+            rt.secrets = secrets;
+        }
+        let rt = Arc::new(rt);
         if let Err(e) = self.admit(&rt) {
             self.metrics.create_failed(e.reason());
             return Err(e);
@@ -196,6 +214,9 @@ impl Sandboxes {
         let restore_ms = restored.running_after_us as f64 / 1000.0;
         let guest = self.greet(rt, &vmm, spec, t_running).await?;
         drop(claim.keep());
+        if rt.secrets.next_expiry().is_some() {
+            self.expire_secrets_later(rt);
+        }
         let total_ms = t0.elapsed().as_secs_f64() * 1000.0;
         // Reseeding and placing files wait on the guest too; a queued create waited for others.
         let guest_ms = guest.ready_ms + guest.identity_ms;
@@ -226,6 +247,44 @@ impl Sandboxes {
             identity_ms = guest.identity_ms,
             "sandbox ready"
         );
+        let secrets: Vec<&str> = record.secrets.iter().map(|s| s.name.as_str()).collect();
+        crate::audit::emit(
+            &rt.tenant,
+            "sandbox.create",
+            &rt.id,
+            "",
+            serde_json::json!({
+                "template": template.record.name,
+                "template_id": template.record.id,
+                "vcpus": record.vcpus,
+                "memory_mib": record.memory_mib,
+                "disk_mib": record.disk_mib,
+                "labels": record.labels,
+                "network": format!("{:?}", record.network),
+                "packages": format!("{:?}", record.packages),
+                "volumes": record.volumes.iter().map(|v| &v.name).collect::<Vec<_>>(),
+                "files": spec.files.iter().map(|f| serde_json::json!({
+                    "path": f.path, "digest": crate::audit::digest(&f.content)
+                })).collect::<Vec<_>>(),
+                "secrets": secrets,
+            }),
+        );
+        let file_secrets: Vec<String> = rt
+            .secrets
+            .info()
+            .into_iter()
+            .filter(|s| s.delivery == "file")
+            .map(|s| s.name)
+            .collect();
+        if !file_secrets.is_empty() {
+            crate::audit::emit(
+                &rt.tenant,
+                "secret.use",
+                &rt.id,
+                "",
+                serde_json::json!({ "names": file_secrets, "delivery": "file" }),
+            );
+        }
         Ok(record)
     }
 
@@ -317,6 +376,7 @@ impl Sandboxes {
                     )
                 })?;
             }
+            place_secret_files(&mut client, &rt.secrets).map_err(|e| from_agent(e, call))?;
             Ok(GuestTimes {
                 ready_ms,
                 identity_ms: t.elapsed().as_secs_f64() * 1000.0,
@@ -325,4 +385,45 @@ impl Sandboxes {
         .await
         .map_err(|e| ApiError::Internal(format!("agent task: {e}")))?
     }
+}
+
+/// Writes the sandbox's file secrets into its guest: each readable by its account only
+/// (mode 0400, created as that account). The default directory, /run/secrets on the guest's
+/// tmpfs, is made by root sticky and unlistable (1733), so accounts can neither list it nor
+/// remove each other's files.
+fn place_secret_files(
+    client: &mut airlock_proto::MuxClient,
+    secrets: &crate::secrets::SandboxSecrets,
+) -> Result<(), airlock_proto::ClientError> {
+    let files = secrets.files();
+    let default_prefix = format!("{}/", crate::secrets::DEFAULT_DIR);
+    if files
+        .iter()
+        .any(|(_, path, _, _)| path.starts_with(&default_prefix))
+    {
+        let mkdir = airlock_proto::pb::Mkdir {
+            path: crate::secrets::DEFAULT_DIR.to_owned(),
+            parents: true,
+            mode: 0o1733,
+            user: "root".into(),
+            ..Default::default()
+        };
+        client.within(CALL_TIMEOUT, |c| {
+            c.call(airlock_proto::pb::request::Kind::Mkdir(mkdir.clone()))
+                .map(drop)
+        })?;
+    }
+    for (_, path, user, value) in &files {
+        let template = airlock_proto::pb::WriteFile {
+            path: path.clone(),
+            mode: 0o400,
+            create_parents: true,
+            user: user.clone(),
+            ..Default::default()
+        };
+        client.within(CALL_TIMEOUT, |c| {
+            c.write_file_with(&template, value.as_bytes())
+        })?;
+    }
+    Ok(())
 }

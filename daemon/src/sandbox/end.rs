@@ -60,12 +60,14 @@ impl Sandboxes {
             return Ok(rt.snapshot());
         }
         let usage = rt.snapshot();
+        let mut vmm_gone = true;
         if let Some(v) = rt.vmm() {
             if !usage.volumes.is_empty() && usage.state == SandboxState::Running as i32 {
                 power_off(rt, &v).await;
             }
             v.kill();
             if !v.wait_gone(KILL_WAIT).await {
+                vmm_gone = false;
                 warn!(sandbox = %rt.id, pid = v.pid, "the VMM did not end within {KILL_WAIT:?}");
             }
             v.remove_leftovers();
@@ -88,6 +90,27 @@ impl Sandboxes {
         self.store.put_sandbox(&record)?;
         let _ = self.store.remove_sandbox_spec(&rt.id);
         self.live_map().remove(&rt.id);
+        // Its values are no longer redacted from the daemon's log: its outputs are stored.
+        crate::secrets::logs::unregister(&rt.id);
+        let secrets: Vec<&str> = record.secrets.iter().map(|s| s.name.as_str()).collect();
+        crate::audit::emit(
+            &rt.tenant,
+            "sandbox.end",
+            &rt.id,
+            "",
+            serde_json::json!({
+                "reason": reason.code(),
+                "message": message,
+                "cleanup": {
+                    "vmm_ended": vmm_gone,
+                    "network_removed": true,
+                    "volumes_released": record.volumes.iter().map(|v| &v.name).collect::<Vec<_>>(),
+                    "secrets_dropped": secrets,
+                },
+                "cpu_usage_us": record.cpu_usage_us,
+                "memory_peak_bytes": record.memory_peak_bytes,
+            }),
+        );
         info!(sandbox = %rt.id, reason = reason.code(), "sandbox ended: {message}");
         Ok(record)
     }

@@ -1,0 +1,269 @@
+//! The audit trail: per tenant, an append-only, hash-chained log of what its sandboxes did
+//! (created, ended and how their cleanup went, executions with code as its digest, files
+//! written and read, packages, egress, secret uses, policy denials), in the record store.
+//!
+//! Each event's `hash` is the hex SHA-256 of its `prev_hash` (the hex hash of the event before
+//! it, 64 zeroes for the first), a newline, and the event's canonical JSON: the object
+//! `{"detail", "execution_id", "kind", "sandbox_id", "seq", "tenant", "time_unix_ms"}`,
+//! compact, keys sorted at every level. An edited event no longer matches its hash, a removed
+//! one breaks the chain (and the seq's run); `airlock audit verify` checks both.
+
+use std::sync::{Arc, OnceLock};
+
+use airlock_api::v1::{AuditEvent, ListAuditEventsRequest, ListAuditEventsResponse};
+use rusqlite::{OptionalExtension, params};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use tracing::warn;
+
+pub use airlock_api::audit::{ZERO_HASH, canonical, hash_of, hex};
+
+use crate::error::ApiResult;
+use crate::ids;
+use crate::store::Store;
+
+/// `[audit]` in the daemon's config.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuditConfig {
+    /// Events older than this many days are removed (0: kept for ever). The first kept
+    /// event's `prev_hash` then anchors the chain.
+    pub retention_days: u32,
+    /// Record executions' code itself (not only its SHA-256 and size). Off by default.
+    pub record_code: bool,
+}
+
+impl Default for AuditConfig {
+    fn default() -> Self {
+        Self {
+            retention_days: 90,
+            record_code: false,
+        }
+    }
+}
+
+/// Where events go: the daemon's store (set once at its start; without it, as in unit tests
+/// of other parts, events are not kept).
+static SINK: OnceLock<(Arc<Store>, AuditConfig)> = OnceLock::new();
+
+pub fn init(store: Arc<Store>, cfg: AuditConfig) {
+    let _ = SINK.set((store, cfg));
+}
+
+/// Whether executions' code is recorded as is.
+pub fn records_code() -> bool {
+    SINK.get().is_some_and(|(_, c)| c.record_code)
+}
+
+/// SHA-256 (hex) and size of `data`, as events name code and files.
+pub fn digest(data: &[u8]) -> Value {
+    json!({ "sha256": hex(&Sha256::digest(data)), "bytes": data.len() })
+}
+
+/// Appends an event to `tenant`'s trail (a failure is logged: the call it records goes on).
+pub fn emit(tenant: &str, kind: &str, sandbox_id: &str, execution_id: &str, detail: Value) {
+    let Some((store, _)) = SINK.get() else {
+        return;
+    };
+    if let Err(e) = append(store, tenant, kind, sandbox_id, execution_id, detail) {
+        warn!(tenant, kind, "audit event not stored: {e}");
+    }
+}
+
+/// Appends one event; its seq and prev_hash follow the tenant's last one.
+pub fn append(
+    store: &Store,
+    tenant: &str,
+    kind: &str,
+    sandbox_id: &str,
+    execution_id: &str,
+    detail: Value,
+) -> ApiResult<AuditEvent> {
+    let db = store.db();
+    let last: Option<(i64, String)> = db
+        .query_row(
+            "SELECT seq, hash FROM audit_events WHERE tenant = ?1 ORDER BY seq DESC LIMIT 1",
+            params![tenant],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .optional()?;
+    let (seq, prev_hash) = match last {
+        Some((s, h)) => (s as u64 + 1, h),
+        None => (1, ZERO_HASH.to_owned()),
+    };
+    let mut e = AuditEvent {
+        seq,
+        time_unix_ms: ids::now_ms(),
+        tenant: tenant.to_owned(),
+        kind: kind.to_owned(),
+        sandbox_id: sandbox_id.to_owned(),
+        execution_id: execution_id.to_owned(),
+        detail_json: detail.to_string(),
+        prev_hash,
+        hash: String::new(),
+    };
+    e.hash = hash_of(&e.prev_hash, &canonical(&e, &detail));
+    db.execute(
+        "INSERT INTO audit_events (tenant, seq, time_ms, kind, sandbox_id, execution_id, \
+         detail, prev_hash, hash) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        params![
+            e.tenant,
+            e.seq as i64,
+            e.time_unix_ms,
+            e.kind,
+            e.sandbox_id,
+            e.execution_id,
+            e.detail_json,
+            e.prev_hash,
+            e.hash
+        ],
+    )?;
+    Ok(e)
+}
+
+/// ListAuditEvents for `tenant`.
+pub fn list(
+    store: &Store,
+    tenant: &str,
+    req: &ListAuditEventsRequest,
+) -> ApiResult<ListAuditEventsResponse> {
+    let limit = match req.limit {
+        0 => 1000,
+        n => n.min(10_000),
+    };
+    let db = store.db();
+    let (head_seq, head_hash, first_seq): (i64, String, i64) = db.query_row(
+        "SELECT COALESCE(MAX(seq), 0), \
+         COALESCE((SELECT hash FROM audit_events WHERE tenant = ?1 ORDER BY seq DESC LIMIT 1), ''), \
+         COALESCE(MIN(seq), 0) FROM audit_events WHERE tenant = ?1",
+        params![tenant],
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+    )?;
+    let mut q = db.prepare_cached(
+        "SELECT seq, time_ms, kind, sandbox_id, execution_id, detail, prev_hash, hash \
+         FROM audit_events WHERE tenant = ?1 AND seq > ?2 ORDER BY seq",
+    )?;
+    let rows = q.query_map(params![tenant, req.after_seq as i64], |r| {
+        Ok(AuditEvent {
+            seq: r.get::<_, i64>(0)? as u64,
+            time_unix_ms: r.get(1)?,
+            tenant: tenant.to_owned(),
+            kind: r.get(2)?,
+            sandbox_id: r.get(3)?,
+            execution_id: r.get(4)?,
+            detail_json: r.get(5)?,
+            prev_hash: r.get(6)?,
+            hash: r.get(7)?,
+        })
+    })?;
+    let mut events = Vec::new();
+    let mut next_after_seq = 0;
+    for row in rows {
+        let e = row?;
+        let wanted = (req.kinds.is_empty() || req.kinds.contains(&e.kind))
+            && (req.sandbox_id.is_empty() || req.sandbox_id == e.sandbox_id)
+            && (req.since_unix_ms == 0 || e.time_unix_ms >= req.since_unix_ms)
+            && (req.until_unix_ms == 0 || e.time_unix_ms < req.until_unix_ms);
+        if !wanted {
+            continue;
+        }
+        if events.len() as u32 == limit {
+            next_after_seq = events.last().map_or(0, |l: &AuditEvent| l.seq);
+            break;
+        }
+        events.push(e);
+    }
+    Ok(ListAuditEventsResponse {
+        events,
+        next_after_seq,
+        head_seq: head_seq as u64,
+        head_hash,
+        first_seq: first_seq as u64,
+    })
+}
+
+/// Removes events older than the retention (the retention loop calls it); how many.
+pub fn prune(store: &Store) -> ApiResult<usize> {
+    let Some((_, cfg)) = SINK.get().filter(|(_, c)| c.retention_days > 0) else {
+        return Ok(0);
+    };
+    let cutoff = ids::now_ms() - i64::from(cfg.retention_days) * 86_400_000;
+    Ok(store.db().execute(
+        "DELETE FROM audit_events WHERE time_ms < ?1",
+        params![cutoff],
+    )?)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use airlock_api::audit::verify;
+
+    fn store() -> Store {
+        let dir = std::env::temp_dir().join(format!(
+            "airlock-audit-test-{}-{}",
+            std::process::id(),
+            ids::now_ms()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        Store::open(&dir.join("airlock.db")).unwrap()
+    }
+
+    #[test]
+    fn the_chain_verifies_and_edits_and_removals_are_found() {
+        let s = store();
+        for i in 0..5 {
+            append(
+                &s,
+                "t1",
+                "exec.start",
+                "sb-1",
+                "ex-1",
+                json!({"i": i, "é": "ü"}),
+            )
+            .unwrap();
+        }
+        append(&s, "t2", "sandbox.create", "sb-2", "", json!({})).unwrap();
+        let all = list(&s, "t1", &ListAuditEventsRequest::default()).unwrap();
+        assert_eq!(all.events.len(), 5);
+        assert_eq!(all.head_seq, 5);
+        assert_eq!(all.head_hash, all.events[4].hash);
+        assert!(verify(&all.events).is_empty());
+        // Tenants are apart: t2's chain starts at 1.
+        let t2 = list(&s, "t2", &ListAuditEventsRequest::default()).unwrap();
+        assert_eq!(t2.events.len(), 1);
+        assert_eq!(t2.events[0].seq, 1);
+        let mut edited = all.events.clone();
+        edited[2].detail_json = r#"{"i":99,"é":"ü"}"#.into();
+        assert_eq!(verify(&edited)[0].0, 3);
+        let mut removed = all.events.clone();
+        removed.remove(2);
+        let problems = verify(&removed);
+        assert_eq!(problems.len(), 1);
+        assert!(problems[0].1.contains("missing"), "{problems:?}");
+        // Paging and filters.
+        let page = list(
+            &s,
+            "t1",
+            &ListAuditEventsRequest {
+                limit: 2,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(page.events.len(), 2);
+        assert_eq!(page.next_after_seq, 2);
+        let none = list(
+            &s,
+            "t1",
+            &ListAuditEventsRequest {
+                kinds: vec!["file.write".into()],
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(none.events.is_empty());
+    }
+}
