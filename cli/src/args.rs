@@ -126,6 +126,9 @@ pub enum Command {
     /// Show a sandbox's install log: the package files (and refused index pages) its pip or
     /// npm asked the daemon's package proxy for, with the outcome
     Installs(InstallsArgs),
+    /// Your tenant's audit trail: what its sandboxes did, hash-chained (`audit verify` checks
+    /// it; `audit export` writes it as JSON lines)
+    Audit(AuditArgs),
     /// Expose a guest TCP port on a host address, for callers presenting a token; prints the
     /// address, the token and the expiry (--json: the record)
     Expose(ExposeArgs),
@@ -310,6 +313,19 @@ pub struct CreateArgs {
     /// tenant's ceiling allows]
     #[command(flatten)]
     pub packages: PackageArgs,
+    /// A secret for every execution, as the environment variable NAME; its value is this
+    /// program's own $NAME (never a command-line argument, which `ps` shows). Redacted from
+    /// all output as [REDACTED:NAME] (repeatable)
+    #[arg(long = "secret", value_name = "NAME")]
+    pub secrets: Vec<String>,
+    /// A secret as a file in the guest, /run/secrets/NAME, readable by the default account
+    /// only; its value is this program's $NAME (repeatable)
+    #[arg(long = "secret-file", value_name = "NAME")]
+    pub secret_files: Vec<String>,
+    /// Seconds the secrets live (then they are removed from the sandbox) [default: as long as
+    /// the sandbox]
+    #[arg(long, value_name = "S")]
+    pub secret_ttl: Option<u32>,
 }
 
 /// The package policy flags of `create` (`PackagePolicy`).
@@ -501,6 +517,32 @@ pub struct InstallsArgs {
     /// then prints one record per line
     #[arg(long, short)]
     pub follow: bool,
+}
+
+/// `audit`: `ListAuditEventsRequest`, every page.
+#[derive(Debug, Args)]
+pub struct AuditArgs {
+    /// list (default), verify (check the chain: every event's hash, no gaps, the head; exit
+    /// code 1 with the problems), export (every field, one JSON object per line)
+    #[arg(value_parser = ["list", "verify", "export"], default_value = "list")]
+    pub action: String,
+    /// verify: check this export (JSON lines) instead of the daemon's trail
+    #[arg(long, value_name = "FILE")]
+    pub file: Option<std::path::PathBuf>,
+    /// Only events after this sequence number [default: from the first kept]
+    #[arg(
+        long,
+        value_name = "SEQ",
+        default_value_t = 0,
+        hide_default_value = true
+    )]
+    pub after: u64,
+    /// Only events of this kind (sandbox.create, exec.start, denial, ...) (repeatable)
+    #[arg(long = "kind", value_name = "KIND")]
+    pub kinds: Vec<String>,
+    /// Only this sandbox's events
+    #[arg(long, value_name = "ID")]
+    pub sandbox: Option<String>,
 }
 
 /// `expose`: `ExposePortRequest`.

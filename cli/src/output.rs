@@ -35,6 +35,10 @@ pub fn sandbox_json(s: &Sandbox) -> Value {
         "create_host_ms": s.create_host_ms, "create_guest_ms": s.create_guest_ms,
         "restore_ms": s.restore_ms, "network": network_json(s.network.as_ref()),
         "packages": packages_json(s.packages.as_ref()),
+        "secrets": s.secrets.iter().map(|x| json!({
+            "name": x.name, "delivery": x.delivery, "targets": x.targets,
+            "expires_unix_ms": x.expires_unix_ms, "removed": x.removed,
+        })).collect::<Vec<_>>(),
         "disk_mib": s.disk_mib,
         "volumes": s.volumes.iter().map(|v| json!({
             "name": v.name, "mount_path": v.mount_path, "read_only": v.read_only,

@@ -7,7 +7,8 @@ use std::path::Path;
 use airlock_api::v1::{
     Argv, Code, CreateSandboxRequest, CreateTemplateRequest, EgressRule, ExecRequest,
     ExposePortRequest, FilePolicy, FileToPlace, ListSandboxesRequest, NetworkPolicy, PackagePolicy,
-    SandboxState, SetNetworkPolicyRequest, VolumeAttachment, egress_rule, exec_request,
+    SandboxState, Secret, SecretEnv, SecretFile, SetNetworkPolicyRequest, VolumeAttachment,
+    egress_rule, exec_request, secret,
 };
 
 use crate::args::{
@@ -58,7 +59,29 @@ pub fn create_request(args: &CreateArgs, read: Read) -> Result<CreateSandboxRequ
         max_export_total_bytes: args.export_max_total_bytes.unwrap_or(0),
         export_denied: args.export_deny.clone(),
     });
+    let secret = |name: &String, file: bool| -> Result<Secret, String> {
+        let value = std::env::var(name)
+            .map_err(|_| format!("--secret {name}: set ${name} to its value"))?;
+        let delivery = if file {
+            secret::Delivery::File(SecretFile::default())
+        } else {
+            secret::Delivery::Env(SecretEnv::default())
+        };
+        Ok(Secret {
+            name: name.clone(),
+            value,
+            delivery: Some(delivery),
+            ttl_s: args.secret_ttl.unwrap_or(0),
+        })
+    };
+    let secrets = args
+        .secrets
+        .iter()
+        .map(|n| secret(n, false))
+        .chain(args.secret_files.iter().map(|n| secret(n, true)))
+        .collect::<Result<Vec<_>, String>>()?;
     Ok(CreateSandboxRequest {
+        secrets,
         template: args.template.clone().unwrap_or_default(),
         vcpus: args.vcpus.unwrap_or(0),
         memory_mib: args.memory_mib.unwrap_or(0),
@@ -184,6 +207,7 @@ pub fn exec_request(args: &ExecArgs, read: Read) -> Result<ExecRequest, String> 
         stdin,
         memory_limit_mib: args.memory_mib.unwrap_or(0),
         user: args.user.clone().unwrap_or_default(),
+        secrets: Vec::new(),
     })
 }
 

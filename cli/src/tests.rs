@@ -616,7 +616,8 @@ fn json_records_keep_their_shape() {
     assert_eq!(v["id"], "sb-1");
     assert_eq!(v["state"], "running");
     let keys: Vec<_> = v.as_object().unwrap().keys().cloned().collect();
-    assert_eq!(keys.len(), 19, "{keys:?}");
+    assert_eq!(keys.len(), 20, "{keys:?}");
+    assert_eq!(v["secrets"], serde_json::json!([]));
     assert_eq!(v["network"]["allow_internet"], false);
     assert_eq!(v["packages"]["offline"], false);
     assert_eq!(v["volumes"], serde_json::json!([]));
@@ -638,5 +639,35 @@ fn a_volume_is_name_colon_absolute_path_with_ro_last() {
     assert!(parse_volume_spec("ref:/mnt/ref:ro").unwrap().read_only);
     for bad in ["work", ":/data", "work:data"] {
         assert!(parse_volume_spec(bad).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn audit_and_secret_flags_parse() {
+    match parse(&["audit", "verify", "--file", "t.jsonl"]).command {
+        Command::Audit(a) => {
+            assert_eq!(a.action, "verify");
+            assert_eq!(a.file.as_deref(), Some(std::path::Path::new("t.jsonl")));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(parse(&["audit"]).command, Command::Audit(a) if a.action == "list"));
+    match parse(&[
+        "create",
+        "--secret",
+        "K",
+        "--secret-file",
+        "F",
+        "--secret-ttl",
+        "9",
+    ])
+    .command
+    {
+        Command::Create(a) => {
+            assert_eq!(a.secrets, ["K"]);
+            assert_eq!(a.secret_files, ["F"]);
+            assert_eq!(a.secret_ttl, Some(9));
+        }
+        other => panic!("{other:?}"),
     }
 }

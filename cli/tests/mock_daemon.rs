@@ -467,6 +467,15 @@ impl Airlock for Mock {
             .collect();
         Ok(Response::new(GetEgressLogResponse { events, dropped: 5 }))
     }
+    async fn remove_secrets(&self, _: Request<RemoveSecretsRequest>) -> Answer<Sandbox> {
+        Err(Status::unimplemented("not in the mock"))
+    }
+    async fn list_audit_events(
+        &self,
+        _: Request<ListAuditEventsRequest>,
+    ) -> Answer<ListAuditEventsResponse> {
+        Err(Status::unimplemented("not in the mock"))
+    }
     async fn get_install_log(
         &self,
         r: Request<GetInstallLogRequest>,

@@ -1,6 +1,7 @@
 //! The commands that talk to the daemon, one module per area. Each returns the exit code of
 //! `airlock`, or the message of a failure (printed as `airlock: MESSAGE`, exit code 1).
 
+pub mod audit;
 pub mod exec;
 pub mod files;
 pub mod fs;
@@ -61,6 +62,7 @@ pub async fn run(ctx: &mut Ctx, command: Command) -> Result<u8, String> {
         Command::Egress(a) => net::egress(ctx, &a).await,
         Command::Expose(a) => net::expose(ctx, &a).await,
         Command::Installs(a) => packages::installs(ctx, &a).await,
+        Command::Audit(a) => audit::run(ctx, &a).await,
         Command::Volume(v) => volume::run(ctx, v).await,
         Command::Usage => sandbox::usage(ctx).await,
         Command::Completions(_) => Err("completions need no daemon".into()),
