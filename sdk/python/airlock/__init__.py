@@ -13,6 +13,10 @@ The asyncio flavour is :class:`airlock.aio.AsyncClient`.
 
 from ._common import (
     DEFAULT_SOCKET,
+    AuditEvent,
+    AuditLog,
+    AuditProblem,
+    AuditVerification,
     EgressEvent,
     EgressLog,
     ExecResult,
@@ -26,10 +30,13 @@ from ._common import (
     OutputChunk,
     Packages,
     Rule,
+    Secret,
+    SecretInfo,
     Template,
     TemplateProgress,
     Usage,
     Volume,
+    verify_audit,
 )
 from .client import Client, Execution, Sandbox
 from . import errors
@@ -58,5 +65,12 @@ __all__ = [
     "Volume",
     "Mount",
     "ExportPolicy",
+    "Secret",
+    "SecretInfo",
+    "AuditEvent",
+    "AuditLog",
+    "AuditProblem",
+    "AuditVerification",
+    "verify_audit",
     "DEFAULT_SOCKET",
 ] + errors.__all__

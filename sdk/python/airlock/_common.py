@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -30,6 +34,7 @@ _IDEMPOTENT = [
     "ListFiles",
     "ReadFile",
     "StreamExecution",
+    "ListAuditEvents",
 ]
 _SERVICE_CONFIG = json.dumps(
     {
@@ -306,6 +311,8 @@ class ExecResult:
     peak_memory_bytes: int = 0
     output_truncated: bool = False
     command: List[str] = field(default_factory=list)
+    #: The names of the secrets it was given (the sandbox's and its own; never their values).
+    secret_names: List[str] = field(default_factory=list)
 
     @property
     def stdout(self) -> str:
@@ -343,6 +350,7 @@ class ExecResult:
             peak_memory_bytes=e.peak_memory_bytes,
             output_truncated=e.output_truncated,
             command=list(e.command),
+            secret_names=list(e.secret_names),
         )
 
     def raise_for_platform(self) -> "ExecResult":
@@ -739,6 +747,538 @@ def install_log_request(sandbox_id: str, after_seq: int, limit: int) -> "pb.GetI
     return pb.GetInstallLogRequest(sandbox_id=sandbox_id, after_seq=after_seq, limit=limit)
 
 
+# ---- secrets ----
+
+#: What the API calls a secret's name: a letter or ``_``, then up to 63 letters, digits, ``_``.
+_SECRET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
+_SECRET_DELIVERIES = ("env", "file", "broker")
+
+
+@dataclass(frozen=True)
+class Secret:
+    """A secret for a sandbox (``secrets=`` of :meth:`~airlock.client.Sandboxes.create`) or
+    for one execution (``secrets=`` of :meth:`~airlock.Sandbox.exec`): a name, a value, and
+    the way in. Make one with a constructor of its delivery:
+
+    * ``Secret.env("API_KEY", value)`` (or ``Secret("API_KEY", value)``): the environment
+      variable ``API_KEY`` of the executions (``var=`` names another);
+    * ``Secret.file("TOKEN", value, path="/home/user/.token")``: a file in the guest (default
+      ``/run/secrets/NAME``), mode 0400, owned by ``user`` (default: the guest's ``user``);
+    * ``Secret.broker("GH", value, hosts=["api.github.com"])``: never enters the guest; the
+      sandbox's egress proxy adds the header ``header`` (default ``Authorization``) with
+      ``format`` (default ``"Bearer {value}"``) to its HTTP requests to ``hosts`` (and to its
+      HTTPS ones with ``https=True``).
+
+    ``ttl``: seconds it lives (``None``: as long as the sandbox), then it is removed as by
+    :meth:`~airlock.Sandbox.remove_secrets`. The daemon keeps values in memory only, and
+    redacts them (and their base64, hex and URL-encoded forms) from every output, record and
+    error as ``[REDACTED:NAME]``. The value never shows in ``repr`` or ``str``.
+    """
+
+    name: str
+    value: str = field(repr=False)
+    delivery: str = "env"  # "env", "file" or "broker"
+    var: str = ""  # env: the variable ("": the name)
+    path: str = ""  # file: absolute path in the guest ("": /run/secrets/NAME)
+    user: str = ""  # file: the account that may read it ("": "user")
+    hosts: Tuple[str, ...] = ()  # broker: host names, exact or "*.example.com"
+    header: str = ""  # broker: "" is Authorization
+    format: str = ""  # broker: "{value}" stands for the secret; "" is "Bearer {value}"
+    https: bool = False  # broker: HTTPS too (the proxy terminates the guest's TLS)
+    ttl: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _SECRET_NAME.match(self.name):
+            raise errors.InvalidArgument(
+                f"a secret's name is a letter or _ then up to 63 letters, digits or _: {self.name!r}",
+                "INVALID_ARGUMENT",
+            )
+        if not isinstance(self.value, str):
+            raise errors.InvalidArgument(
+                f"secret {self.name}: the value must be a str, not {type(self.value).__name__}", "INVALID_ARGUMENT"
+            )
+        if self.delivery not in _SECRET_DELIVERIES:
+            raise errors.InvalidArgument(
+                f"secret {self.name}: delivery must be env, file or broker, not {self.delivery!r}", "INVALID_ARGUMENT"
+            )
+        for f in ("var", "path", "user", "header", "format"):
+            if not isinstance(getattr(self, f), str):
+                raise errors.InvalidArgument(f"secret {self.name}: {f} must be a string", "INVALID_ARGUMENT")
+        object.__setattr__(self, "hosts", _strings(f"secret {self.name}: hosts", self.hosts))  # frozen: only here
+        object.__setattr__(self, "https", bool(self.https))
+        if self.delivery == "broker" and not self.hosts:
+            raise errors.InvalidArgument(f"secret {self.name}: a broker secret needs hosts", "INVALID_ARGUMENT")
+        if self.delivery != "broker" and (self.hosts or self.header or self.format or self.https):
+            raise errors.InvalidArgument(
+                f"secret {self.name}: hosts, header, format and https are for broker secrets", "INVALID_ARGUMENT"
+            )
+        if self.delivery != "file" and (self.path or self.user):
+            raise errors.InvalidArgument(f"secret {self.name}: path and user are for file secrets", "INVALID_ARGUMENT")
+        if self.delivery != "env" and self.var:
+            raise errors.InvalidArgument(f"secret {self.name}: var is for env secrets", "INVALID_ARGUMENT")
+        _seconds(self.ttl)  # refuses a negative one
+
+    @classmethod
+    def env(cls, name: str, value: str, var: Optional[str] = None, *, ttl: Optional[float] = None) -> "Secret":
+        """The environment variable ``var`` (default: ``name``) of every execution."""
+        return cls(name, value, "env", var=var or "", ttl=ttl)
+
+    @classmethod
+    def file(
+        cls,
+        name: str,
+        value: str,
+        path: Optional[str] = None,
+        *,
+        user: Optional[str] = None,
+        ttl: Optional[float] = None,
+    ) -> "Secret":
+        """A file at ``path`` (default: ``/run/secrets/NAME``), readable by ``user`` only
+        (default: the guest's ``user``). Not for a single execution."""
+        return cls(name, value, "file", path=path or "", user=user or "", ttl=ttl)
+
+    @classmethod
+    def broker(
+        cls,
+        name: str,
+        value: str,
+        hosts: Sequence[str],
+        *,
+        header: str = "Authorization",
+        format: str = "Bearer {value}",
+        https: bool = False,
+        ttl: Optional[float] = None,
+    ) -> "Secret":
+        """Added by the sandbox's egress proxy as ``header: format`` (``{value}`` standing for
+        the secret) to its requests to ``hosts`` (which its network policy must allow); plain
+        HTTP only unless ``https``. Not for a single execution."""
+        return cls(name, value, "broker", hosts=hosts, header=header, format=format, https=https, ttl=ttl)
+
+    def to_pb(self) -> "pb.Secret":
+        s = pb.Secret(name=self.name, value=self.value, ttl_s=_seconds(self.ttl))
+        if self.delivery == "env":
+            s.env.var = self.var
+        elif self.delivery == "file":
+            s.file.path = self.path
+            s.file.user = self.user
+        else:
+            s.broker.hosts.extend(self.hosts)
+            s.broker.header = self.header
+            s.broker.format = self.format
+            s.broker.https = self.https
+        return s
+
+    @property
+    def target(self) -> str:
+        """Where it goes: the variable, the path (``""``: the default) or the hosts."""
+        if self.delivery == "env":
+            return self.var or self.name
+        if self.delivery == "file":
+            return self.path
+        return ",".join(self.hosts)
+
+    def __repr__(self) -> str:
+        parts = [f"{self.name!r}", f"delivery={self.delivery!r}"]
+        if self.target:
+            parts.append(f"target={self.target!r}")
+        if self.ttl is not None:
+            parts.append(f"ttl={self.ttl!r}")
+        return f"Secret({', '.join(parts)}, value=<hidden>)"
+
+    __str__ = __repr__
+
+
+#: What ``secrets=`` accepts: a list of :class:`Secret`, or ``{name: value}`` (environment
+#: variables of that name).
+SecretsSpec = Optional[Union[Sequence[Secret], Mapping[str, str]]]
+
+
+def secret_list(secrets: SecretsSpec, env_only: bool = False) -> List["pb.Secret"]:
+    """The ``Secret`` list of a ``secrets=`` argument; ``env_only`` (an execution's): env
+    delivery only."""
+    if secrets is None:
+        return []
+    if isinstance(secrets, Mapping):
+        secrets = [Secret.env(name, value) for name, value in secrets.items()]
+    elif isinstance(secrets, (str, bytes, Secret)):
+        raise errors.InvalidArgument("secrets: expected a list of Secret or {name: value}", "INVALID_ARGUMENT")
+    out = []
+    for s in secrets:
+        if not isinstance(s, Secret):
+            raise errors.InvalidArgument(
+                f"secrets: expected Secret or {{name: value}}, not {type(s).__name__}", "INVALID_ARGUMENT"
+            )
+        if env_only and s.delivery != "env":
+            raise errors.InvalidArgument(
+                f"secret {s.name}: an execution's secrets are environment variables only "
+                f"(Secret.env), not {s.delivery}; give it to the sandbox instead",
+                "INVALID_ARGUMENT",
+            )
+        out.append(s.to_pb())
+    return out
+
+
+@dataclass(frozen=True)
+class SecretInfo:
+    """A sandbox's secret as the daemon shows it (:attr:`~airlock.Sandbox.secrets`): never its
+    value."""
+
+    name: str
+    delivery: str  # "env", "file" or "broker"
+    targets: Tuple[str, ...]  # the variable, the path, or the hosts
+    expires_unix_ms: int  # when its TTL ends it (0: with the sandbox)
+    removed: bool  # removed by remove_secrets or its TTL
+
+    @classmethod
+    def from_pb(cls, s: "pb.SecretInfo") -> "SecretInfo":
+        return cls(
+            name=s.name,
+            delivery=s.delivery,
+            targets=tuple(s.targets),
+            expires_unix_ms=s.expires_unix_ms,
+            removed=s.removed,
+        )
+
+
+def remove_secrets_request(sandbox_id: str, names: Sequence[str]) -> "pb.RemoveSecretsRequest":
+    """No names: every secret of the sandbox."""
+    return pb.RemoveSecretsRequest(sandbox_id=sandbox_id, names=list(_strings("names", names)))
+
+
+# ---- audit ----
+
+#: The ``prev_hash`` of a tenant's first audit event.
+ZERO_HASH = "0" * 64
+
+
+@dataclass(frozen=True)
+class AuditEvent:
+    """One event of the tenant's audit trail (:meth:`~airlock.Client.audit_events`): what one
+    of its sandboxes did, hash-chained to the event before it (see :func:`verify_audit`)."""
+
+    seq: int  # 1, 2, ... per tenant, without gaps
+    time_unix_ms: int
+    tenant: str
+    # sandbox.create, sandbox.end, exec.start, exec.end, file.write, file.read, package,
+    # egress, secret.use, secret.remove, denial
+    kind: str
+    sandbox_id: str
+    execution_id: str
+    detail_json: str  # what happened, a JSON object (as hashed: keep it as it came)
+    prev_hash: str  # hex SHA-256 of the event before (64 zeroes for the first)
+    hash: str
+
+    @property
+    def detail(self) -> Any:
+        """:attr:`detail_json` parsed (a dict)."""
+        return json.loads(self.detail_json)
+
+    @classmethod
+    def from_pb(cls, e: "pb.AuditEvent") -> "AuditEvent":
+        return cls(
+            seq=e.seq,
+            time_unix_ms=e.time_unix_ms,
+            tenant=e.tenant,
+            kind=e.kind,
+            sandbox_id=e.sandbox_id,
+            execution_id=e.execution_id,
+            detail_json=e.detail_json,
+            prev_hash=e.prev_hash,
+            hash=e.hash,
+        )
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Its fields, as ``airlock audit export`` writes an event (one JSON object a line)."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+class AuditLog(List[AuditEvent]):
+    """A page of the audit trail (a list of :class:`AuditEvent`, oldest first), and:
+    ``next_after_seq``, the ``after_seq`` of the next page (0: no more); ``head_seq`` and
+    ``head_hash``, the tenant's last event when the daemon answered (to check that an export
+    is complete); ``first_seq``, the first event retention kept (the chain's anchor)."""
+
+    def __init__(
+        self,
+        events: Iterable[AuditEvent] = (),
+        next_after_seq: int = 0,
+        head_seq: int = 0,
+        head_hash: str = "",
+        first_seq: int = 0,
+    ) -> None:
+        super().__init__(events)
+        self.next_after_seq = next_after_seq
+        self.head_seq = head_seq
+        self.head_hash = head_hash
+        self.first_seq = first_seq
+
+    @classmethod
+    def from_pb(cls, resp: "pb.ListAuditEventsResponse") -> "AuditLog":
+        return cls(
+            (AuditEvent.from_pb(e) for e in resp.events),
+            resp.next_after_seq,
+            resp.head_seq,
+            resp.head_hash,
+            resp.first_seq,
+        )
+
+    def extend_page(self, page: "AuditLog") -> None:
+        """Appends ``page``'s events and takes its cursor and head (collecting every page)."""
+        self.extend(page)
+        self.next_after_seq = page.next_after_seq
+        self.head_seq, self.head_hash, self.first_seq = page.head_seq, page.head_hash, page.first_seq
+
+    def verify(self) -> "AuditVerification":
+        """:func:`verify_audit` of these events as a complete trail (the first kept event to
+        the head): true only of an unfiltered :meth:`~airlock.Client.audit_trail` from
+        ``after_seq=0``; a page or a filtered list reports the events it lacks."""
+        return verify_audit(self, head_seq=self.head_seq, head_hash=self.head_hash, first_seq=self.first_seq)
+
+
+#: When audit events are asked for: a :class:`datetime.datetime`, or Unix time in seconds (as
+#: :func:`time.time` gives it).
+TimeSpec = Optional[Union[float, datetime.datetime]]
+
+
+def _unix_ms(what: str, t: TimeSpec) -> int:
+    if t is None:
+        return 0
+    if isinstance(t, datetime.datetime):
+        return int(t.timestamp() * 1000)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
+        raise errors.InvalidArgument(
+            f"{what}: expected a datetime or Unix time in seconds, not {t!r}", "INVALID_ARGUMENT"
+        )
+    return int(t * 1000)
+
+
+def audit_request(
+    after_seq: int,
+    limit: int,
+    kinds: Optional[Sequence[str]],
+    sandbox_id: Optional[str],
+    since: TimeSpec,
+    until: TimeSpec,
+) -> "pb.ListAuditEventsRequest":
+    if after_seq < 0 or limit < 0:
+        raise errors.InvalidArgument("after_seq and limit cannot be negative", "INVALID_ARGUMENT")
+    return pb.ListAuditEventsRequest(
+        after_seq=after_seq,
+        limit=limit,
+        kinds=list(_strings("kinds", kinds or ())),
+        sandbox_id=sandbox_id or "",
+        since_unix_ms=_unix_ms("since", since),
+        until_unix_ms=_unix_ms("until", until),
+    )
+
+
+@dataclass(frozen=True)
+class AuditProblem:
+    """What :func:`verify_audit` found wrong, and the event (by seq) it concerns."""
+
+    seq: int
+    problem: str
+
+    def __str__(self) -> str:
+        return f"event {self.seq}: {self.problem}"
+
+
+@dataclass(frozen=True)
+class AuditVerification:
+    """What :func:`verify_audit` found: ``ok`` (true, and the object truthy, when there are no
+    ``problems``), how many ``events`` it checked and the seq of the ``first_seq`` and
+    ``last_seq`` of them (0: none)."""
+
+    events: int
+    first_seq: int
+    last_seq: int
+    problems: Tuple[AuditProblem, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"ok: {self.events} events, seq {self.first_seq} to {self.last_seq}, chain intact"
+        lines = [str(p) for p in self.problems]
+        lines.append(f"FAILED: {len(self.problems)} problems in {self.events} events")
+        return "\n".join(lines)
+
+
+def _json_int(s: str) -> Union[int, float]:
+    # serde_json: -0 is the float -0.0; beyond u64 / i64 an integer is an f64.
+    n = int(s)
+    if s.startswith("-") and n == 0:
+        return -0.0
+    if -(1 << 63) <= n < (1 << 64):
+        return n
+    return float(s)
+
+
+def _json_constant(s: str):
+    raise ValueError(f"{s} is not JSON")
+
+
+def _f64(x: float) -> str:
+    """A float as serde_json writes it (ryu's shortest digits, its layout)."""
+    if not math.isfinite(x):
+        raise ValueError("a number out of range")
+    if x == 0:
+        return "-0.0" if math.copysign(1.0, x) < 0 else "0.0"
+    sign = "-" if x < 0 else ""
+    mant, _, exp = repr(abs(x)).partition("e")
+    whole, _, frac = mant.partition(".")
+    digits = (whole + frac).lstrip("0")
+    k = int(exp or 0) - len(frac)
+    stripped = digits.rstrip("0")
+    k += len(digits) - len(stripped)
+    digits = stripped
+    n = len(digits)
+    kk = n + k  # 10^(kk-1) <= x < 10^kk
+    if 0 <= k and kk <= 16:
+        out = digits + "0" * k + ".0"
+    elif 0 < kk <= 16:
+        out = digits[:kk] + "." + digits[kk:]
+    elif -5 < kk <= 0:
+        out = "0." + "0" * -kk + digits
+    elif n == 1:
+        out = f"{digits}e{kk - 1}"
+    else:
+        out = f"{digits[0]}.{digits[1:]}e{kk - 1}"
+    return sign + out
+
+
+def _canonical_json(v: Any) -> str:
+    """Compact JSON, keys sorted at every level, as serde_json writes a ``Value``."""
+    if v is None:
+        return "null"
+    if v is True:
+        return "true"
+    if v is False:
+        return "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return _f64(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list):
+        return "[" + ",".join(_canonical_json(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(
+            json.dumps(k, ensure_ascii=False) + ":" + _canonical_json(v[k]) for k in sorted(v)
+        ) + "}"
+    raise TypeError(f"not a JSON value: {type(v).__name__}")
+
+
+def audit_canonical(event: Any, detail: Any) -> str:
+    """The canonical form an audit event's hash covers: the JSON object of its ``seq``,
+    ``time_unix_ms``, ``tenant``, ``kind``, ``sandbox_id``, ``execution_id`` and ``detail``
+    (:attr:`~AuditEvent.detail_json` parsed), compact, keys sorted at every level."""
+    return _canonical_json(
+        {
+            "seq": event.seq,
+            "time_unix_ms": event.time_unix_ms,
+            "tenant": event.tenant,
+            "kind": event.kind,
+            "sandbox_id": event.sandbox_id,
+            "execution_id": event.execution_id,
+            "detail": detail,
+        }
+    )
+
+
+def audit_hash(prev_hash: str, canonical: str) -> str:
+    """The hash of an audit event: hex SHA-256 of ``prev_hash``, a newline and its canonical
+    form (:func:`audit_canonical`)."""
+    return hashlib.sha256(f"{prev_hash}\n{canonical}".encode("utf-8")).hexdigest()
+
+
+def _event_hash(e: Any) -> str:
+    """``e``'s hash recomputed; ValueError when its detail is not JSON."""
+    detail = json.loads(e.detail_json, parse_int=_json_int, parse_constant=_json_constant)
+    try:
+        return audit_hash(e.prev_hash, audit_canonical(e, detail))
+    except UnicodeEncodeError:  # a lone surrogate (\\ud800), which serde_json refuses
+        raise ValueError("a string in it is not Unicode") from None
+
+
+def _missing(first: int, last: int) -> str:
+    return f"event {first} is missing" if first == last else f"events {first} to {last} are missing"
+
+
+def verify_audit(
+    events: Iterable[Any],
+    head_seq: Optional[int] = None,
+    head_hash: Optional[str] = None,
+    *,
+    first_seq: Optional[int] = None,
+) -> AuditVerification:
+    """Checks a run of audit events (oldest first; :class:`AuditEvent` or ``airlock.v1``
+    messages), as the daemon chained them, without asking the daemon anything:
+
+    * each event's ``hash`` recomputed from its content and ``prev_hash``
+      (:func:`audit_hash`): an edited event no longer matches;
+    * the seqs follow one another without gaps, and each ``prev_hash`` is the hash of the event
+      before: a removed event breaks both;
+    * an event of seq 1 starts the chain (``prev_hash`` 64 zeroes); a later first event is
+      anchored by its own ``prev_hash`` (retention removed those before it);
+    * with ``first_seq`` (the daemon's first kept event, :attr:`AuditLog.first_seq`), the run
+      starts there: nothing was removed at its start;
+    * with ``head_seq`` and ``head_hash`` (the daemon's head, :attr:`AuditLog.head_seq`), the
+      run reaches the head and its event of that seq has that hash: nothing was removed at its
+      end (events appended after the head was read may follow it).
+
+    A filtered list (``kinds=``, ``sandbox_id=``, times) has gaps by design: verify the whole
+    trail (:meth:`~airlock.Client.audit_trail`). Returns an :class:`AuditVerification`; its
+    ``problems`` name each event (by seq) and what is wrong with it.
+    """
+    problems: List[AuditProblem] = []
+    events = list(events)
+    prev = None
+    for e in events:
+        try:
+            if _event_hash(e) != e.hash:
+                problems.append(AuditProblem(e.seq, "its hash does not match its content (edited)"))
+        except (ValueError, TypeError) as err:
+            problems.append(AuditProblem(e.seq, f"its detail is not JSON: {err}"))
+        if prev is None:
+            if e.seq == 1 and e.prev_hash != ZERO_HASH:
+                problems.append(AuditProblem(e.seq, "the first event does not start the chain"))
+            if first_seq and e.seq != first_seq:
+                if e.seq > first_seq:
+                    problems.append(AuditProblem(e.seq, _missing(first_seq, e.seq - 1)))
+                else:
+                    problems.append(AuditProblem(e.seq, f"the daemon's first kept event is {first_seq}"))
+        elif e.seq <= prev.seq:
+            problems.append(AuditProblem(e.seq, f"out of order: it follows event {prev.seq}"))
+        elif e.seq != prev.seq + 1:
+            problems.append(AuditProblem(e.seq, _missing(prev.seq + 1, e.seq - 1)))
+        elif e.prev_hash != prev.hash:
+            problems.append(AuditProblem(e.seq, f"its prev_hash is not the hash of event {prev.seq}"))
+        prev = e
+    if head_seq:
+        last = events[-1].seq if events else 0
+        at_head = [e for e in events if e.seq == head_seq]
+        if last < head_seq:
+            problems.append(
+                AuditProblem(head_seq, f"the trail does not reach the daemon's head: {_missing(last + 1, head_seq)}")
+            )
+        elif head_hash is not None and at_head and at_head[-1].hash != head_hash:
+            problems.append(AuditProblem(head_seq, "its hash is not the daemon's head hash"))
+    return AuditVerification(
+        events=len(events),
+        first_seq=events[0].seq if events else 0,
+        last_seq=events[-1].seq if events else 0,
+        problems=tuple(problems),
+    )
+
+
+
 #: The HTTP header in which a caller of an exposed port presents its token.
 TOKEN_HEADER = "X-Airlock-Token"
 
@@ -872,6 +1412,12 @@ class SandboxInfo:
         """The volumes it has mounted."""
         return [Mount(v.name, v.mount_path, v.read_only) for v in self._info.volumes]
 
+    @property
+    def secrets(self) -> List["SecretInfo"]:
+        """Its secrets, as the daemon last answered: names, delivery, targets, expiry and
+        whether they were removed (never their values)."""
+        return [SecretInfo.from_pb(s) for s in self._info.secrets]
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} {self.state} template={self.template}>"
 
@@ -897,6 +1443,7 @@ def create_request(
     volumes: VolumesSpec = None,
     export: "Optional[ExportPolicy]" = None,
     packages: "Optional[Packages]" = None,
+    secrets: "SecretsSpec" = None,
 ) -> "pb.CreateSandboxRequest":
     req = pb.CreateSandboxRequest(
         template=template,
@@ -925,6 +1472,7 @@ def create_request(
     if pkg is not None:
         req.packages.CopyFrom(pkg)
     req.volumes.extend(volume_attachments(volumes))
+    req.secrets.extend(secret_list(secrets))
     return req
 
 
@@ -938,10 +1486,12 @@ def exec_request(
     language: Optional[str] = None,
     memory_limit_mib: Optional[int] = None,
     user: Optional[str] = None,
+    secrets: "SecretsSpec" = None,
 ) -> "pb.ExecRequest":
     """``cmd`` as a list is an argv; a string is a shell script (``/bin/sh -c``), or source code
     when ``language`` is given. ``user`` is the guest account (``None``: the unprivileged
-    ``user``; ``"root"`` for root)."""
+    ``user``; ``"root"`` for root). ``secrets`` of an execution are environment variables only
+    (:meth:`Secret.env`)."""
     req = pb.ExecRequest(
         sandbox_id=sandbox_id,
         cwd=cwd or "",
@@ -951,6 +1501,7 @@ def exec_request(
         stdin=stdin.encode() if isinstance(stdin, str) else (stdin or b""),
         memory_limit_mib=memory_limit_mib or 0,
     )
+    req.secrets.extend(secret_list(secrets, env_only=True))
     if language is not None:
         if not isinstance(cmd, str):
             raise errors.InvalidArgument("code must be a string", "INVALID_ARGUMENT")

@@ -19,6 +19,8 @@ import grpc.aio
 
 from . import _common as c
 from ._common import (
+    AuditEvent,
+    AuditLog,
     EgressLog,
     ExecResult,
     Exposure,
@@ -72,6 +74,51 @@ class AsyncClient:
     async def usage(self) -> c.Usage:
         """What the caller's tenant holds now against its quota, and the retention."""
         return c.Usage.from_pb(await self._unary("GetUsage", pb.GetUsageRequest()))
+
+    async def audit_events(
+        self,
+        after_seq: int = 0,
+        limit: int = 0,
+        *,
+        kinds: Optional[Sequence[str]] = None,
+        sandbox_id: Optional[str] = None,
+        since: c.TimeSpec = None,
+        until: c.TimeSpec = None,
+    ) -> AuditLog:
+        """As :meth:`airlock.Client.audit_events`."""
+        req = c.audit_request(after_seq, limit, kinds, sandbox_id, since, until)
+        return AuditLog.from_pb(await self._unary("ListAuditEvents", req))
+
+    async def iter_audit_events(
+        self,
+        after_seq: int = 0,
+        *,
+        kinds: Optional[Sequence[str]] = None,
+        sandbox_id: Optional[str] = None,
+        since: c.TimeSpec = None,
+        until: c.TimeSpec = None,
+        page_size: int = 0,
+    ) -> AsyncIterator[AuditEvent]:
+        """As :meth:`airlock.Client.iter_audit_events` (``async for``)."""
+        while True:
+            page = await self.audit_events(
+                after_seq, page_size, kinds=kinds, sandbox_id=sandbox_id, since=since, until=until
+            )
+            for e in page:
+                yield e
+            if not page.next_after_seq:
+                return
+            after_seq = page.next_after_seq
+
+    async def audit_trail(self, after_seq: int = 0, *, page_size: int = 10_000) -> AuditLog:
+        """As :meth:`airlock.Client.audit_trail`."""
+        trail = AuditLog()
+        while True:
+            page = await self.audit_events(after_seq, page_size)
+            trail.extend_page(page)
+            if not page.next_after_seq:
+                return trail
+            after_seq = page.next_after_seq
 
     async def _unary(self, method: str, request, timeout: Optional[float] = None):
         try:
@@ -175,11 +222,12 @@ class AsyncSandboxes:
         volumes: c.VolumesSpec = None,
         export: Optional[c.ExportPolicy] = None,
         packages: Optional[c.Packages] = None,
+        secrets: c.SecretsSpec = None,
     ) -> "AsyncSandbox":
         """As :meth:`airlock.client.Sandboxes.create`."""
         req = c.create_request(
             template, vcpus, memory_mib, disk_mib, env, files, labels, timeout, idle_timeout,
-            writable, exportable, network, volumes, export, packages,
+            writable, exportable, network, volumes, export, packages, secrets,
         )
         return AsyncSandbox(self._c, await self._c._unary("CreateSandbox", req))
 
@@ -351,9 +399,10 @@ class AsyncSandbox(c.SandboxInfo):
         language: Optional[str] = None,
         memory_limit_mib: Optional[int] = None,
         user: Optional[str] = None,
+        secrets: c.SecretsSpec = None,
     ) -> AsyncExecution:
         req = c.exec_request(
-            self.id, cmd, cwd, env, timeout, stdin, language, memory_limit_mib, user
+            self.id, cmd, cwd, env, timeout, stdin, language, memory_limit_mib, user, secrets
         )
         return AsyncExecution(self._c, (await self._c._unary("Exec", req)).execution_id)
 
@@ -367,6 +416,7 @@ class AsyncSandbox(c.SandboxInfo):
         stdin: Union[bytes, str, None] = None,
         memory_limit_mib: Optional[int] = None,
         user: Optional[str] = None,
+        secrets: c.SecretsSpec = None,
         on_stdout: Optional[OutputCallback] = None,
         on_stderr: Optional[OutputCallback] = None,
         check: bool = True,
@@ -379,6 +429,7 @@ class AsyncSandbox(c.SandboxInfo):
             stdin=stdin,
             memory_limit_mib=memory_limit_mib,
             user=user,
+            secrets=secrets,
         )
         return await ex.wait(on_stdout, on_stderr, check=check)
 
@@ -391,6 +442,7 @@ class AsyncSandbox(c.SandboxInfo):
         env: Optional[Mapping[str, str]] = None,
         memory_limit_mib: Optional[int] = None,
         user: Optional[str] = None,
+        secrets: c.SecretsSpec = None,
         on_stdout: Optional[OutputCallback] = None,
         on_stderr: Optional[OutputCallback] = None,
         check: bool = True,
@@ -402,6 +454,7 @@ class AsyncSandbox(c.SandboxInfo):
             language=language,
             memory_limit_mib=memory_limit_mib,
             user=user,
+            secrets=secrets,
         )
         return await ex.wait(on_stdout, on_stderr, check=check)
 
@@ -424,6 +477,11 @@ class AsyncSandbox(c.SandboxInfo):
     async def set_network(self, network: c.NetworkSpec) -> "AsyncSandbox":
         """As :meth:`airlock.client.Sandbox.set_network`."""
         self._info = await self._c._unary("SetNetworkPolicy", c.set_network_request(self.id, network))
+        return self
+
+    async def remove_secrets(self, *names: str) -> "AsyncSandbox":
+        """As :meth:`airlock.client.Sandbox.remove_secrets`."""
+        self._info = await self._c._unary("RemoveSecrets", c.remove_secrets_request(self.id, names))
         return self
 
     async def egress_log(self, after_seq: int = 0, limit: int = 0) -> EgressLog:

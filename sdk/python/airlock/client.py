@@ -9,6 +9,8 @@ import grpc
 
 from . import _common as c
 from ._common import (
+    AuditEvent,
+    AuditLog,
     EgressLog,
     ExecResult,
     InstallLog,
@@ -77,6 +79,59 @@ class Client:
     def usage(self) -> c.Usage:
         """What the caller's tenant holds now against its quota, and the retention."""
         return c.Usage.from_pb(self._unary("GetUsage", pb.GetUsageRequest()))
+
+    def audit_events(
+        self,
+        after_seq: int = 0,
+        limit: int = 0,
+        *,
+        kinds: Optional[Sequence[str]] = None,
+        sandbox_id: Optional[str] = None,
+        since: c.TimeSpec = None,
+        until: c.TimeSpec = None,
+    ) -> AuditLog:
+        """A page of the tenant's audit trail, oldest first: the events after sequence number
+        ``after_seq``, at most ``limit`` of them (0: the daemon's default, 1000; it caps it at
+        10,000), only of ``kinds`` (``["sandbox.create", "exec.start"]``; default: all), of
+        ``sandbox_id``, at or after ``since`` and before ``until`` (datetimes, or Unix time in
+        seconds). A list of :class:`~airlock.AuditEvent`; its ``next_after_seq`` is the
+        ``after_seq`` of the next page (0: no more), its ``head_seq``/``head_hash`` the
+        tenant's last event (see :func:`~airlock.verify_audit`)."""
+        req = c.audit_request(after_seq, limit, kinds, sandbox_id, since, until)
+        return AuditLog.from_pb(self._unary("ListAuditEvents", req))
+
+    def iter_audit_events(
+        self,
+        after_seq: int = 0,
+        *,
+        kinds: Optional[Sequence[str]] = None,
+        sandbox_id: Optional[str] = None,
+        since: c.TimeSpec = None,
+        until: c.TimeSpec = None,
+        page_size: int = 0,
+    ) -> Iterator[AuditEvent]:
+        """Every event of :meth:`audit_events` after ``after_seq``, page after page
+        (``page_size`` a page; 0: the daemon's default), as they are fetched."""
+        while True:
+            page = self.audit_events(
+                after_seq, page_size, kinds=kinds, sandbox_id=sandbox_id, since=since, until=until
+            )
+            yield from page
+            if not page.next_after_seq:
+                return
+            after_seq = page.next_after_seq
+
+    def audit_trail(self, after_seq: int = 0, *, page_size: int = 10_000) -> AuditLog:
+        """The whole trail after ``after_seq`` (every page, unfiltered) as one
+        :class:`~airlock.AuditLog` with the head of the last page: ``audit_trail().verify()``
+        checks it from the first kept event to the head (:func:`~airlock.verify_audit`)."""
+        trail = AuditLog()
+        while True:
+            page = self.audit_events(after_seq, page_size)
+            trail.extend_page(page)
+            if not page.next_after_seq:
+                return trail
+            after_seq = page.next_after_seq
 
     # -- plumbing --
 
@@ -191,6 +246,7 @@ class Sandboxes:
         volumes: c.VolumesSpec = None,
         export: Optional[c.ExportPolicy] = None,
         packages: Optional[c.Packages] = None,
+        secrets: c.SecretsSpec = None,
     ) -> "Sandbox":
         """Starts a sandbox from ``template`` and returns once its agent is ready.
 
@@ -218,10 +274,15 @@ class Sandboxes:
                 max_download_bytes=50 << 20)`` or ``Packages(offline=True)`` (``None``, the
                 default: what the operator's ceiling for the tenant allows). A registry beyond
                 the ceiling: :class:`~airlock.PackagesNotAllowed`.
+            secrets: secrets of every execution in it (at most 32): a list of
+                :class:`~airlock.Secret` (``Secret.env("API_KEY", value)``,
+                ``Secret.file(...)``, ``Secret.broker(...)``), or ``{name: value}`` for
+                environment variables. Their values stay in the daemon's memory, redacted from
+                every output as ``[REDACTED:NAME]``; :attr:`Sandbox.secrets` shows their names.
         """
         req = c.create_request(
             template, vcpus, memory_mib, disk_mib, env, files, labels, timeout, idle_timeout,
-            writable, exportable, network, volumes, export, packages,
+            writable, exportable, network, volumes, export, packages, secrets,
         )
         return Sandbox(self._c, self._c._unary("CreateSandbox", req))
 
@@ -406,14 +467,17 @@ class Sandbox(c.SandboxInfo):
         language: Optional[str] = None,
         memory_limit_mib: Optional[int] = None,
         user: Optional[str] = None,
+        secrets: c.SecretsSpec = None,
     ) -> Execution:
         """Starts ``cmd`` and returns at once. ``cmd`` is an argv list, or a string run by
         ``/bin/sh -c`` (source code in ``language`` when that is given). ``timeout`` in
         seconds is enforced by the daemon even if this client goes away; ``memory_limit_mib``
         bounds the program's memory (going over it raises :class:`~airlock.OomKilled` from
-        :meth:`Execution.wait`, and the sandbox lives on)."""
+        :meth:`Execution.wait`, and the sandbox lives on). ``secrets`` are this execution's
+        only, environment variables (:meth:`~airlock.Secret.env`, or ``{name: value}``),
+        redacted from its output and record like the sandbox's."""
         req = c.exec_request(
-            self.id, cmd, cwd, env, timeout, stdin, language, memory_limit_mib, user
+            self.id, cmd, cwd, env, timeout, stdin, language, memory_limit_mib, user, secrets
         )
         return Execution(self._c, self._c._unary("Exec", req).execution_id)
 
@@ -427,6 +491,7 @@ class Sandbox(c.SandboxInfo):
         stdin: Union[bytes, str, None] = None,
         memory_limit_mib: Optional[int] = None,
         user: Optional[str] = None,
+        secrets: c.SecretsSpec = None,
         on_stdout: Optional[OutputCallback] = None,
         on_stderr: Optional[OutputCallback] = None,
         check: bool = True,
@@ -443,6 +508,7 @@ class Sandbox(c.SandboxInfo):
             stdin=stdin,
             memory_limit_mib=memory_limit_mib,
             user=user,
+            secrets=secrets,
         ).wait(
             on_stdout, on_stderr, check=check
         )
@@ -456,6 +522,7 @@ class Sandbox(c.SandboxInfo):
         env: Optional[Mapping[str, str]] = None,
         memory_limit_mib: Optional[int] = None,
         user: Optional[str] = None,
+        secrets: c.SecretsSpec = None,
         on_stdout: Optional[OutputCallback] = None,
         on_stderr: Optional[OutputCallback] = None,
         check: bool = True,
@@ -468,6 +535,7 @@ class Sandbox(c.SandboxInfo):
             language=language,
             memory_limit_mib=memory_limit_mib,
             user=user,
+            secrets=secrets,
         )
         return ex.wait(on_stdout, on_stderr, check=check)
 
@@ -480,7 +548,9 @@ class Sandbox(c.SandboxInfo):
         return self
 
     def snapshot(self, template_name: str) -> Template:
-        """Snapshots the sandbox into a new template of the caller's; it goes on running."""
+        """Snapshots the sandbox into a new template of the caller's; it goes on running. Not
+        of a sandbox that holds secrets or whose guest was given any
+        (:class:`~airlock.SecretsPresent`)."""
         req = pb.SnapshotSandboxRequest(sandbox_id=self.id, template_name=template_name)
         return Template.from_pb(self._c._unary("SnapshotSandbox", req))
 
@@ -494,6 +564,14 @@ class Sandbox(c.SandboxInfo):
         :meth:`Sandboxes.create` (``None``: deny-all). New connections and DNS queries follow it
         at once; open connections are not cut. :attr:`network` shows the new policy."""
         self._info = self._c._unary("SetNetworkPolicy", c.set_network_request(self.id, network))
+        return self
+
+    def remove_secrets(self, *names: str) -> "Sandbox":
+        """Removes its secrets ``names`` (none named: every one) at once, before their TTL:
+        their files are deleted in the guest, later executions no longer get their variables,
+        the proxy no longer adds their headers. Their values stay redacted from output until
+        the sandbox ends. :attr:`secrets` shows them as ``removed``."""
+        self._info = self._c._unary("RemoveSecrets", c.remove_secrets_request(self.id, names))
         return self
 
     def egress_log(self, after_seq: int = 0, limit: int = 0) -> EgressLog:

@@ -7,7 +7,8 @@ Every failed call raises an :class:`AirlockError` subclass chosen by the reason 
 * your own request: :class:`InvalidArgument`, :class:`Unauthenticated`, :class:`NotFound` and its
   subclasses, :class:`TemplateExists`, :class:`VolumeExists`, :class:`VolumeInUse`,
   :class:`SandboxNotRunning`, :class:`PathNotAllowed`,
-  :class:`NetworkNotAllowed`, :class:`PackagesNotAllowed`, :class:`GuestPermissionDenied`;
+  :class:`NetworkNotAllowed`, :class:`PackagesNotAllowed`, :class:`SecretsPresent`,
+  :class:`GuestPermissionDenied`;
 * limits: :class:`ResourceExhausted` (:class:`CapacityExhausted`, :class:`QuotaExceeded`,
   :class:`FileTooLarge`, :class:`DiskQuotaExceeded`);
 * the code you ran or the sandbox it ran in: :class:`StartFailed`, :class:`ExecTimeout`,
@@ -44,6 +45,7 @@ __all__ = [
     "ExportDenied",
     "NetworkNotAllowed",
     "PackagesNotAllowed",
+    "SecretsPresent",
     "GuestPermissionDenied",
     "StartFailed",
     "ExecTimeout",
@@ -224,6 +226,15 @@ class PackagesNotAllowed(AirlockError):
         return self.metadata.get("tenant", "")
 
 
+class SecretsPresent(AirlockError):
+    """A snapshot of a sandbox that holds secrets (remove them first:
+    :meth:`~airlock.Sandbox.remove_secrets`), or whose guest was given secret values (variables
+    or files), which its memory, and so the template, may keep. ``metadata["sandbox_id"]``
+    names it."""
+
+    reason_codes = ("SECRETS_PRESENT",)
+
+
 class GuestPermissionDenied(AirlockError):
     """The guest account the call acted as (``user``) may not touch the path."""
 
@@ -302,6 +313,7 @@ _BY_REASON = {
         ExportDenied,
         NetworkNotAllowed,
         PackagesNotAllowed,
+        SecretsPresent,
         GuestPermissionDenied,
         StartFailed,
         ExecTimeout,

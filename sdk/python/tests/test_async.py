@@ -90,3 +90,19 @@ def test_async_concurrent_creates(daemon):
                 await bad.sandboxes.list()
 
     run(main())
+
+
+def test_async_secrets_and_the_audit_trail(daemon):
+    async def main():
+        async with AsyncClient(daemon.address) as client:
+            async with await client.sandboxes.create(secrets={"TOKEN": "async-secret-value"}) as sb:
+                assert [(s.name, s.delivery) for s in sb.secrets] == [("TOKEN", "env")]
+                assert [s.removed for s in (await sb.remove_secrets()).secrets] == [True]
+            kinds = [e.kind async for e in client.iter_audit_events(sandbox_id=sb.id, page_size=1)]
+            assert "sandbox.create" in kinds, kinds
+            page = await client.audit_events(sandbox_id=sb.id, kinds=["sandbox.create"])
+            assert [e.sandbox_id for e in page] == [sb.id]
+            trail = await client.audit_trail()
+            assert trail.verify().ok, str(trail.verify())
+
+    run(main())

@@ -6,6 +6,7 @@ so each test checks several things per execution.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import os
 import signal
@@ -316,6 +317,81 @@ def test_an_exposed_port_answers_token_holders_only(sandbox):
             sandbox.expose_port(0)
     finally:
         server.kill()
+
+
+API_KEY = "sk-test-abcdef123456"
+
+
+def test_secrets_are_redacted_from_output_and_never_shown(client):
+    b64 = base64.b64encode(API_KEY.encode()).decode()
+    with client.sandboxes.create(secrets=[airlock.Secret.env("API_KEY", API_KEY)]) as sb:
+        # The record names it, never its value.
+        assert [(s.name, s.delivery, s.targets, s.removed) for s in sb.secrets] == [
+            ("API_KEY", "env", ("API_KEY",), False)
+        ]
+        assert API_KEY not in str(sb.info) and API_KEY not in str(sb.refresh().info)
+        code = (
+            "import base64, os\n"
+            "v = os.environ['API_KEY']\n"
+            "print(v)\n"
+            "print(base64.b64encode(v.encode()).decode())\n"
+            "print(os.environ.get('ONE_OFF', 'unset'))"
+        )
+        # An execution's own secret besides the sandbox's.
+        r = sb.run_code(code, secrets={"ONE_OFF": "one-off-value-42"})
+        assert r.ok, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[:2] == ["[REDACTED:API_KEY]", "[REDACTED:API_KEY]"], r.stdout
+        assert lines[2] == "[REDACTED:ONE_OFF]", r.stdout
+        out = r.stdout + r.stderr
+        assert API_KEY not in out and b64 not in out and b64.rstrip("=") not in out
+        assert sorted(r.secret_names) == ["API_KEY", "ONE_OFF"]
+        stored = client.executions.get(r.execution_id)
+        assert stored.stdout == r.stdout and API_KEY not in stored.stdout
+        # Its memory may hold the value: no snapshot of it.
+        with pytest.raises(airlock.SecretsPresent) as e:
+            sb.snapshot("sdk-secret-snap")
+        assert e.value.reason == "SECRETS_PRESENT" and API_KEY not in str(e.value)
+        with pytest.raises(airlock.InvalidArgument):
+            sb.exec(["true"], secrets=[airlock.Secret.file("F", "file-value-1")])
+        # Removed: shown as such, and later executions go without it.
+        assert sb.remove_secrets("API_KEY") is sb
+        assert [(s.name, s.removed) for s in sb.secrets] == [("API_KEY", True)]
+        r = sb.exec(["sh", "-c", "echo ${API_KEY:-unset}"])
+        assert r.stdout == "unset\n" and r.secret_names == []
+    assert "sdk-secret-snap" not in {t.name for t in client.templates.list()}
+
+
+def test_the_audit_trail_records_a_sandbox_and_verifies(daemon, client):
+    with client.sandboxes.create(labels={"test": "audit"}) as sb:
+        r = sb.exec(["true"])
+    page = client.audit_events(sandbox_id=sb.id)
+    assert isinstance(page, airlock.AuditLog) and all(isinstance(e, airlock.AuditEvent) for e in page)
+    kinds = [e.kind for e in page]
+    assert "sandbox.create" in kinds and "exec.start" in kinds, kinds
+    assert kinds.index("sandbox.create") < kinds.index("exec.start")
+    start = next(e for e in page if e.kind == "exec.start")
+    assert (start.tenant, start.sandbox_id, start.execution_id) == ("default", sb.id, r.execution_id)
+    assert isinstance(start.detail, dict)
+    assert all(e.sandbox_id == sb.id for e in page)
+    # Filters and pages.
+    assert [e.kind for e in client.audit_events(sandbox_id=sb.id, kinds=["exec.start"])] == ["exec.start"]
+    assert [e.seq for e in client.iter_audit_events(sandbox_id=sb.id, page_size=1)] == [e.seq for e in page]
+    assert [e.seq for e in client.audit_events(limit=1)] == [page.first_seq]
+    # The whole trail verifies, from the first kept event to the head.
+    trail = client.audit_trail()
+    assert trail.head_seq >= page[-1].seq and trail.head_hash
+    result = airlock.verify_audit(trail, trail.head_seq, trail.head_hash, first_seq=trail.first_seq)
+    assert result.ok, str(result)
+    assert trail.verify().ok and result.events == len(trail) >= len(page)
+    # An edit of it does not.
+    i = next(n for n, e in enumerate(trail) if e.seq == start.seq)
+    forged = list(trail)
+    forged[i] = airlock.AuditEvent(**dict(start.to_dict(), detail_json='{"command":"true"}'))
+    assert [p.seq for p in airlock.verify_audit(forged).problems] == [start.seq]
+    # Another tenant's trail has none of it.
+    with Client(daemon.address, token=ACME_TOKEN) as acme:
+        assert list(acme.audit_events(sandbox_id=sb.id)) == []
 
 
 def test_pause_resume_snapshot_and_templates(client):
