@@ -195,6 +195,31 @@ pub fn prune(store: &Store) -> ApiResult<usize> {
     )?)
 }
 
+/// The reasons that are a policy's refusal, recorded in the audit trail.
+const DENIALS: &[&str] = &[
+    "PATH_NOT_ALLOWED",
+    "EXPORT_DENIED",
+    "NETWORK_NOT_ALLOWED",
+    "PACKAGES_NOT_ALLOWED",
+    "QUOTA_EXCEEDED",
+    "SECRETS_PRESENT",
+    "GUEST_PERMISSION_DENIED",
+    "UNAUTHENTICATED",
+];
+
+pub fn denial(tenant: &str, sandbox_id: &str, call: &str, e: &crate::error::ApiError) {
+    if DENIALS.contains(&e.reason()) {
+        let message = crate::secrets::logs::redact(Some(tenant), &e.to_string());
+        crate::audit::emit(
+            tenant,
+            "denial",
+            sandbox_id,
+            "",
+            serde_json::json!({ "call": call, "reason": e.reason(), "message": message }),
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

@@ -89,49 +89,10 @@ async fn traced<T>(
         Ok(v) => Ok(Response::new(v)),
         Err(e) => {
             span.in_scope(|| tracing::info!(reason = e.reason(), "failed: {e}"));
-            audit_denial(tenant, "", call, &e);
-            Err(redacted(tenant, e.into()))
+            crate::audit::denial(tenant, "", call, &e);
+            Err(crate::secrets::logs::redact_status(tenant, e.into()))
         }
     }
-}
-
-/// The reasons that are a policy's refusal, recorded in the audit trail.
-const DENIALS: &[&str] = &[
-    "PATH_NOT_ALLOWED",
-    "EXPORT_DENIED",
-    "NETWORK_NOT_ALLOWED",
-    "PACKAGES_NOT_ALLOWED",
-    "QUOTA_EXCEEDED",
-    "SECRETS_PRESENT",
-    "GUEST_PERMISSION_DENIED",
-    "UNAUTHENTICATED",
-];
-
-fn audit_denial(tenant: &str, sandbox_id: &str, call: &str, e: &ApiError) {
-    if DENIALS.contains(&e.reason()) {
-        let message = crate::secrets::logs::redact(Some(tenant), &e.to_string());
-        crate::audit::emit(
-            tenant,
-            "denial",
-            sandbox_id,
-            "",
-            serde_json::json!({ "call": call, "reason": e.reason(), "message": message }),
-        );
-    }
-}
-
-/// `status` with the caller's secret values redacted from its message.
-fn redacted(tenant: &str, status: Status) -> Status {
-    let message = crate::secrets::logs::redact(Some(tenant), status.message());
-    if message == status.message() {
-        return status;
-    }
-    Status::with_details_and_metadata(
-        status.code(),
-        message,
-        status.details().to_vec().into(),
-        status.metadata().clone(),
-    )
 }
 
 /// Runs `f` on a task of its own, so that it finishes (or cleans up) even if the client goes
@@ -453,7 +414,7 @@ impl Airlock for Service {
         let mut chunks = match files::read(target.acting_as(r.user)?, r.path) {
             Ok(c) => c,
             Err(e) => {
-                audit_denial(&tenant, &sb.id, "ReadFile", &e);
+                crate::audit::denial(&tenant, &sb.id, "ReadFile", &e);
                 return Err(e.into());
             }
         };

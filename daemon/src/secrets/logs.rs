@@ -48,6 +48,20 @@ pub fn redact(tenant: Option<&str>, text: &str) -> String {
     out
 }
 
+/// `status` with the caller's secret values redacted from its message.
+pub fn redact_status(tenant: &str, status: tonic::Status) -> tonic::Status {
+    let message = crate::secrets::logs::redact(Some(tenant), status.message());
+    if message == status.message() {
+        return status;
+    }
+    tonic::Status::with_details_and_metadata(
+        status.code(),
+        message,
+        status.details().to_vec().into(),
+        status.metadata().clone(),
+    )
+}
+
 fn redact_bytes(data: &[u8]) -> Vec<u8> {
     let r = REGISTRY.read().unwrap_or_else(|e| e.into_inner());
     let mut out = data.to_vec();
