@@ -180,7 +180,17 @@ impl Recovery<'_> {
                 ));
             };
             let pkg = egress.packages.session(&rt.tenant, &rt.id, pkg, true);
-            match egress.start(&rt.id, &rt.tenant, exits, policy, Some(logged), pkg) {
+            match egress.start(
+                &rt.id,
+                &rt.tenant,
+                exits,
+                policy,
+                Some(logged),
+                crate::net::Uses {
+                    packages: pkg,
+                    secrets: rt.secrets.clone(),
+                },
+            ) {
                 Ok(net) => rt.set_net(net),
                 Err(e) => warn!(sandbox = %id, "serving its network: {e}"),
             }

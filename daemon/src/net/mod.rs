@@ -16,6 +16,7 @@
 //! namespaces of the VMMs it adopts (through their pidfds). Every guest has the same address,
 //! route and resolver (each in its own namespace), so nothing changes at restore.
 
+mod broker;
 mod dns;
 mod expose;
 mod proxy;
@@ -168,6 +169,9 @@ pub struct NetworkConfig {
     pub expose_listen: IpAddr,
     pub expose_default_ttl_s: u32,
     pub expose_max_ttl_s: u32,
+    /// CAs (a PEM file) the proxy trusts, besides the public roots, when it speaks TLS to a
+    /// host for a secret brokered over HTTPS (an internal API's CA).
+    pub broker_upstream_ca: Option<PathBuf>,
 }
 
 impl Default for NetworkConfig {
@@ -187,6 +191,7 @@ impl Default for NetworkConfig {
             expose_listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
             expose_default_ttl_s: 3600,
             expose_max_ttl_s: 24 * 3600,
+            broker_upstream_ca: None,
         }
     }
 }
@@ -282,6 +287,8 @@ pub struct Egress {
     /// The package proxy, which every sandbox reaches at its gateway whatever its egress
     /// policy (its own policy decides there).
     pub packages: Arc<crate::pkg::Packages>,
+    /// The TLS client of secrets brokered over HTTPS.
+    broker_tls: Arc<rustls::ClientConfig>,
 }
 
 /// The host's own addresses (of its interfaces, in the daemon's namespace), read again at
@@ -342,7 +349,10 @@ impl Egress {
                 .map_err(|e| format!("[tenants.{tenant}] egress_ceiling: {e}"))?;
             ceilings.insert(tenant.clone(), p);
         }
+        let broker_tls = broker::upstream_tls(cfg.broker_upstream_ca.as_deref())
+            .map_err(|e| format!("[network] broker_upstream_ca: {e}"))?;
         Ok(Self {
+            broker_tls: Arc::new(broker_tls),
             cfg,
             ceilings,
             default_ceiling,
@@ -391,8 +401,9 @@ impl Egress {
         exits: NetExits,
         policy: Policy,
         logged: Option<Logged>,
-        packages: Arc<crate::pkg::Session>,
+        uses: Uses,
     ) -> io::Result<SandboxNet> {
+        let Uses { packages, secrets } = uses;
         let Logged {
             last_seq,
             kept,
@@ -408,6 +419,7 @@ impl Egress {
             dropped: AtomicU64::new(dropped),
             egress: self.clone(),
             packages,
+            secrets,
         });
         let proxy = tokio::net::TcpListener::from_std(exits.proxy)?;
         let dns = tokio::net::UdpSocket::from_std(exits.dns)?;
@@ -438,6 +450,14 @@ impl Egress {
             self.store.egress_dropped(sandbox_id)?,
         ))
     }
+}
+
+/// What a sandbox's proxy serves besides its policy: its use of the package proxy and its
+/// brokered secrets.
+#[derive(Debug)]
+pub struct Uses {
+    pub packages: Arc<crate::pkg::Session>,
+    pub secrets: Arc<crate::secrets::SandboxSecrets>,
 }
 
 /// Where a sandbox's stored egress log stands.
@@ -544,6 +564,8 @@ struct NetState {
     egress: Arc<Egress>,
     /// Its use of the package proxy (its package policy, downloads, install log).
     packages: Arc<crate::pkg::Session>,
+    /// Its secrets: the brokered ones are added to requests by the proxy.
+    secrets: Arc<crate::secrets::SandboxSecrets>,
 }
 
 /// Names remembered per sandbox.

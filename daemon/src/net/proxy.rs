@@ -125,6 +125,7 @@ async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
     }
     let policy = state.policy();
     let mut head = Vec::new();
+    let mut sniffed_tls = false;
     let bare = Attempt {
         addr: dst.ip(),
         port: dst.port(),
@@ -138,7 +139,9 @@ async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
             if wants_name(&policy) =>
         {
             let wait = Duration::from_millis(state.cfg().sniff_timeout_ms);
-            match read_name(&mut guest, &mut head, wait).await {
+            let sniffed = read_name(&mut guest, &mut head, wait).await;
+            sniffed_tls = sniffed.as_ref().is_some_and(|(_, tls)| *tls);
+            match sniffed.map(|(name, _)| name) {
                 // A name no rule allows is never resolved: the guest must not make the
                 // daemon's resolver query names of its choosing (a tunnel through `Host`).
                 Some(name) if !policy.may_resolve(&name) => {
@@ -173,6 +176,17 @@ async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
     };
     ev.allowed = true;
     ev.verdict = allowance_text(&allowance);
+    // A sandbox with brokered secrets: every allowed connection's name is learnt (if its
+    // policy did not need it), to tell whether the proxy serves it itself.
+    if state.secrets.brokers() && head.is_empty() {
+        let wait = Duration::from_millis(state.cfg().sniff_timeout_ms);
+        if let Some((name, tls)) = read_name(&mut guest, &mut head, wait).await {
+            ev.name = name;
+            sniffed_tls = tls;
+        }
+    }
+    let brokered =
+        !ev.name.is_empty() && !state.secrets.headers_for(&ev.name, sniffed_tls).is_empty();
     let wait = Duration::from_millis(state.cfg().connect_timeout_ms);
     let upstream = match tokio::time::timeout(wait, TcpStream::connect(dst)).await {
         Ok(Ok(u)) => u,
@@ -193,6 +207,29 @@ async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
     };
     let _ = upstream.set_nodelay(true);
     let _ = guest.set_nodelay(true);
+    if brokered {
+        let counts = Arc::new(super::broker::Counts::default());
+        let name = ev.name.clone();
+        let served = super::broker::serve(
+            state.clone(),
+            guest,
+            head,
+            upstream,
+            name,
+            sniffed_tls,
+            counts.clone(),
+        )
+        .await;
+        ev.verdict = match served {
+            Ok(()) => format!("{}; brokered", ev.verdict),
+            Err(e) => format!("{}; brokered: {e}", ev.verdict),
+        };
+        ev.bytes_out = counts.from_guest.load(std::sync::atomic::Ordering::Relaxed);
+        ev.bytes_in = counts.to_guest.load(std::sync::atomic::Ordering::Relaxed);
+        ev.duration_ms = t0.elapsed().as_secs_f64() * 1000.0;
+        state.record(ev);
+        return;
+    }
     let (g_read, g_write) = guest.into_split();
     let (u_read, mut u_write) = upstream.into_split();
     let sent_head = if u_write.write_all(&head).await.is_ok() {
@@ -208,8 +245,12 @@ async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
 }
 
 /// Reads the connection's first bytes into `head` until they state a name (or cannot), for at
-/// most `wait` and [`MAX_HEAD`] bytes.
-async fn read_name(guest: &mut TcpStream, head: &mut Vec<u8>, wait: Duration) -> Option<String> {
+/// most `wait` and [`MAX_HEAD`] bytes; the name, and whether it came from a TLS ClientHello.
+async fn read_name(
+    guest: &mut TcpStream,
+    head: &mut Vec<u8>,
+    wait: Duration,
+) -> Option<(String, bool)> {
     let deadline = tokio::time::Instant::now() + wait;
     let mut buf = [0u8; 4096];
     loop {
@@ -224,7 +265,8 @@ async fn read_name(guest: &mut TcpStream, head: &mut Vec<u8>, wait: Duration) ->
         head.extend_from_slice(&buf[..n]);
         match sniff(head) {
             Sniff::NeedMore => {}
-            Sniff::Done(Sniffed::Tls(name) | Sniffed::Http(name)) => return name,
+            Sniff::Done(Sniffed::Tls(name)) => return name.map(|n| (n, true)),
+            Sniff::Done(Sniffed::Http(name)) => return name.map(|n| (n, false)),
             Sniff::Done(Sniffed::Other) | Sniff::TooLarge => return None,
         }
     }

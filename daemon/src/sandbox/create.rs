@@ -65,21 +65,16 @@ impl Sandboxes {
         self.egress.within_ceiling(tenant, &spec.egress)?;
         let pkg = self.egress.packages.policy_for(tenant, &spec.packages)?;
         let secrets = crate::secrets::check(&req.secrets, false)?;
-        if let Some(b) = secrets
-            .iter()
-            .find(|s| matches!(s.delivery, crate::secrets::Delivery::Broker(_)))
-        {
-            return Err(ApiError::InvalidArgument(format!(
-                "secret {}: brokered secrets are not served by this daemon yet (use env or \
-                 file delivery)",
-                b.name
-            )));
-        }
         // Before a VMM is taken; the claim comes with the restore.
         self.volumes.check_known(tenant, &spec.volumes)?;
         let mut rt = self.new_rt(tenant, &template, &spec, &pkg)?;
         if !secrets.is_empty() {
             let secrets = Arc::new(crate::secrets::SandboxSecrets::new(secrets));
+            if secrets.needs_ca() {
+                let ca = crate::secrets::ca::SandboxCa::new(&rt.id)
+                    .map_err(|e| ApiError::Internal(format!("the sandbox's broker CA: {e}")))?;
+                secrets.set_ca(Arc::new(ca));
+            }
             crate::secrets::logs::register(&rt.id, tenant, secrets.patterns());
             rt.update(|r| r.secrets = secrets.info());
             rt.secrets = secrets;
@@ -197,7 +192,10 @@ impl Sandboxes {
                     exits,
                     spec.egress.clone(),
                     None,
-                    self.egress.packages.session(&rt.tenant, &rt.id, pkg, false),
+                    crate::net::Uses {
+                        packages: self.egress.packages.session(&rt.tenant, &rt.id, pkg, false),
+                        secrets: rt.secrets.clone(),
+                    },
                 )
                 .map_err(|e| ApiError::Internal(format!("the sandbox's network: {e}")))?;
             rt.set_net(net);
@@ -377,6 +375,9 @@ impl Sandboxes {
                 })?;
             }
             place_secret_files(&mut client, &rt.secrets).map_err(|e| from_agent(e, call))?;
+            if let Some(ca) = rt.secrets.ca() {
+                trust_broker_ca(&mut client, &ca.pem()).map_err(|e| from_agent(e, call))?;
+            }
             Ok(GuestTimes {
                 ready_ms,
                 identity_ms: t.elapsed().as_secs_f64() * 1000.0,
@@ -385,6 +386,36 @@ impl Sandboxes {
         .await
         .map_err(|e| ApiError::Internal(format!("agent task: {e}")))?
     }
+}
+
+/// Makes the guest trust its sandbox's broker CA: its certificate at
+/// [`GUEST_CA_PATH`](crate::secrets::ca::GUEST_CA_PATH) and appended to the system bundle
+/// (OpenSSL's, Python's and curl's default; the root is the sandbox's own copy-on-write disk).
+fn trust_broker_ca(
+    client: &mut airlock_proto::MuxClient,
+    pem: &str,
+) -> Result<(), airlock_proto::ClientError> {
+    use crate::secrets::ca::{GUEST_BUNDLE_PATH, GUEST_CA_PATH};
+    let write = |c: &mut airlock_proto::MuxClient, path: &str, data: &[u8]| {
+        let template = airlock_proto::pb::WriteFile {
+            path: path.to_owned(),
+            mode: 0o644,
+            create_parents: true,
+            user: "root".into(),
+            ..Default::default()
+        };
+        c.within(CALL_TIMEOUT, |c| c.write_file_with(&template, data))
+    };
+    write(client, GUEST_CA_PATH, pem.as_bytes())?;
+    // An image without the bundle gets one holding the CA alone.
+    let mut bundle = client
+        .within(CALL_TIMEOUT, |c| c.read_file(GUEST_BUNDLE_PATH))
+        .unwrap_or_default();
+    if !bundle.is_empty() && !bundle.ends_with(b"\n") {
+        bundle.push(b'\n');
+    }
+    bundle.extend_from_slice(pem.as_bytes());
+    write(client, GUEST_BUNDLE_PATH, &bundle)
 }
 
 /// Writes the sandbox's file secrets into its guest: each readable by its account only

@@ -4,6 +4,7 @@
 //! hosts; the value never enters the guest), removed at their TTL or by RemoveSecrets, and
 //! redacted everywhere: output, records, errors and the daemon's log ([`redact`], [`logs`]).
 
+pub mod ca;
 pub mod logs;
 pub mod redact;
 
@@ -210,6 +211,8 @@ pub struct SandboxSecrets {
     patterns: Mutex<Arc<Patterns>>,
     /// A value reached its guest (a variable or a file): its memory may keep copies.
     reached_guest: AtomicBool,
+    /// Its own CA, when a brokered secret is for HTTPS too.
+    ca: std::sync::OnceLock<Arc<ca::SandboxCa>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -246,7 +249,32 @@ impl SandboxSecrets {
             entries: Mutex::new(entries),
             patterns: Mutex::new(patterns),
             reached_guest: AtomicBool::new(false),
+            ca: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Whether a brokered secret asks for HTTPS (the sandbox needs a CA of its own).
+    pub fn needs_ca(&self) -> bool {
+        lock(&self.entries)
+            .iter()
+            .any(|e| matches!(&e.spec.delivery, Delivery::Broker(b) if b.https))
+    }
+
+    /// Gives the sandbox its CA (once).
+    pub fn set_ca(&self, ca: Arc<ca::SandboxCa>) {
+        let _ = self.ca.set(ca);
+    }
+
+    /// Its CA, if it has one.
+    pub fn ca(&self) -> Option<&Arc<ca::SandboxCa>> {
+        self.ca.get()
+    }
+
+    /// Whether a live secret is brokered (the proxy must learn every connection's name).
+    pub fn brokers(&self) -> bool {
+        lock(&self.entries)
+            .iter()
+            .any(|e| !e.removed && matches!(e.spec.delivery, Delivery::Broker(_)))
     }
 
     /// The redaction patterns of every value it had.
@@ -308,9 +336,7 @@ impl SandboxSecrets {
     }
 
     /// The headers the proxy adds to a request for `host` (`https`: a TLS connection), with
-    /// the names of the secrets they carry. The egress proxy does not broker yet (creates
-    /// with brokered secrets are refused); this is the policy it will apply.
-    #[cfg_attr(not(test), allow(dead_code))]
+    /// the names of the secrets they carry: (header, value, secret name).
     pub fn headers_for(&self, host: &str, https: bool) -> Vec<(String, Zeroizing<String>, String)> {
         let entries = lock(&self.entries);
         entries

@@ -1,0 +1,114 @@
+//! A sandbox's own certificate authority, for brokered secrets over HTTPS: made at create when
+//! one of its secrets asks for HTTPS, its certificate placed in the guest's trust store, its
+//! key only in the daemon's memory (gone with the sandbox). The egress proxy terminates the
+//! guest's TLS to a brokered host with a leaf of this CA for that name.
+//!
+//! The trade-off (documented in the README): the proxy sees those requests in clear, and the
+//! guest trusts a CA that can name any host — but only within its own sandbox, whose CA no
+//! other sandbox trusts and whose key never leaves the daemon.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, KeyUsagePurpose,
+};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use rustls::sign::CertifiedKey;
+
+/// Leaves kept per sandbox (one per brokered name it reached); more start the map again.
+const MAX_LEAVES: usize = 64;
+
+/// Where the guest finds the CA's certificate (and, appended, in its system bundle).
+pub const GUEST_CA_PATH: &str = "/usr/local/share/ca-certificates/airlock-sandbox.crt";
+/// Debian's bundle, which OpenSSL, Python's `ssl` and curl read by default.
+pub const GUEST_BUNDLE_PATH: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+pub struct SandboxCa {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+    leaves: Mutex<HashMap<String, Arc<CertifiedKey>>>,
+}
+
+impl std::fmt::Debug for SandboxCa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SandboxCa").finish_non_exhaustive()
+    }
+}
+
+impl SandboxCa {
+    /// A new CA (an ECDSA P-256 key) for sandbox `id`.
+    pub fn new(id: &str) -> Result<Self, rcgen::Error> {
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+        params.distinguished_name.push(
+            DnType::CommonName,
+            format!("Airlock sandbox {id} broker CA"),
+        );
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate()?)?;
+        Ok(Self {
+            issuer,
+            leaves: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The CA's certificate, PEM (what the guest trusts).
+    pub fn pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    /// A server certificate and key for `name`, made on first use.
+    pub fn leaf(&self, name: &str) -> Result<Arc<CertifiedKey>, String> {
+        let mut leaves = self.leaves.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = leaves.get(name) {
+            return Ok(k.clone());
+        }
+        let made = self.make_leaf(name).map_err(|e| e.to_string())?;
+        if leaves.len() >= MAX_LEAVES {
+            leaves.clear();
+        }
+        leaves.insert(name.to_owned(), made.clone());
+        Ok(made)
+    }
+
+    fn make_leaf(&self, name: &str) -> Result<Arc<CertifiedKey>, Box<dyn std::error::Error>> {
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::new(vec![name.to_owned()])?;
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        let cert = params.signed_by(&key, &self.issuer)?;
+        let der_key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+        let signing = rustls::crypto::ring::sign::any_supported_type(&der_key)?;
+        let chain = vec![
+            CertificateDer::from(cert.der().to_vec()),
+            self.issuer.der().clone(),
+        ];
+        Ok(Arc::new(CertifiedKey::new(chain, signing)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_leaf_is_made_once_per_name_and_chains_to_the_ca() {
+        let ca = SandboxCa::new("sb-test").unwrap();
+        assert!(ca.pem().starts_with("-----BEGIN CERTIFICATE-----"));
+        let a = ca.leaf("api.example.com").unwrap();
+        let again = ca.leaf("api.example.com").unwrap();
+        assert!(Arc::ptr_eq(&a, &again));
+        assert_eq!(a.cert.len(), 2);
+        assert_eq!(&a.cert[1], ca.issuer.der());
+        let b = ca.leaf("other.example.com").unwrap();
+        assert_ne!(a.cert[0], b.cert[0]);
+    }
+
+    #[test]
+    fn two_sandboxes_have_distinct_cas() {
+        let a = SandboxCa::new("sb-a").unwrap();
+        let b = SandboxCa::new("sb-b").unwrap();
+        assert_ne!(a.pem(), b.pem());
+    }
+}
