@@ -322,6 +322,22 @@ pub struct CreateArgs {
     /// only; its value is this program's $NAME (repeatable)
     #[arg(long = "secret-file", value_name = "NAME")]
     pub secret_files: Vec<String>,
+    /// A brokered secret: never in the guest; the egress proxy adds it to the sandbox's HTTP
+    /// requests to HOST (exact, or '*.example.com'; the egress policy must allow it) as
+    /// 'Authorization: Bearer VALUE'; its value is this program's $NAME (repeatable)
+    #[arg(long = "secret-broker", value_name = "NAME=HOST[,HOST...]")]
+    pub secret_brokers: Vec<String>,
+    /// The brokered secrets' header [default: Authorization]
+    #[arg(long, value_name = "HEADER")]
+    pub broker_header: Option<String>,
+    /// The brokered secrets' header value, '{value}' standing for the secret [default:
+    /// 'Bearer {value}']
+    #[arg(long, value_name = "FORMAT")]
+    pub broker_format: Option<String>,
+    /// Broker over HTTPS too: the proxy terminates the guest's TLS to those hosts with a
+    /// certificate of the sandbox's own CA (which the guest trusts) and sees the requests
+    #[arg(long)]
+    pub broker_https: bool,
     /// Seconds the secrets live (then they are removed from the sandbox) [default: as long as
     /// the sandbox]
     #[arg(long, value_name = "S")]

@@ -7,8 +7,8 @@ use std::path::Path;
 use airlock_api::v1::{
     Argv, Code, CreateSandboxRequest, CreateTemplateRequest, EgressRule, ExecRequest,
     ExposePortRequest, FilePolicy, FileToPlace, ListSandboxesRequest, NetworkPolicy, PackagePolicy,
-    SandboxState, Secret, SecretEnv, SecretFile, SetNetworkPolicyRequest, VolumeAttachment,
-    egress_rule, exec_request, secret,
+    SandboxState, Secret, SecretBroker, SecretEnv, SecretFile, SetNetworkPolicyRequest,
+    VolumeAttachment, egress_rule, exec_request, secret,
 };
 
 use crate::args::{
@@ -79,6 +79,25 @@ pub fn create_request(args: &CreateArgs, read: Read) -> Result<CreateSandboxRequ
         .iter()
         .map(|n| secret(n, false))
         .chain(args.secret_files.iter().map(|n| secret(n, true)))
+        .chain(args.secret_brokers.iter().map(|spec| {
+            let (name, hosts) = spec
+                .split_once('=')
+                .filter(|(n, h)| !n.is_empty() && !h.is_empty())
+                .ok_or_else(|| format!("--secret-broker {spec}: NAME=HOST[,HOST...]"))?;
+            let value = std::env::var(name)
+                .map_err(|_| format!("--secret-broker {name}: set ${name} to its value"))?;
+            Ok(Secret {
+                name: name.to_owned(),
+                value,
+                delivery: Some(secret::Delivery::Broker(SecretBroker {
+                    hosts: hosts.split(',').map(str::to_owned).collect(),
+                    header: args.broker_header.clone().unwrap_or_default(),
+                    format: args.broker_format.clone().unwrap_or_default(),
+                    https: args.broker_https,
+                })),
+                ttl_s: args.secret_ttl.unwrap_or(0),
+            })
+        }))
         .collect::<Result<Vec<_>, String>>()?;
     Ok(CreateSandboxRequest {
         secrets,

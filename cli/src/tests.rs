@@ -660,10 +660,15 @@ fn audit_and_secret_flags_parse() {
         "F",
         "--secret-ttl",
         "9",
+        "--secret-broker",
+        "GH=api.github.com,*.example.com",
+        "--broker-https",
     ])
     .command
     {
         Command::Create(a) => {
+            assert_eq!(a.secret_brokers, ["GH=api.github.com,*.example.com"]);
+            assert!(a.broker_https);
             assert_eq!(a.secrets, ["K"]);
             assert_eq!(a.secret_files, ["F"]);
             assert_eq!(a.secret_ttl, Some(9));
