@@ -72,6 +72,11 @@ pub struct Config {
     /// Empty disk slots every template is built with, for volumes (at most 8; a sandbox mounts
     /// at most this many). 0: templates without volumes.
     pub volume_slots: u32,
+    /// Exported templates to add at start (each a directory with the record, `template.pb`,
+    /// and the snapshot's files: `state`, `memory`, `layer`, `layer.map`), under their names,
+    /// when no template has that name yet. One whose kernel or base image is no longer the file it
+    /// was booted from is skipped with a warning.
+    pub import_templates: Vec<PathBuf>,
     /// The largest volume (MiB).
     pub max_volume_size_mib: u32,
     /// `mkfs.ext4`, which makes volumes (default: found on `$PATH` or in /sbin, /usr/sbin).
@@ -295,6 +300,7 @@ impl Default for Config {
             network: crate::net::NetworkConfig::default(),
             packages: crate::pkg::PackagesConfig::default(),
             audit: crate::audit::AuditConfig::default(),
+            import_templates: Vec::new(),
         }
     }
 }

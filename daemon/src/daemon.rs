@@ -130,6 +130,18 @@ impl Daemon {
             Templates::load(store.clone(), templates_dir, &cfg.default_tenant)
                 .map_err(|e| e.to_string())?,
         );
+        for dir in &cfg.import_templates {
+            match templates.import_exported(dir) {
+                Ok(Some(t)) => info!(
+                    template = %t.record.name,
+                    id = %t.record.id,
+                    from = %dir.display(),
+                    "template imported"
+                ),
+                Ok(None) => {}
+                Err(e) => warn!(from = %dir.display(), "template not imported: {e}"),
+            }
+        }
         let builder = Arc::new(Builder::new(cfg.clone(), host.clone(), templates.clone()));
         let pool = Arc::new(WarmPool::new(
             cfg.pool_size,

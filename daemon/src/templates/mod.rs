@@ -204,6 +204,58 @@ impl Templates {
     }
 }
 
+/// The record's file in an exported template's directory (the `Template` message, protobuf),
+/// beside the snapshot's files (`state`, `memory`, and a writable root's `layer`, `layer.map`).
+pub const EXPORT_RECORD: &str = "template.pb";
+
+impl Templates {
+    /// Adds the template exported in `from` under its name and tenant, with a new id and a copy
+    /// of its files; `None` when a template of that name is there already. Refused when the
+    /// kernel or base image it names is not the file it was booted from (their versions).
+    pub fn import_exported(&self, from: &Path) -> Result<Option<TemplateRt>, String> {
+        use prost::Message as _;
+        let bytes =
+            std::fs::read(from.join(EXPORT_RECORD)).map_err(|e| format!("{EXPORT_RECORD}: {e}"))?;
+        let mut record =
+            Template::decode(bytes.as_slice()).map_err(|e| format!("{EXPORT_RECORD}: {e}"))?;
+        if !ids::valid_name(&record.name) {
+            return Err(format!("the name {:?} is not valid", record.name));
+        }
+        if self
+            .all()
+            .iter()
+            .any(|t| t.record.name == record.name && t.record.tenant == record.tenant)
+        {
+            return Ok(None);
+        }
+        for (what, path, version) in [
+            ("kernel", &record.kernel_path, &record.kernel_version),
+            ("base image", &record.rootfs_path, &record.rootfs_version),
+        ] {
+            let now = file_version(Path::new(path));
+            if &now != version {
+                return Err(format!(
+                    "its {what} {path} is not the file it was booted from (version {now}, \
+                     not {version})"
+                ));
+            }
+        }
+        record.id = ids::new_id(ids::TEMPLATE).map_err(|e| e.to_string())?;
+        record.created_unix_ms = ids::now_ms();
+        let dir = self.dir_of(&record.id);
+        if let Err(e) = import::import(from, &dir) {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(format!("its files: {e}"));
+        }
+        record.memory_file_bytes = disk_bytes(&dir.join("memory"));
+        match self.add(record, dir) {
+            Ok(t) => Ok(Some(t)),
+            Err(ApiError::TemplateExists(_)) => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
 /// A template's record as a caller sees it: host paths only for an operator.
 pub fn as_seen_by(mut record: Template, operator: bool) -> Template {
     if !operator {
@@ -280,5 +332,57 @@ mod tests {
         assert_eq!(t.remove("other", "mine").unwrap().record.id, "tpl-3");
         assert!(t.by_id("tpl-3").is_none());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Exports `t` as an exporter (the system tests' harness) does.
+    fn export(t: &TemplateRt, to: &Path) {
+        use prost::Message as _;
+        import::import(&t.dir, to).unwrap();
+        std::fs::write(to.join(EXPORT_RECORD), t.record.encode_to_vec()).unwrap();
+    }
+
+    #[test]
+    fn an_exported_template_is_imported_once_with_new_files_and_only_on_its_own_files() {
+        let (t, dir) = registry("export");
+        std::fs::create_dir_all(dir.join("t")).unwrap();
+        let (kernel, rootfs) = (dir.join("vmlinux"), dir.join("base.ext4"));
+        std::fs::write(&kernel, b"kernel").unwrap();
+        std::fs::write(&rootfs, b"rootfs").unwrap();
+        let snap = dir.join("snap");
+        std::fs::create_dir_all(&snap).unwrap();
+        for (name, data) in [("state", &b"state"[..]), ("memory", &b"memory"[..])] {
+            std::fs::write(snap.join(name), data).unwrap();
+        }
+        let built = TemplateRt {
+            record: Template {
+                kernel_path: kernel.display().to_string(),
+                kernel_version: file_version(&kernel),
+                rootfs_path: rootfs.display().to_string(),
+                rootfs_version: file_version(&rootfs),
+                vcpus: 1,
+                memory_mib: 256,
+                ..record("base", "", "tpl-old")
+            },
+            dir: snap,
+        };
+        let exported = dir.join("exported");
+        export(&built, &exported);
+        let got = t.import_exported(&exported).unwrap().expect("imported");
+        assert_ne!(got.record.id, "tpl-old");
+        assert_eq!((got.record.vcpus, got.record.memory_mib), (1, 256));
+        assert_eq!(std::fs::read(got.dir.join("memory")).unwrap(), b"memory");
+        assert_eq!(t.find("acme", "base").unwrap().record.id, got.record.id);
+        // Its name is taken now: nothing more.
+        assert!(t.import_exported(&exported).unwrap().is_none());
+        // Another base image under the same path: refused.
+        let (t2, dir2) = registry("export-2");
+        std::fs::create_dir_all(dir2.join("t")).unwrap();
+        std::fs::write(&rootfs, b"another rootfs").unwrap();
+        let err = t2.import_exported(&exported).unwrap_err();
+        assert!(err.contains("base image"), "{err}");
+        assert!(t2.list().is_empty());
+        assert!(t2.import_exported(&dir.join("missing")).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&dir2);
     }
 }
