@@ -117,7 +117,17 @@ fn start(config: &str, data_mib: Option<u64>) -> Shared {
         .and_then(|l| l.local_addr())
         .unwrap()
         .port();
-    let extra = format!("metrics_listen = \"127.0.0.1:{metrics_port}\"\n{config}");
+    // A template this run built already with the same binaries and files is imported at the
+    // daemon's start instead of booted again (tens of seconds to minutes per test process on
+    // nested-KVM machines).
+    let cached = template_cache(config);
+    let import = match &cached {
+        Some(d) if d.join(EXPORT_RECORD).is_file() => {
+            format!("import_templates = [{:?}]\n", d.display().to_string())
+        }
+        _ => String::new(),
+    };
+    let extra = format!("{import}metrics_listen = \"127.0.0.1:{metrics_port}\"\n{config}");
     let setup = harness::daemon_setup(&dir, &cgroup_parent, &extra);
     let (socket, data_dir, log) = (setup.socket, setup.data_dir, setup.log);
     let pid = spawn_kept(setup.command);
@@ -134,8 +144,146 @@ fn start(config: &str, data_mib: Option<u64>) -> Shared {
         pid,
         template: Template::default(),
     };
-    shared.template = build_template(&shared);
+    shared.template = match imported_template(&shared) {
+        Some(t) => t,
+        None => {
+            let t = build_template(&shared);
+            if let Some(to) = &cached {
+                export_template(&shared.data_dir.join("templates").join(&t.id), &t, to);
+            }
+            t
+        }
+    };
     shared
+}
+
+/// The record file of an exported template (as airlockd's `templates::EXPORT_RECORD`).
+const EXPORT_RECORD: &str = "template.pb";
+
+/// Settings that change what a template build makes: a daemon started with any of them
+/// builds its own.
+const TEMPLATE_SETTINGS: [&str; 8] = [
+    "default_vcpus",
+    "default_memory_mib",
+    "default_disk_mib",
+    "writable_root",
+    "volume_slots",
+    "images",
+    "[images",
+    "[jail",
+];
+
+/// Where this run keeps the template of a daemon started with `config`:
+/// `$AIRLOCK_CACHE_DIR/test-templates/KEY`, KEY a digest of the kernel, the base image and the
+/// two binaries (each by path, size and modification time: a rebuild is a new key). `None`
+/// (build it) when the settings change what a build makes or `AIRLOCK_TEST_TEMPLATE_CACHE=0`.
+fn template_cache(config: &str) -> Option<PathBuf> {
+    use sha2::Digest as _;
+    use std::os::unix::fs::MetadataExt as _;
+    if std::env::var("AIRLOCK_TEST_TEMPLATE_CACHE").is_ok_and(|v| v == "0") {
+        return None;
+    }
+    if config.lines().any(|l| {
+        TEMPLATE_SETTINGS
+            .iter()
+            .any(|k| l.trim_start().starts_with(k))
+    }) {
+        return None;
+    }
+    let mut h = sha2::Sha256::new();
+    for f in [
+        crate::kernel(),
+        crate::rootfs(),
+        crate::binary("airlock-vmm"),
+        crate::binary("airlockd"),
+    ] {
+        let m = std::fs::metadata(&f).ok()?;
+        h.update(format!(
+            "{} {} {} {}\n",
+            f.display(),
+            m.len(),
+            m.mtime(),
+            m.mtime_nsec()
+        ));
+    }
+    let key: String = h.finalize()[..12]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let root = std::env::var_os("AIRLOCK_CACHE_DIR")
+        .map_or_else(|| PathBuf::from("/var/cache/airlock"), PathBuf::from)
+        .join("test-templates");
+    Some(root.join(key))
+}
+
+/// The template `base` the daemon imported at its start, if it did.
+fn imported_template(s: &Shared) -> Option<Template> {
+    let socket = s.socket.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let mut c = airlock_api::client(Some(&format!("unix://{}", socket.display())), None)
+                .await
+                .unwrap();
+            c.list_templates(airlock_api::v1::ListTemplatesRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .templates
+                .into_iter()
+                .find(|t| t.name == "base")
+        })
+    })
+    .join()
+    .unwrap()
+}
+
+/// Keeps the template built in `dir` for the next test processes of this run: its snapshot's
+/// files (holes kept) and record, put in place whole (a rename) or not at all. Entries older
+/// than a day go.
+fn export_template(dir: &Path, t: &Template, to: &Path) {
+    use prost::Message as _;
+    let Some(root) = to.parent() else { return };
+    let _ = std::fs::create_dir_all(root);
+    let day = Duration::from_secs(24 * 3600);
+    for e in std::fs::read_dir(root).into_iter().flatten().flatten() {
+        let old = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().unwrap_or_default() > day);
+        if old {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+    let tmp = root.join(format!(".tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let copied = (|| -> std::io::Result<()> {
+        std::fs::create_dir_all(&tmp)?;
+        for name in ["state", "memory", "layer", "layer.map"] {
+            let src = dir.join(name);
+            if !src.exists() {
+                continue;
+            }
+            let ok = Command::new("cp")
+                .arg("--sparse=always")
+                .arg(&src)
+                .arg(tmp.join(name))
+                .status()?
+                .success();
+            if !ok {
+                return Err(std::io::Error::other(format!("cp {}", src.display())));
+            }
+        }
+        std::fs::write(tmp.join(EXPORT_RECORD), t.encode_to_vec())?;
+        std::fs::rename(&tmp, to)
+    })();
+    if let Err(e) = copied {
+        eprintln!("template not kept for later test processes: {e}");
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
 }
 
 /// Spawns `cmd` from a thread that lives as long as the process, so that the child's
