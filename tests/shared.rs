@@ -218,27 +218,15 @@ fn template_cache(config: &str) -> Option<PathBuf> {
 
 /// The template `base` the daemon imported at its start, if it did.
 fn imported_template(s: &Shared) -> Option<Template> {
-    let socket = s.socket.clone();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let mut c = airlock_api::client(Some(&format!("unix://{}", socket.display())), None)
-                .await
-                .unwrap();
-            c.list_templates(airlock_api::v1::ListTemplatesRequest {})
-                .await
-                .unwrap()
-                .into_inner()
-                .templates
-                .into_iter()
-                .find(|t| t.name == "base")
-        })
+    with_client(s, |mut c, _| async move {
+        c.list_templates(airlock_api::v1::ListTemplatesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .templates
+            .into_iter()
+            .find(|t| t.name == "base")
     })
-    .join()
-    .unwrap()
 }
 
 /// Keeps the template built in `dir` for the next test processes of this run: its snapshot's
@@ -311,18 +299,30 @@ fn spawn_kept(mut cmd: Command) -> i32 {
 }
 
 fn build_template(s: &Shared) -> Template {
-    let socket = s.socket.clone();
-    let log = s.log.clone();
+    with_client(s, |mut c, log| async move {
+        harness::build_template(&mut c, "base", &log).await
+    })
+}
+
+/// Runs `f` with a client of the shared daemon (and its log's path) on a thread and runtime
+/// of its own: the callers run inside the test's runtime, blocking.
+fn with_client<T, F, Fut>(s: &Shared, f: F) -> T
+where
+    T: Send + 'static,
+    F: FnOnce(Client, PathBuf) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = T>,
+{
+    let (socket, log) = (s.socket.clone(), s.log.clone());
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
         rt.block_on(async {
-            let mut c = airlock_api::client(Some(&format!("unix://{}", socket.display())), None)
+            let c = airlock_api::client(Some(&format!("unix://{}", socket.display())), None)
                 .await
                 .unwrap();
-            harness::build_template(&mut c, "base", &log).await
+            f(c, log).await
         })
     })
     .join()

@@ -185,8 +185,10 @@ async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
             sniffed_tls = tls;
         }
     }
-    let brokered =
-        !ev.name.is_empty() && !state.secrets.headers_for(&ev.name, sniffed_tls).is_empty();
+    // (A sandbox without brokered secrets asks nothing more of its secrets.)
+    let brokered = state.secrets.brokers()
+        && !ev.name.is_empty()
+        && !state.secrets.headers_for(&ev.name, sniffed_tls).is_empty();
     let wait = Duration::from_millis(state.cfg().connect_timeout_ms);
     let upstream = match tokio::time::timeout(wait, TcpStream::connect(dst)).await {
         Ok(Ok(u)) => u,
