@@ -227,6 +227,7 @@ pub fn exec_request(args: &ExecArgs, read: Read) -> Result<ExecRequest, String> 
         memory_limit_mib: args.memory_mib.unwrap_or(0),
         user: args.user.clone().unwrap_or_default(),
         secrets: Vec::new(),
+        stdin_open: false,
     })
 }
 

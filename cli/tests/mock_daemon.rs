@@ -296,6 +296,9 @@ impl Airlock for Mock {
     ) -> Answer<KillExecutionResponse> {
         Ok(Response::new(KillExecutionResponse { signalled: true }))
     }
+    async fn write_stdin(&self, _: Request<WriteStdinRequest>) -> Answer<WriteStdinResponse> {
+        Ok(Response::new(WriteStdinResponse {}))
+    }
     async fn write_file(
         &self,
         r: Request<Streaming<WriteFileRequest>>,

@@ -14,6 +14,8 @@ pub const MAX_ENV_BYTES: usize = 64 << 10;
 pub const MAX_ARGS: usize = 4096;
 pub const MAX_ARGV_BYTES: usize = 256 << 10;
 pub const MAX_STDIN_BYTES: usize = 8 << 20;
+/// Stdin one WriteStdin call carries.
+pub const MAX_STDIN_CHUNK: usize = 1 << 20;
 pub const MAX_PATH_BYTES: usize = 4096;
 
 fn too_big(what: &str, limit: usize) -> ApiError {

@@ -40,6 +40,7 @@ mod store;
 mod stream;
 mod supervisor;
 mod templates;
+mod transfer;
 mod vmm;
 mod volumes;
 

@@ -344,6 +344,22 @@ impl Airlock for Service {
         .await
     }
 
+    async fn write_stdin(
+        &self,
+        req: Request<WriteStdinRequest>,
+    ) -> Result<Response<WriteStdinResponse>, Status> {
+        let tenant = tenant(&req)?;
+        let r = req.into_inner();
+        traced("WriteStdin", &tenant, async {
+            self.daemon
+                .executions
+                .write_stdin(&tenant, &r.execution_id, r.data, r.eof)
+                .await?;
+            Ok(WriteStdinResponse {})
+        })
+        .await
+    }
+
     async fn write_file(
         &self,
         req: Request<Streaming<WriteFileRequest>>,
@@ -367,32 +383,15 @@ impl Airlock for Service {
             let target = sb
                 .file_target(d.cfg.max_file_bytes)?
                 .acting_as(header.user)?;
-            let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(4);
-            let path = header.path.clone();
-            let writer = tokio::spawn(files::write(target, header.path, header.mode, rx));
-            let mut hash = <sha2::Sha256 as sha2::Digest>::new();
-            while let Some(data) = next_data(&mut stream).await? {
-                sha2::Digest::update(&mut hash, &data);
-                if tx.send(data).await.is_err() {
-                    break; // the writer ended (with an error it returns below)
+            let data = Box::pin(futures_util::stream::unfold(stream, |mut s| async move {
+                match next_data(&mut s).await {
+                    Ok(Some(d)) => Some((Ok(d), s)),
+                    Ok(None) => None,
+                    Err(e) => Some((Err(e), s)),
                 }
-            }
-            drop(tx);
-            let written = writer
-                .await
-                .map_err(|e| ApiError::Internal(format!("file task: {e}")))?;
-            crate::audit::emit(
-                &tenant,
-                "file.write",
-                &sb.id,
-                "",
-                serde_json::json!({
-                    "path": path,
-                    "bytes": written.as_ref().ok(),
-                    "sha256": crate::audit::hex(&sha2::Digest::finalize(hash)),
-                    "error": written.as_ref().err().map(|e| e.reason().to_owned()),
-                }),
-            );
+            }));
+            let written =
+                crate::transfer::write(target, &tenant, header.path, header.mode, data).await;
             Ok(WriteFileResponse {
                 bytes_written: written?,
             })
@@ -409,45 +408,17 @@ impl Airlock for Service {
         let tenant = tenant(&req)?;
         let r = req.into_inner();
         let sb = self.daemon.sandboxes.running(&tenant, &r.sandbox_id)?;
-        let target = sb.file_target(self.daemon.cfg.max_file_bytes)?;
-        let path = r.path.clone();
-        let mut chunks = match files::read(target.acting_as(r.user)?, r.path) {
-            Ok(c) => c,
-            Err(e) => {
-                crate::audit::denial(&tenant, &sb.id, "ReadFile", &e);
-                return Err(e.into());
-            }
-        };
+        let target = sb
+            .file_target(self.daemon.cfg.max_file_bytes)?
+            .acting_as(r.user)?;
+        let mut chunks = crate::transfer::read(target, &tenant, r.path)?;
         let (tx, rx) = tokio::sync::mpsc::channel(4);
-        let sandbox_id = sb.id.clone();
         tokio::spawn(async move {
-            let (mut hash, mut bytes, mut error) =
-                (<sha2::Sha256 as sha2::Digest>::new(), 0u64, None);
             while let Some(c) = chunks.recv().await {
-                match &c {
-                    Ok(chunk) => {
-                        sha2::Digest::update(&mut hash, &chunk.data);
-                        bytes += chunk.data.len() as u64;
-                    }
-                    Err(e) => error = Some(e.reason().to_owned()),
-                }
                 if tx.send(c.map_err(Status::from)).await.is_err() {
-                    error.get_or_insert_with(|| "the caller went away".into());
                     break;
                 }
             }
-            crate::audit::emit(
-                &tenant,
-                "file.read",
-                &sandbox_id,
-                "",
-                serde_json::json!({
-                    "path": path,
-                    "bytes": bytes,
-                    "sha256": crate::audit::hex(&sha2::Digest::finalize(hash)),
-                    "error": error,
-                }),
-            );
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }

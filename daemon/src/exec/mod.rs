@@ -165,12 +165,12 @@ impl Executions {
             user: req.user.clone(),
             env,
             stdin: req.stdin.clone(),
+            stdin_open: req.stdin_open,
             timeout_ms,
             max_output_bytes: self.limits.max_output_bytes,
             // The execution outlives a restarting daemon, which attaches to it again.
             keep_on_disconnect: true,
             memory_max_bytes: u64::from(req.memory_limit_mib) << 20,
-            ..Default::default()
         };
         self.ledger.store.put_execution(&record)?;
         for p in &self.output_paths(&id) {
@@ -298,6 +298,65 @@ impl Executions {
             rt.signal(signal).map_err(ApiError::Internal)?;
         }
         Ok(true)
+    }
+
+    /// The running executions of sandbox `sandbox_id`, oldest first.
+    pub fn running_in(&self, sandbox_id: &str) -> Vec<Arc<ExecRt>> {
+        let mut v: Vec<_> = self
+            .ledger
+            .live()
+            .values()
+            .filter(|e| e.sandbox_id == sandbox_id && !e.is_finished())
+            .cloned()
+            .collect();
+        v.sort_by_key(|e| e.record().started_unix_ms);
+        v
+    }
+
+    /// More stdin for execution `id` of `tenant`, started with `stdin_open` (`eof` closes it);
+    /// returns once the guest has written it to the process's pipe.
+    pub async fn write_stdin(
+        &self,
+        tenant: &str,
+        id: &str,
+        data: Vec<u8>,
+        eof: bool,
+    ) -> ApiResult<()> {
+        if data.len() > limits::MAX_STDIN_CHUNK {
+            return Err(ApiError::InvalidArgument(format!(
+                "stdin: {} bytes in one call, at most {}",
+                data.len(),
+                limits::MAX_STDIN_CHUNK
+            )));
+        }
+        let (_, live) = self.get(tenant, id)?;
+        let ended = || ApiError::InvalidArgument(format!("execution {id} has ended"));
+        let rt = live.filter(|l| !l.is_finished()).ok_or_else(ended)?;
+        rt.settle(Duration::from_secs(30)).await;
+        let (mux, exec_id) = rt.agent_handle().ok_or_else(ended)?;
+        let sandbox = rt.sandbox_id.clone();
+        let sent = tokio::task::spawn_blocking(move || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            airlock_proto::Requests::stdin(&mut mux.client(Some(deadline)), exec_id, &data, eof)
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("stdin task: {e}")))?;
+        sent.map_err(|e| match e {
+            airlock_proto::ClientError::Agent { message, .. } if rt.is_finished() => {
+                ApiError::InvalidArgument(format!("execution {id} has ended: {message}"))
+            }
+            airlock_proto::ClientError::Agent { message, .. } => {
+                ApiError::InvalidArgument(format!("stdin of execution {id}: {message}"))
+            }
+            other => crate::error::from_agent(
+                other,
+                crate::error::AgentCall {
+                    sandbox: &sandbox,
+                    path: "",
+                    disk_limit: 0,
+                },
+            ),
+        })
     }
 
     /// Waits (at most `timeout` in all) until every execution being started has started in

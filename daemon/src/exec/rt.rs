@@ -171,12 +171,14 @@ impl ExecRt {
         }
     }
 
-    /// The agent started the process as `agent_id`; signals go to it now (one asked for
-    /// earlier is sent, and so is the kill of a daemon's end that came first).
-    pub fn started(&self, agent_id: u64) {
+    /// The agent started the process as `agent_id` (its main process `pid` in the guest);
+    /// signals go to it now (one asked for earlier is sent, and so is the kill of a daemon's
+    /// end that came first).
+    pub fn started(&self, agent_id: u64, pid: u32) {
         if let Err(e) = self.ledger.store.set_execution_agent(&self.id, agent_id) {
             warn!(execution = %self.id, "recording the agent's id: {e}");
         }
+        lock(&self.record).pid = pid;
         let pending = {
             let mut c = lock(&self.conn);
             c.agent_id = Some(agent_id);
@@ -219,6 +221,16 @@ impl ExecRt {
                 c.pending_signal = Some(signal);
                 Ok(())
             }
+        }
+    }
+
+    /// The connection and the agent's id of the execution, once it has started: where more
+    /// stdin goes (only the connection that started or attached it may send it).
+    pub fn agent_handle(&self) -> Option<(Mux, u64)> {
+        let c = lock(&self.conn);
+        match (c.agent_id, c.request.as_ref()) {
+            (Some(exec_id), Some((mux, _))) => Some((mux.clone(), exec_id)),
+            _ => None,
         }
     }
 

@@ -69,13 +69,14 @@ fn drive(rt: &ExecRt, agent: &AgentLink, start: Start) -> Result<pb::ExecExit, F
         return Err(Failure::Lost("ended before it started".into()));
     }
     let mut client = mux.client(Some(deadline));
-    let (request, exec_id, offsets) = begin(rt, &mux, &mut client, start).map_err(|e| match e {
-        ClientError::Agent { message, .. } => Failure::Refused(message),
-        other => Failure::Lost(error_chain(&other)),
-    })?;
+    let (request, exec_id, pid, offsets) =
+        begin(rt, &mux, &mut client, start).map_err(|e| match e {
+            ClientError::Agent { message, .. } => Failure::Refused(message),
+            other => Failure::Lost(error_chain(&other)),
+        })?;
     // The output may take as long as the execution does; the daemon's timer bounds it.
     client.set_deadline(None);
-    rt.started(exec_id);
+    rt.started(exec_id, pid);
     let mut sink = rt.open_output().map_err(|e| e.to_string())?;
     let mut failed = None;
     let exit = client
@@ -95,19 +96,20 @@ fn drive(rt: &ExecRt, agent: &AgentLink, start: Start) -> Result<pb::ExecExit, F
     Ok(exit)
 }
 
-/// Starts or attaches: the request id, the agent's execution id and where output continues.
+/// Starts or attaches: the request id, the agent's execution id, the process's pid in the
+/// guest and where output continues.
 fn begin(
     rt: &ExecRt,
     mux: &Mux,
     client: &mut MuxClient,
     start: Start,
-) -> Result<(u64, u64, [u64; 2]), ClientError> {
+) -> Result<(u64, u64, u32, [u64; 2]), ClientError> {
     match start {
         Start::Exec(exec) => {
             let id = client.send_kind(pb::request::Kind::Exec(exec))?;
             rt.sent(mux, id);
             let started = client.exec_started(id)?;
-            Ok((id, started.exec_id, [0, 0]))
+            Ok((id, started.exec_id, started.pid, [0, 0]))
         }
         Start::Attach(agent_id) => {
             let have = rt.stored();
@@ -116,6 +118,7 @@ fn begin(
             Ok((
                 id,
                 agent_id,
+                attached.pid,
                 [attached.stdout_offset, attached.stderr_offset],
             ))
         }

@@ -381,6 +381,27 @@ impl Sandboxes {
         Ok(r)
     }
 
+    /// A running or paused sandbox of `tenant` ends `secs` from now (within the lifetime cap),
+    /// and not before for being idle: its lifetime and idle TTL both move.
+    pub fn set_timeout(&self, tenant: &str, id: &str, secs: u32) -> ApiResult<Sandbox> {
+        let rt = match self.running(tenant, id) {
+            Err(ApiError::SandboxNotRunning { .. }) => {
+                self.in_state(tenant, id, SandboxState::Paused)?
+            }
+            other => other?,
+        };
+        rt.touch();
+        let age = u32::try_from(rt.age().as_secs()).unwrap_or(u32::MAX);
+        let lifetime = age.saturating_add(secs).min(self.cfg.max_lifetime_s);
+        let idle = secs.clamp(1, self.cfg.max_idle_ttl_s);
+        let r = rt.update(|r| {
+            r.max_lifetime_s = lifetime;
+            r.idle_ttl_s = idle;
+        });
+        self.store.put_sandbox(&r)?;
+        Ok(r)
+    }
+
     /// ExposePort: guest port `port` of a running sandbox of `tenant`, on a host listener.
     pub fn expose(
         &self,
