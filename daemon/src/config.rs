@@ -141,6 +141,8 @@ pub struct Config {
     pub packages: crate::pkg::PackagesConfig,
     /// The audit trail: its retention, whether code is recorded (see `audit.rs`).
     pub audit: crate::audit::AuditConfig,
+    /// The E2B-compatible gateway (off unless `[e2b] listen` is set; see `e2b/mod.rs`).
+    pub e2b: crate::e2b::E2bConfig,
 }
 
 /// A registered image: a kernel and a root filesystem on the daemon's host.
@@ -300,6 +302,7 @@ impl Default for Config {
             network: crate::net::NetworkConfig::default(),
             packages: crate::pkg::PackagesConfig::default(),
             audit: crate::audit::AuditConfig::default(),
+            e2b: crate::e2b::E2bConfig::default(),
             import_templates: Vec::new(),
         }
     }
@@ -323,6 +326,13 @@ impl Config {
                      network in clear (allow_insecure_tcp = true allows it, for tests)"
                 ));
             }
+        }
+        let e2b = &self.e2b.listen;
+        if !e2b.is_empty() && self.tls.is_none() && !self.allow_insecure_tcp && !is_loopback(e2b) {
+            return Err(format!(
+                "[e2b] listen {e2b}: off loopback the gateway needs [tls] (API keys and access \
+                 tokens would cross the network in clear; allow_insecure_tcp = true allows it)"
+            ));
         }
         if !self.metrics_listen.is_empty()
             && !is_loopback(&self.metrics_listen)

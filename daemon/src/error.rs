@@ -123,7 +123,7 @@ impl ApiError {
         }
     }
 
-    fn code(&self) -> Code {
+    pub fn code(&self) -> Code {
         match self {
             Self::InvalidArgument(_) => Code::InvalidArgument,
             Self::Unauthenticated(_) => Code::Unauthenticated,

@@ -17,6 +17,7 @@ mod auth;
 mod cgroup;
 mod config;
 mod daemon;
+mod e2b;
 mod error;
 mod exec;
 mod files;

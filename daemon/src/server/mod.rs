@@ -100,6 +100,9 @@ pub async fn listen(daemon: &Arc<Daemon>) -> Result<Servers, String> {
         }
     }
     serve_metrics(daemon).await?;
+    if !cfg.e2b.listen.is_empty() {
+        servers.spawn(crate::e2b::serve(daemon.clone(), tokens));
+    }
     Ok(servers)
 }
 

@@ -1,0 +1,413 @@
+//! The E2B-compatible gateway: code written for E2B's SDK runs on Airlock with only its
+//! settings changed (`E2B_API_URL`, `E2B_SANDBOX_URL` or `E2B_DOMAIN`, and an API key). Off
+//! unless `[e2b] listen` is set. One listener serves both of E2B's planes:
+//! - the control plane (`control.rs`): E2B's REST API (`/sandboxes`, `/v2/sandboxes`, ...),
+//!   authenticated by `X-API-Key`, which is a tenant's token (the one its gRPC calls use);
+//! - the in-sandbox plane, which E2B calls envd: its Connect RPC services `process.Process`
+//!   (`process.rs`) and `filesystem.Filesystem` (`filesystem.rs`), and `/files` and `/health`
+//!   over plain HTTP (`files.rs`). A request names its sandbox by its host
+//!   (`<port>-<sandbox id>.<domain>`), by `E2b-Sandbox-Id`, or by its access token alone (the
+//!   SDK sends only the token after some reconnects), and is authorised by the sandbox's access
+//!   token: an HMAC of the sandbox id under a key kept in the data directory, given to the
+//!   tenant by create and connect.
+//!
+//! Everything maps onto the daemon's own sandboxes, executions and files, so quotas, file and
+//! network policies, the redaction of secrets and the audit trail apply as to gRPC calls.
+
+// Handlers answer a refusal with the response itself (`Result<_, Response>`), once per request.
+#![allow(clippy::result_large_err)]
+
+mod control;
+mod files;
+mod filesystem;
+mod process;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use hmac::Mac;
+use serde::Deserialize;
+use tracing::info;
+
+use crate::auth::Tokens;
+use crate::daemon::Daemon;
+use crate::error::ApiError;
+use crate::sandbox::SandboxRt;
+
+/// envd's interface, generated from `proto/e2b` at build time.
+#[allow(missing_debug_implementations, clippy::all)]
+pub mod pb {
+    connectrpc::include_generated!();
+}
+
+/// The envd version the gateway reports: SDKs gate features on it (0.5.7: raw uploads, which
+/// the 2.x SDKs use by default; 0.4.0: no user means the default user).
+pub const ENVD_VERSION: &str = "0.5.7";
+
+/// The port E2B's SDKs address envd on.
+pub const ENVD_PORT: &str = "49983";
+
+/// `[e2b]` in the daemon's settings.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct E2bConfig {
+    /// `HOST:PORT` of the gateway's listener (HTTP/1.1 and HTTP/2; TLS with the daemon's
+    /// `[tls]`); empty: off. Off loopback it needs `[tls]` or `allow_insecure_tcp`.
+    pub listen: String,
+    /// The domain sandbox hosts are named under (`49983-<sandbox id>.<domain>`), returned to
+    /// SDKs as the sandbox's `domain`; empty: none (point `E2B_SANDBOX_URL` at the listener).
+    pub domain: String,
+    /// A sandbox's lifetime when a create names none (E2B's default: 300 s).
+    pub default_timeout_s: u32,
+    /// Paths the gateway's sandboxes may write and read through files calls (E2B's envd acts
+    /// with the guest account's own permissions everywhere).
+    pub file_paths: Vec<String>,
+}
+
+impl Default for E2bConfig {
+    fn default() -> Self {
+        Self {
+            listen: String::new(),
+            domain: String::new(),
+            default_timeout_s: 300,
+            file_paths: vec!["/".into()],
+        }
+    }
+}
+
+/// The gateway's state, shared by its handlers.
+#[derive(Debug)]
+pub struct Gateway {
+    pub daemon: Arc<Daemon>,
+    tokens: Arc<Tokens>,
+    /// The key of sandboxes' access tokens.
+    key: [u8; 32],
+}
+
+/// The sandbox an envd request is for, authorised (put in the request by [`envd_auth`]).
+#[derive(Clone, Debug)]
+pub struct Target {
+    pub rt: Arc<SandboxRt>,
+}
+
+impl Target {
+    pub fn tenant(&self) -> &str {
+        &self.rt.tenant
+    }
+}
+
+type HmacSha256 = hmac::Hmac<sha2::Sha256>;
+
+impl Gateway {
+    /// The gateway of `daemon`; the token key is made on first use (0600 in the data dir).
+    pub fn new(daemon: Arc<Daemon>, tokens: Arc<Tokens>) -> Result<Self, String> {
+        let path = daemon.cfg.data_dir.join("e2b-token.key");
+        let key = match std::fs::read(&path) {
+            Ok(k) if k.len() == 32 => k,
+            _ => {
+                use std::io::Write;
+                use std::os::unix::fs::OpenOptionsExt;
+                let mut k = vec![0u8; 32];
+                airlock_proto::identity::random_bytes(&mut k)
+                    .map_err(|e| format!("random key: {e}"))?;
+                let mut f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .mode(0o600)
+                    .open(&path)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                f.write_all(&k)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                k
+            }
+        };
+        let mut fixed = [0u8; 32];
+        fixed.copy_from_slice(&key);
+        Ok(Self {
+            daemon,
+            tokens,
+            key: fixed,
+        })
+    }
+
+    fn mac(&self) -> HmacSha256 {
+        // An HMAC takes a key of any length: this cannot fail.
+        <HmacSha256 as Mac>::new_from_slice(&self.key).unwrap_or_else(|_| unreachable!())
+    }
+
+    /// Sandbox `id`'s access token.
+    pub fn access_token(&self, id: &str) -> String {
+        let mut m = self.mac();
+        m.update(b"e2b-envd-access\0");
+        m.update(id.as_bytes());
+        crate::audit::hex(&m.finalize().into_bytes())
+    }
+
+    /// Whether `token` is sandbox `id`'s access token (compared in constant time).
+    fn token_matches(&self, id: &str, token: &str) -> bool {
+        let mut m = self.mac();
+        m.update(b"e2b-envd-access\0");
+        m.update(id.as_bytes());
+        let Some(raw) = from_hex(token) else {
+            return false;
+        };
+        m.verify_slice(&raw).is_ok()
+    }
+
+    /// The tenant whose API key `headers` carry.
+    pub fn tenant(&self, headers: &HeaderMap) -> Result<String, Response> {
+        let key = header_str(headers, "x-api-key")
+            .or_else(|| {
+                header_str(headers, "authorization").map(|a| a.strip_prefix("Bearer ").unwrap_or(a))
+            })
+            .map(str::trim)
+            .filter(|k| !k.is_empty());
+        match key.and_then(|k| self.tokens.tenant_of(k)) {
+            Some(t) => Ok(t.to_owned()),
+            None => Err(json_error(
+                StatusCode::UNAUTHORIZED,
+                "an API key (X-API-Key) of an Airlock tenant is needed",
+            )),
+        }
+    }
+
+    /// The sandbox the host name `<port>-<id>.<domain>` names, for envd's port.
+    fn host_sandbox<'h>(&self, headers: &'h HeaderMap) -> Option<&'h str> {
+        let domain = &self.daemon.cfg.e2b.domain;
+        if domain.is_empty() {
+            return None;
+        }
+        let host = header_str(headers, "host")?;
+        let host = host.rsplit_once(':').map_or(host, |(h, p)| {
+            if p.bytes().all(|b| b.is_ascii_digit()) {
+                h
+            } else {
+                host
+            }
+        });
+        let label = host.strip_suffix(domain.as_str())?.strip_suffix('.')?;
+        let (port, id) = label.split_once('-')?;
+        (port == ENVD_PORT).then_some(id)
+    }
+
+    /// The live sandbox an envd request is for, authorised by its access token.
+    fn envd_target(&self, headers: &HeaderMap) -> Result<Target, Response> {
+        let token = header_str(headers, "x-access-token").map(str::trim);
+        let named = self
+            .host_sandbox(headers)
+            .or_else(|| header_str(headers, "e2b-sandbox-id"))
+            .map(str::to_owned);
+        let id = match (named, token) {
+            (Some(id), _) => id,
+            // No name: the token alone (it names one sandbox: look it up among the live ones).
+            (None, Some(t)) => self
+                .daemon
+                .sandboxes
+                .all()
+                .into_iter()
+                .map(|rt| rt.id.clone())
+                .find(|id| self.token_matches(id, t))
+                .ok_or_else(|| {
+                    json_error(
+                        StatusCode::UNAUTHORIZED,
+                        "no live sandbox has this access token",
+                    )
+                })?,
+            (None, None) => {
+                return Err(json_error(
+                    StatusCode::BAD_REQUEST,
+                    "which sandbox? (E2b-Sandbox-Id or the host <port>-<id>.<domain>)",
+                ));
+            }
+        };
+        if !token.is_some_and(|t| self.token_matches(&id, t)) {
+            return Err(json_error(
+                StatusCode::UNAUTHORIZED,
+                "the sandbox's access token (X-Access-Token) is missing or wrong",
+            ));
+        }
+        let gone = || {
+            json_error(
+                StatusCode::BAD_GATEWAY,
+                &format!("The sandbox {id} was not found"),
+            )
+        };
+        let rt = self.daemon.sandboxes.by_id(&id).ok_or_else(gone)?;
+        if rt.state() != airlock_api::v1::SandboxState::Running || rt.is_ending() {
+            return Err(gone());
+        }
+        rt.touch();
+        Ok(Target { rt })
+    }
+}
+
+fn from_hex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// A header's value as text.
+pub fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+/// An error in E2B's JSON shape (`{"code": STATUS, "message": ...}`); never retried by the
+/// SDKs (`Should-Retry: false`: a create the SDK repeated could make a second sandbox).
+pub fn json_error(status: StatusCode, message: &str) -> Response {
+    let body = serde_json::json!({"code": status.as_u16(), "message": message});
+    let mut r = (status, axum::Json(body)).into_response();
+    r.headers_mut()
+        .insert("should-retry", HeaderValue::from_static("false"));
+    r
+}
+
+/// The HTTP status of a daemon error, for the REST and file endpoints.
+pub fn http_status(e: &ApiError) -> StatusCode {
+    use tonic::Code;
+    match e {
+        ApiError::FileTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+        ApiError::DiskQuota { .. } => StatusCode::INSUFFICIENT_STORAGE,
+        ApiError::SandboxNotRunning { .. } => StatusCode::CONFLICT,
+        _ => match e.code() {
+            Code::InvalidArgument | Code::OutOfRange => StatusCode::BAD_REQUEST,
+            Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+            Code::PermissionDenied => StatusCode::FORBIDDEN,
+            Code::NotFound => StatusCode::NOT_FOUND,
+            Code::AlreadyExists | Code::Aborted | Code::FailedPrecondition => StatusCode::CONFLICT,
+            Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+            Code::Unavailable => StatusCode::BAD_GATEWAY,
+            Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        },
+    }
+}
+
+/// A daemon error as an E2B error, its message redacted of the tenant's secrets, a denial
+/// audited.
+pub fn api_error(tenant: &str, sandbox: &str, call: &str, e: &ApiError) -> Response {
+    crate::audit::denial(tenant, sandbox, call, e);
+    let message = crate::secrets::logs::redact(Some(tenant), &e.to_string());
+    tracing::info!(
+        call,
+        tenant,
+        reason = e.reason(),
+        "e2b call failed: {message}"
+    );
+    json_error(http_status(e), &message)
+}
+
+/// Resolves and authorises the sandbox of an envd request.
+async fn envd_auth(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next) -> Response {
+    match gw.envd_target(req.headers()) {
+        Ok(t) => {
+            req.extensions_mut().insert(t);
+            next.run(req).await
+        }
+        Err(r) => r,
+    }
+}
+
+/// The gateway's routes: the control plane by path, envd's for the rest.
+pub fn router(gw: Arc<Gateway>) -> Router {
+    let connect = connectrpc::Router::new()
+        .add_service(Arc::new(process::ProcessService::new(gw.clone())))
+        .add_service(Arc::new(filesystem::FilesystemService::new(gw.clone())));
+    let envd = files::routes()
+        .fallback_service(connect.into_axum_service())
+        .layer(axum::middleware::from_fn_with_state(gw.clone(), envd_auth))
+        .with_state(gw.clone());
+    control::routes()
+        .with_state(gw)
+        .fallback_service(envd)
+        .layer(axum::extract::DefaultBodyLimit::disable())
+}
+
+/// Serves the gateway on `listener` (TLS with the daemon's `[tls]`) until it fails.
+pub async fn serve(daemon: Arc<Daemon>, tokens: Arc<Tokens>) -> Result<(), String> {
+    let addr = daemon.cfg.e2b.listen.clone();
+    let tls = match &daemon.cfg.tls {
+        Some(t) => Some(tls_acceptor(t)?),
+        None => None,
+    };
+    let gw = Arc::new(Gateway::new(daemon.clone(), tokens)?);
+    let app = router(gw);
+    let listener = crate::server::bind_tcp(&addr)
+        .await
+        .map_err(|e| format!("[e2b] listen {addr}: {e}"))?;
+    let local = listener.local_addr().map_err(|e| e.to_string())?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    info!("E2B gateway on {scheme}://{local}");
+    let max = daemon.cfg.max_connections;
+    let open = Arc::new(tokio::sync::Semaphore::new(max));
+    loop {
+        let (stream, _) = listener.accept().await.map_err(|e| e.to_string())?;
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            continue; // over the connection limit: closed at once
+        };
+        let (app, tls) = (app.clone(), tls.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            let svc = hyper_util::service::TowerToHyperService::new(app);
+            let builder =
+                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+            let served = match tls {
+                Some(acceptor) => match acceptor.accept(stream).await {
+                    Ok(s) => {
+                        builder
+                            .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                            .await
+                    }
+                    Err(_) => return,
+                },
+                None => {
+                    builder
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                        .await
+                }
+            };
+            if let Err(e) = served {
+                tracing::debug!("e2b connection: {e}");
+            }
+        });
+    }
+}
+
+/// The daemon's certificate and key, offering HTTP/2 and HTTP/1.1.
+fn tls_acceptor(t: &crate::config::TlsSettings) -> Result<tokio_rustls::TlsAcceptor, String> {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_file_iter(&t.cert)
+        .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+        .map_err(|e| format!("{}: {e}", t.cert.display()))?;
+    let key =
+        PrivateKeyDer::from_pem_file(&t.key).map_err(|e| format!("{}: {e}", t.key.display()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| format!("[e2b] TLS: {e}"))?;
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(cfg)))
+}
+
+/// `Content-Type: application/json` responses of a value.
+pub fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Response {
+    let mut r = (status, axum::Json(v)).into_response();
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
