@@ -168,7 +168,10 @@ async fn upload(
                 (Some(p), _) if parts == 1 && !p.is_empty() => p.to_owned(),
                 (_, Some(f)) if !f.is_empty() => f.to_owned(),
                 _ => {
-                    return json_error(StatusCode::BAD_REQUEST, "a file part without a destination");
+                    return json_error(
+                        StatusCode::BAD_REQUEST,
+                        "a file part without a destination",
+                    );
                 }
             };
             let data = field.map(|c| {

@@ -1,0 +1,316 @@
+//! System tests of the E2B gateway through a live airlockd, in real VMs. The unchanged `e2b`
+//! SDK from PyPI, at two pinned versions (the newest and an older 2.x, each in a venv of its
+//! own made by `tests/e2b/venv.sh`), runs `tests/e2b/test_sdk.py` with only E2B_API_KEY,
+//! E2B_API_URL and E2B_SANDBOX_URL set: create, commands (streamed output, background, wait,
+//! kill, stdin, exit codes), files, timeouts, list by metadata, kill, the async client. A raw
+//! HTTP scenario checks what the SDK never shows: refusals, the host-name route, the errors'
+//! JSON shape, and that what the gateway does is the daemon's (the tenant's gRPC client sees
+//! its sandboxes, the audit trail its file writes).
+#![allow(clippy::unwrap_used)] // a failed step is a failed test
+
+use std::io::{Read as _, Write as _};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use airlock_api::v1::{ListAuditEventsRequest, ListSandboxesRequest, SandboxState};
+use airlock_system_tests::shared::{Shared, scenario};
+
+const KEY: &str = "e2b-test-key-acme-0123456789";
+const DOMAIN: &str = "e2b.test";
+
+/// The gateway's port: fixed per test process (the shared daemon's settings are made once).
+fn port() -> u16 {
+    static PORT: std::sync::OnceLock<u16> = std::sync::OnceLock::new();
+    *PORT.get_or_init(|| {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port()
+    })
+}
+
+fn config() -> String {
+    format!(
+        "pool_size = 2\n[tenants.acme]\ntokens = [\"{KEY}\"]\n\
+         [e2b]\nlisten = \"127.0.0.1:{}\"\ndomain = \"{DOMAIN}\"\n",
+        port()
+    )
+}
+
+async fn shared() -> (tokio::sync::MutexGuard<'static, ()>, &'static Shared) {
+    let (guard, s) = scenario(&config()).await;
+    airlock_system_tests::harness::wait_tcp_listening(port(), &s.log);
+    s.clean(&[KEY]).await;
+    (guard, s)
+}
+
+/// The tenant's live sandboxes, by its gRPC client.
+async fn live(s: &Shared) -> Vec<airlock_api::v1::Sandbox> {
+    let mut c = s.client(Some(KEY)).await;
+    c.list_sandboxes(ListSandboxesRequest {
+        states: vec![
+            SandboxState::Starting as i32,
+            SandboxState::Running as i32,
+            SandboxState::Paused as i32,
+        ],
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .sandboxes
+}
+
+/// Runs the SDK's tests with `version` of the `e2b` package.
+async fn run_sdk(version: &str) {
+    let (_guard, s) = shared().await;
+    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2b");
+    let venv = Command::new(here.join("venv.sh"))
+        .arg(version)
+        .output()
+        .unwrap();
+    assert!(
+        venv.status.success(),
+        "tests/e2b/venv.sh {version} (the SDK from PyPI) failed: {}",
+        String::from_utf8_lossy(&venv.stderr)
+    );
+    let python = String::from_utf8(venv.stdout)
+        .unwrap()
+        .trim()
+        .lines()
+        .last()
+        .unwrap()
+        .to_owned();
+    let url = format!("http://127.0.0.1:{}", port());
+    let t0 = Instant::now();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .args([
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "no:asyncio",
+            ])
+            .arg(here.join("test_sdk.py"))
+            .env("E2B_API_KEY", KEY)
+            .env("E2B_API_URL", &url)
+            .env("E2B_SANDBOX_URL", &url)
+            .env_remove("E2B_DEBUG")
+            .env_remove("E2B_DOMAIN")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("e2b {version}: pytest in {:?}\n{text}", t0.elapsed());
+    assert!(
+        out.status.success(),
+        "the e2b {version} SDK's tests failed:\n{text}\ndaemon log:\n{}",
+        s.log_tail()
+    );
+    // Whatever the SDK made, it killed (or its timeout ended).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !live(s).await.is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(live(s).await, vec![], "sandboxes left behind");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_newest_python_sdk_runs_unchanged() {
+    run_sdk("2.63.0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_python_sdk_runs_unchanged() {
+    run_sdk("2.20.0").await;
+}
+
+/// An HTTP/1.1 exchange with the gateway: the status, the headers (lowercase names) and the body.
+fn http(method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> (u16, String, String) {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port())).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        req.push_str("Host: 127.0.0.1\r\n");
+    }
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let head = head.to_ascii_lowercase();
+    // A chunked body: the chunks' data, joined.
+    let body = if head.contains("transfer-encoding: chunked") {
+        let mut out = String::new();
+        let mut rest = body;
+        while let Some((size, tail)) = rest.split_once("\r\n") {
+            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            out.push_str(&tail[..n]);
+            rest = &tail[n + 2..];
+        }
+        out
+    } else {
+        body.to_owned()
+    };
+    (status, head, body)
+}
+
+fn json(body: &str) -> serde_json::Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_authenticates_routes_by_host_and_is_the_daemon_underneath() {
+    let (_guard, s) = shared().await;
+    let key = [("X-API-Key", KEY)];
+    // No key, a wrong key: 401 in E2B's error shape, never retried.
+    let (st, head, body) = http("POST", "/v2/sandboxes", &[], b"{}");
+    assert_eq!(st, 401, "{body}");
+    assert_eq!(json(&body)["code"], 401);
+    assert!(head.contains("should-retry: false"), "{head}");
+    let (st, _, _) = http("GET", "/v2/sandboxes", &[("X-API-Key", "nope")], b"");
+    assert_eq!(st, 401);
+    // A template that does not exist: 404 naming it.
+    let body_missing = br#"{"templateID":"no-such-template"}"#;
+    let (st, _, body) = http("POST", "/v2/sandboxes", &key, body_missing);
+    assert_eq!(st, 404, "{body}");
+    assert!(
+        json(&body)["message"]
+            .as_str()
+            .unwrap()
+            .contains("no-such-template")
+    );
+    // A malformed body: 400, JSON.
+    let (st, _, body) = http("POST", "/v2/sandboxes", &key, b"{not json");
+    assert_eq!((st, json(&body)["code"].as_u64()), (400, Some(400)));
+
+    // Create: 201, the sandbox the tenant's gRPC client sees, its metadata as labels.
+    let create = br#"{"templateID":"base","timeout":300,"metadata":{"owner":"raw-http"},"envVars":{"X":"1"}}"#;
+    let (st, _, body) = http("POST", "/v2/sandboxes", &key, create);
+    assert_eq!(st, 201, "{body}");
+    let made = json(&body);
+    let id = made["sandboxID"].as_str().unwrap().to_owned();
+    let token = made["envdAccessToken"].as_str().unwrap().to_owned();
+    assert_eq!(made["domain"], DOMAIN);
+    let seen = live(s).await;
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].id, id);
+    assert_eq!(
+        seen[0].labels.get("owner").map(String::as_str),
+        Some("raw-http")
+    );
+    // Another tenant (the default one) does not see it through its key... it has none: the
+    // gateway refuses, and the default tenant's gRPC list does not show it.
+    let mut def = s.client(None).await;
+    let others = def
+        .list_sandboxes(ListSandboxesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .sandboxes;
+    assert!(others.iter().all(|o| o.id != id));
+
+    // envd: by the E2b-Sandbox-Id header, by the host name, by the token alone.
+    let by_header = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("X-Access-Token", token.as_str()),
+    ];
+    assert_eq!(http("GET", "/health", &by_header, b"").0, 204);
+    let host = format!("49983-{id}.{DOMAIN}:{}", port());
+    let by_host = [("Host", host.as_str()), ("X-Access-Token", token.as_str())];
+    assert_eq!(http("GET", "/health", &by_host, b"").0, 204);
+    assert_eq!(
+        http("GET", "/health", &[("X-Access-Token", token.as_str())], b"").0,
+        204
+    );
+    // A wrong token, no token, no sandbox named: refused.
+    let wrong = [("E2b-Sandbox-Id", id.as_str()), ("X-Access-Token", "00ff")];
+    assert_eq!(http("GET", "/health", &wrong, b"").0, 401);
+    assert_eq!(
+        http("GET", "/health", &[("E2b-Sandbox-Id", id.as_str())], b"").0,
+        401
+    );
+    assert_eq!(http("GET", "/health", &[], b"").0, 400);
+
+    // An upload (raw body) and a download; the audit trail has the write, by the tenant.
+    let up = "/files?path=%2Fhome%2Fuser%2Fraw.txt";
+    let (st, _, body) = http("POST", up, &by_header, b"raw upload");
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(
+        json(&body),
+        serde_json::json!([{"name": "raw.txt", "type": "file", "path": "/home/user/raw.txt"}])
+    );
+    let (st, _, body) = http("GET", up, &by_host, b"");
+    assert_eq!((st, body.as_str()), (200, "raw upload"));
+    let (st, _, body) = http("GET", "/files?path=/home/user/missing", &by_header, b"");
+    assert_eq!(st, 404, "{body}");
+    assert!(
+        json(&body)["message"]
+            .as_str()
+            .unwrap()
+            .contains("does not exist")
+    );
+    let mut c = s.client(Some(KEY)).await;
+    let events = c
+        .list_audit_events(ListAuditEventsRequest {
+            sandbox_id: id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .events;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.kind == "file.write" && e.detail_json.contains("/home/user/raw.txt")),
+        "{events:?}"
+    );
+    // An unserved envd method answers 501 (unimplemented), not 404 (which SDKs read as "no
+    // such file").
+    let (st, _, _) = http(
+        "POST",
+        "/filesystem.Filesystem/CreateWatcher",
+        &[
+            by_header[0],
+            by_header[1],
+            ("Content-Type", "application/json"),
+        ],
+        br#"{"path":"/tmp"}"#,
+    );
+    assert_eq!(st, 501);
+
+    // Kill: 204; then envd says the sandbox is gone, and a second kill is a 404 in E2B's shape.
+    assert_eq!(
+        http("DELETE", &format!("/sandboxes/{id}"), &key, b"").0,
+        204
+    );
+    let (st, _, body) = http("GET", "/health", &by_header, b"");
+    assert_eq!(st, 502);
+    assert!(body.contains("was not found"), "{body}");
+    let (st, _, body) = http("DELETE", &format!("/sandboxes/{id}"), &key, b"");
+    assert_eq!((st, json(&body)["code"].as_u64()), (404, Some(404)));
+    assert!(live(s).await.is_empty());
+}
