@@ -2,7 +2,8 @@
 //! SDK from PyPI, at two pinned versions (the newest and an older 2.x, each in a venv of its
 //! own made by `tests/e2b/venv.sh`), runs `tests/e2b/test_sdk.py` with only E2B_API_KEY,
 //! E2B_API_URL and E2B_SANDBOX_URL set: create, commands (streamed output, background, wait,
-//! kill, stdin, exit codes), files, timeouts, list by metadata, kill, the async client. A raw
+//! kill, stdin, exit codes), files, timeouts, list by metadata, kill, the async client; the
+//! `e2b` npm package (Node.js) runs the same scenario (`tests/e2b/js/scenario.mjs`). A raw
 //! HTTP scenario checks what the SDK never shows: refusals, the host-name route, the errors'
 //! JSON shape, and that what the gateway does is the daemon's (the tenant's gRPC client sees
 //! its sandboxes, the audit trail its file writes).
@@ -133,6 +134,51 @@ async fn the_newest_python_sdk_runs_unchanged() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_older_python_sdk_runs_unchanged() {
     run_sdk("2.20.0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_javascript_sdk_runs_unchanged() {
+    let (_guard, s) = shared().await;
+    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2b/js");
+    let install = Command::new(here.join("install.sh")).output().unwrap();
+    assert!(
+        install.status.success(),
+        "tests/e2b/js/install.sh (the e2b npm package; Node.js >= 20.18) failed: {}",
+        String::from_utf8_lossy(&install.stderr)
+    );
+    let modules = String::from_utf8(install.stdout).unwrap().trim().to_owned();
+    // ES modules resolve packages next to the script: run it from a directory beside them.
+    let dir = s.dir.join("e2b-js");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::os::unix::fs::symlink(&modules, dir.join("node_modules")).unwrap();
+    std::fs::copy(here.join("scenario.mjs"), dir.join("scenario.mjs")).unwrap();
+    let url = format!("http://127.0.0.1:{}", port());
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("node")
+            .arg(dir.join("scenario.mjs"))
+            .env("E2B_API_KEY", KEY)
+            .env("E2B_API_URL", &url)
+            .env("E2B_SANDBOX_URL", &url)
+            .env_remove("E2B_DEBUG")
+            .env_remove("E2B_DOMAIN")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("e2b (npm):\n{text}");
+    assert!(
+        out.status.success() && text.contains("\nok"),
+        "the e2b npm package's scenario failed:\n{text}\ndaemon log:\n{}",
+        s.log_tail()
+    );
+    assert_eq!(live(s).await, vec![], "sandboxes left behind");
 }
 
 /// An HTTP/1.1 exchange with the gateway: the status, the headers (lowercase names) and the body.
