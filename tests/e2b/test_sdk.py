@@ -235,3 +235,73 @@ def test_the_async_client():
         assert not await s.is_running()
 
     asyncio.run(scenario())
+
+
+def test_the_readme_example_runs_unchanged():
+    # E2B's README, verbatim but for the check of what it prints.
+    with Sandbox.create() as sandbox:
+        result = sandbox.commands.run('echo "Hello from E2B!"')
+        assert result.stdout == "Hello from E2B!\n"
+        made = sandbox.sandbox_id
+    # Leaving the block killed it.
+    assert Sandbox.kill(made) is False
+
+
+def test_pause_then_connect_resumes():
+    s = Sandbox.create(timeout=300, request_timeout=120)
+    try:
+        s.files.write("/home/user/kept.txt", "across a pause")
+        s.pause()
+        assert s.get_info().state.value == "paused"
+        assert not s.is_running()
+        again = Sandbox.connect(s.sandbox_id)
+        assert again.get_info().state.value == "running"
+        assert again.files.read("/home/user/kept.txt") == "across a pause"
+        assert again.commands.run("echo awake", **RUN).stdout == "awake\n"
+    finally:
+        s.kill()
+
+
+def test_metrics_describe_the_sandbox(sbx):
+    m = sbx.get_metrics()
+    assert len(m) >= 1
+    assert m[0].cpu_count == sbx.get_info().cpu_count
+    assert m[0].mem_total == sbx.get_info().memory_mb * 1024 * 1024
+    assert m[0].mem_used > 0
+
+
+def test_write_files_many_and_list_with_depth(sbx):
+    d = f"/home/user/m-{uuid.uuid4().hex[:8]}"
+    infos = sbx.files.write_files(
+        [
+            {"path": f"{d}/top.txt", "data": "top"},
+            {"path": f"{d}/sub/deep.txt", "data": "deep"},
+        ]
+    )
+    assert sorted(i.path for i in infos) == [f"{d}/sub/deep.txt", f"{d}/top.txt"]
+    assert sbx.files.read(f"{d}/sub/deep.txt") == "deep"
+    shallow = sorted(e.name for e in sbx.files.list(d))
+    assert shallow == ["sub", "top.txt"]
+    deep = sorted(e.path for e in sbx.files.list(d, depth=2))
+    assert deep == [f"{d}/sub", f"{d}/sub/deep.txt", f"{d}/top.txt"]
+
+
+def test_gzip_and_streamed_uploads(sbx):
+    import inspect
+
+    if "gzip" not in inspect.signature(sbx.files.write).parameters:
+        pytest.skip("this SDK version has no gzip uploads")
+    path = "/home/user/zipped.txt"
+    sbx.files.write(path, "z" * 10000, gzip=True)
+    assert sbx.files.read(path) == "z" * 10000
+    sbx.files.write("/home/user/streamed.bin", iter([b"ab", b"cd", b"ef"]))
+    assert sbx.files.read("/home/user/streamed.bin") == "abcdef"
+
+
+def test_stream_input_and_close_stdin(sbx):
+    if not hasattr(sbx.commands, "close_stdin"):
+        pytest.skip("this SDK version has no close_stdin")
+    h = sbx.commands.run("cat", background=True, stdin=True, **RUN)
+    sbx.commands.stream_input(h.pid, ["one ", "two ", b"three"])
+    sbx.commands.close_stdin(h.pid)
+    assert h.wait().stdout == "one two three"
