@@ -1487,11 +1487,13 @@ def exec_request(
     memory_limit_mib: Optional[int] = None,
     user: Optional[str] = None,
     secrets: "SecretsSpec" = None,
+    stdin_open: bool = False,
 ) -> "pb.ExecRequest":
     """``cmd`` as a list is an argv; a string is a shell script (``/bin/sh -c``), or source code
     when ``language`` is given. ``user`` is the guest account (``None``: the unprivileged
     ``user``; ``"root"`` for root). ``secrets`` of an execution are environment variables only
-    (:meth:`Secret.env`)."""
+    (:meth:`Secret.env`). ``stdin_open`` keeps stdin open after ``stdin`` for
+    ``Execution.write_stdin``."""
     req = pb.ExecRequest(
         sandbox_id=sandbox_id,
         cwd=cwd or "",
@@ -1500,6 +1502,7 @@ def exec_request(
         timeout_ms=int(timeout * 1000) if timeout else 0,
         stdin=stdin.encode() if isinstance(stdin, str) else (stdin or b""),
         memory_limit_mib=memory_limit_mib or 0,
+        stdin_open=stdin_open,
     )
     req.secrets.extend(secret_list(secrets, env_only=True))
     if language is not None:

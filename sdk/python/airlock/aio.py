@@ -302,6 +302,14 @@ class AsyncExecution:
         assert self.final is not None
         return collector.result(self.final, check)
 
+    async def write_stdin(self, data: Union[bytes, str], eof: bool = False) -> None:
+        """As :meth:`airlock.client.Execution.write_stdin`."""
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        await self._c._unary("WriteStdin", pb.WriteStdinRequest(execution_id=self.id, data=raw, eof=eof))
+
+    async def close_stdin(self) -> None:
+        await self.write_stdin(b"", eof=True)
+
     async def kill(self, signal: int = 0) -> bool:
         resp = await self._c._unary("KillExecution", pb.KillExecutionRequest(execution_id=self.id, signal=signal))
         return resp.signalled
@@ -400,9 +408,11 @@ class AsyncSandbox(c.SandboxInfo):
         memory_limit_mib: Optional[int] = None,
         user: Optional[str] = None,
         secrets: c.SecretsSpec = None,
+        stdin_open: bool = False,
     ) -> AsyncExecution:
         req = c.exec_request(
-            self.id, cmd, cwd, env, timeout, stdin, language, memory_limit_mib, user, secrets
+            self.id, cmd, cwd, env, timeout, stdin, language, memory_limit_mib, user, secrets,
+            stdin_open,
         )
         return AsyncExecution(self._c, (await self._c._unary("Exec", req)).execution_id)
 

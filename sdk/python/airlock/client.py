@@ -361,6 +361,16 @@ class Execution:
             except StopIteration as stop:
                 return collector.result(stop.value, check)
 
+    def write_stdin(self, data: Union[bytes, str], eof: bool = False) -> None:
+        """More stdin for an execution started with ``stdin_open=True`` (at most 1 MiB a
+        call); ``eof`` closes it after ``data``. Returns once the guest wrote it to the pipe."""
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        self._c._unary("WriteStdin", pb.WriteStdinRequest(execution_id=self.id, data=raw, eof=eof))
+
+    def close_stdin(self) -> None:
+        """Closes the execution's stdin (the program reads end of file)."""
+        self.write_stdin(b"", eof=True)
+
     def kill(self, signal: int = 0) -> bool:
         """Sends ``signal`` (0: SIGKILL); False when it had already ended."""
         resp = self._c._unary("KillExecution", pb.KillExecutionRequest(execution_id=self.id, signal=signal))
@@ -468,6 +478,7 @@ class Sandbox(c.SandboxInfo):
         memory_limit_mib: Optional[int] = None,
         user: Optional[str] = None,
         secrets: c.SecretsSpec = None,
+        stdin_open: bool = False,
     ) -> Execution:
         """Starts ``cmd`` and returns at once. ``cmd`` is an argv list, or a string run by
         ``/bin/sh -c`` (source code in ``language`` when that is given). ``timeout`` in
@@ -477,7 +488,8 @@ class Sandbox(c.SandboxInfo):
         only, environment variables (:meth:`~airlock.Secret.env`, or ``{name: value}``),
         redacted from its output and record like the sandbox's."""
         req = c.exec_request(
-            self.id, cmd, cwd, env, timeout, stdin, language, memory_limit_mib, user, secrets
+            self.id, cmd, cwd, env, timeout, stdin, language, memory_limit_mib, user, secrets,
+            stdin_open,
         )
         return Execution(self._c, self._c._unary("Exec", req).execution_id)
 

@@ -126,6 +126,24 @@ def test_timeout_and_kill(sandbox):
     assert r.state == "killed" and r.error_reason == "KILLED"
 
 
+def test_stdin_kept_open_takes_more_input(sandbox):
+    ex = sandbox.start(["cat"], stdin="first\n", stdin_open=True)
+    ex.write_stdin("second\n")
+    ex.write_stdin(b"third\n")
+    ex.close_stdin()
+    r = ex.wait()
+    assert r.stdout == "first\nsecond\nthird\n"
+    assert r.exit_code == 0
+    # Its stdin is closed, and so is an ended execution's: refused, not lost silently.
+    with pytest.raises(airlock.InvalidArgument):
+        ex.write_stdin("late\n")
+    # Without stdin_open, stdin is closed after `stdin`.
+    plain = sandbox.start(["sleep", "30"])
+    with pytest.raises(airlock.InvalidArgument):
+        plain.write_stdin("x")
+    plain.kill()
+
+
 def test_files(client):
     placed = {"/tmp/placed.txt": "from create\n", "/tmp/sub/bin.dat": bytes(range(256))}
     with client.sandboxes.create(files=placed) as sb:
