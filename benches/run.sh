@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks. Usage: benches/run.sh boot|exec|restore|settle|net|create|jail|disk|soak|plot
+# Benchmarks. Usage: benches/run.sh boot|exec|restore|settle|net|create|jail|disk|soak|e2b|plot
 #   boot  time from process start to `airlock: userspace up`, airlock-vmm vs QEMU microvm
 #         (same kernel, image, vCPUs and memory, interleaved runs), and the VMM's resident
 #         memory outside guest RAM. RUNS (default 5), VCPUS (1), MEM_MIB (256).
@@ -44,6 +44,10 @@
 #         and with a read-only one, two daemons side by side, RUNS (default 20) creates each,
 #         alternating; then in one sandbox of each DD_RUNS (3) times dd writes DD_MIB (16) MiB
 #         where it writes (/root on the layer, /tmp on the tmpfs) and reads it back, uncached.
+#   e2b   the E2B gateway's cost: the same steps (create, a first command, 10 more, a 64 KiB
+#         file written and read, kill) through the unchanged `e2b` SDK and the gateway and
+#         through Airlock's Python SDK over gRPC, one live airlockd, alternating; RUNS (default
+#         10); the p50 ratios gateway / gRPC (benches/e2b.py, in a venv with both SDKs).
 #   plot  OUT.png LABEL=RESULT.json...: the distributions in bench results (the JSON lines that
 #         create and exec print; say, one before a change and one after) as CDFs, one panel per
 #         measure and one curve per LABEL (benches/plot.py; matplotlib goes into a venv under
@@ -176,6 +180,20 @@ bench_soak() {
     "$counted"
 }
 
+bench_e2b() {
+  artifacts
+  (cd "$root" && cargo build --release -q -p airlock-vmm -p airlockd >&2)
+  local venv=${AIRLOCK_CACHE_DIR:-/var/cache/airlock}/bench-e2b
+  if [[ ! -x $venv/bin/python ]]; then
+    python3 -m venv "$venv" >&2
+    "$venv/bin/pip" install -q e2b==2.63.0 >&2
+  fi
+  "$venv/bin/pip" install -q "$root/sdk/python" >&2
+  rm -rf "$root/sdk/python/build" "$root"/sdk/python/*.egg-info
+  "$venv/bin/python" "$root/benches/e2b.py" --daemon "$root/target/release/airlockd" \
+    --vmm "$root/target/release/airlock-vmm" --runs "${RUNS:-10}"
+}
+
 bench_plot() {
   local venv="${AIRLOCK_CACHE_DIR:-/var/cache/airlock}/bench-python"
   if ! "$venv/bin/python" -c 'import matplotlib' 2>/dev/null; then
@@ -200,8 +218,9 @@ main() {
     jail) bench_jail ;;
     disk) bench_disk ;;
     soak) bench_soak ;;
+    e2b) bench_e2b ;;
     *)
-      sed -n '2,48p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,52p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac
