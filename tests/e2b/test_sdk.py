@@ -108,7 +108,7 @@ def test_send_stdin_reaches_a_running_command(sbx):
 
 
 def test_connect_follows_a_running_command(sbx):
-    h = sbx.commands.run("sleep 1; echo late", background=True, **RUN)
+    h = sbx.commands.run("sleep 5; echo late", background=True, **RUN)
     h.disconnect()
     again = sbx.commands.connect(h.pid)
     r = again.wait()
