@@ -47,7 +47,7 @@
 #   e2b   the E2B gateway's cost: the same steps (create, a first command, 10 more, a 64 KiB
 #         file written and read, kill) through the unchanged `e2b` SDK and the gateway and
 #         through Airlock's Python SDK over gRPC, one live airlockd, alternating; RUNS (default
-#         10); the p50 ratios gateway / gRPC (benches/e2b.py, in a venv with both SDKs).
+#         10); the p50 ratios gateway / gRPC (benches/gateway.py, in a venv with both SDKs).
 #   plot  OUT.png LABEL=RESULT.json...: the distributions in bench results (the JSON lines that
 #         create and exec print; say, one before a change and one after) as CDFs, one panel per
 #         measure and one curve per LABEL (benches/plot.py; matplotlib goes into a venv under
@@ -190,7 +190,7 @@ bench_e2b() {
   fi
   "$venv/bin/pip" install -q "$root/sdk/python" >&2
   rm -rf "$root/sdk/python/build" "$root"/sdk/python/*.egg-info
-  "$venv/bin/python" "$root/benches/e2b.py" --daemon "$root/target/release/airlockd" \
+  "$venv/bin/python" "$root/benches/gateway.py" --daemon "$root/target/release/airlockd" \
     --vmm "$root/target/release/airlock-vmm" --runs "${RUNS:-10}"
 }
 

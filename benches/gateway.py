@@ -6,7 +6,7 @@ command: a connection to the agent, a process), run `echo` ten times more (warm 
 write and read back a 64 KiB file, kill it. Prints one JSON object: per side and step the
 summary (p50/p90/p99, mean, samples, ms) and the ratios gateway / gRPC of the p50s.
 
-Usage (benches/run.sh e2b): e2b.py --daemon AIRLOCKD --vmm AIRLOCK_VMM --runs N
+Usage (benches/run.sh e2b): gateway.py --daemon AIRLOCKD --vmm AIRLOCK_VMM --runs N
 """
 
 import argparse
