@@ -44,7 +44,7 @@
 #         and with a read-only one, two daemons side by side, RUNS (default 20) creates each,
 #         alternating; then in one sandbox of each DD_RUNS (3) times dd writes DD_MIB (16) MiB
 #         where it writes (/root on the layer, /tmp on the tmpfs) and reads it back, uncached.
-#   e2b   the E2B gateway's cost: the same steps (create, a first command, 10 more, a 64 KiB
+#   e2b   the E2B gateway's cost: the same steps (create, a first command, 5 more, a 64 KiB
 #         file written and read, kill) through the unchanged `e2b` SDK and the gateway and
 #         through Airlock's Python SDK over gRPC, one live airlockd, alternating; RUNS (default
 #         10); the p50 ratios gateway / gRPC (benches/gateway.py, in a venv with both SDKs).
