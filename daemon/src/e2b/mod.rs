@@ -135,28 +135,13 @@ impl Gateway {
         })
     }
 
-    fn mac(&self) -> HmacSha256 {
-        // An HMAC takes a key of any length: this cannot fail.
-        <HmacSha256 as Mac>::new_from_slice(&self.key).unwrap_or_else(|_| unreachable!())
-    }
-
     /// Sandbox `id`'s access token.
     pub fn access_token(&self, id: &str) -> String {
-        let mut m = self.mac();
-        m.update(b"e2b-envd-access\0");
-        m.update(id.as_bytes());
-        crate::audit::hex(&m.finalize().into_bytes())
+        access_token(&self.key, id)
     }
 
-    /// Whether `token` is sandbox `id`'s access token (compared in constant time).
     fn token_matches(&self, id: &str, token: &str) -> bool {
-        let mut m = self.mac();
-        m.update(b"e2b-envd-access\0");
-        m.update(id.as_bytes());
-        let Some(raw) = from_hex(token) else {
-            return false;
-        };
-        m.verify_slice(&raw).is_ok()
+        token_matches(&self.key, id, token)
     }
 
     /// The tenant whose API key `headers` carry.
@@ -176,23 +161,9 @@ impl Gateway {
         }
     }
 
-    /// The sandbox the host name `<port>-<id>.<domain>` names, for envd's port.
+    /// The sandbox the request's host names, for envd's port.
     fn host_sandbox<'h>(&self, headers: &'h HeaderMap) -> Option<&'h str> {
-        let domain = &self.daemon.cfg.e2b.domain;
-        if domain.is_empty() {
-            return None;
-        }
-        let host = header_str(headers, "host")?;
-        let host = host.rsplit_once(':').map_or(host, |(h, p)| {
-            if p.bytes().all(|b| b.is_ascii_digit()) {
-                h
-            } else {
-                host
-            }
-        });
-        let label = host.strip_suffix(domain.as_str())?.strip_suffix('.')?;
-        let (port, id) = label.split_once('-')?;
-        (port == ENVD_PORT).then_some(id)
+        sandbox_of_host(header_str(headers, "host")?, &self.daemon.cfg.e2b.domain)
     }
 
     /// The live sandbox an envd request is for, authorised by its access token.
@@ -244,6 +215,39 @@ impl Gateway {
         rt.touch();
         Ok(Target { rt })
     }
+}
+
+fn mac(key: &[u8], id: &str) -> HmacSha256 {
+    // An HMAC takes a key of any length: this cannot fail.
+    let mut m = <HmacSha256 as Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable!());
+    m.update(b"e2b-envd-access\0");
+    m.update(id.as_bytes());
+    m
+}
+
+/// Sandbox `id`'s access token under `key`: the hex of an HMAC-SHA256 of its id.
+fn access_token(key: &[u8], id: &str) -> String {
+    crate::audit::hex(&mac(key, id).finalize().into_bytes())
+}
+
+/// Whether `token` is sandbox `id`'s access token under `key` (compared in constant time).
+fn token_matches(key: &[u8], id: &str, token: &str) -> bool {
+    from_hex(token).is_some_and(|raw| mac(key, id).verify_slice(&raw).is_ok())
+}
+
+/// The sandbox a host name `<port>-<id>.<domain>[:PORT]` names, for envd's port (none without
+/// a domain).
+fn sandbox_of_host<'h>(host: &'h str, domain: &str) -> Option<&'h str> {
+    if domain.is_empty() {
+        return None;
+    }
+    let host = match host.rsplit_once(':') {
+        Some((h, p)) if p.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => host,
+    };
+    let label = host.strip_suffix(domain)?.strip_suffix('.')?;
+    let (port, id) = label.split_once('-')?;
+    (port == ENVD_PORT && !id.is_empty() && !id.contains('.')).then_some(id)
 }
 
 fn from_hex(s: &str) -> Option<Vec<u8>> {
@@ -410,4 +414,51 @@ pub fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Response {
         HeaderValue::from_static("application/json"),
     );
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_tokens_name_one_sandbox_under_one_key() {
+        let (k1, k2) = ([1u8; 32], [2u8; 32]);
+        let t = access_token(&k1, "sb-0123456789abcdef");
+        assert_eq!(t.len(), 64);
+        assert!(token_matches(&k1, "sb-0123456789abcdef", &t));
+        assert!(token_matches(&k1, "sb-0123456789abcdef", &t.to_uppercase()));
+        assert!(!token_matches(&k1, "sb-0123456789abcdee", &t));
+        assert!(!token_matches(&k2, "sb-0123456789abcdef", &t));
+        for bad in ["", "0", "zz", &t[..62], &format!("{t}00")] {
+            assert!(!token_matches(&k1, "sb-0123456789abcdef", bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn hosts_name_sandboxes_on_envds_port_only() {
+        let d = "e2b.test";
+        assert_eq!(sandbox_of_host("49983-sb-1.e2b.test", d), Some("sb-1"));
+        assert_eq!(sandbox_of_host("49983-sb-1.e2b.test:3000", d), Some("sb-1"));
+        assert_eq!(sandbox_of_host("8080-sb-1.e2b.test", d), None);
+        assert_eq!(sandbox_of_host("49983-sb-1.other.test", d), None);
+        assert_eq!(sandbox_of_host("49983-.e2b.test", d), None);
+        assert_eq!(sandbox_of_host("49983-a.b.e2b.test", d), None);
+        assert_eq!(sandbox_of_host("e2b.test", d), None);
+        assert_eq!(sandbox_of_host("49983-sb-1.e2b.test", ""), None);
+    }
+
+    #[test]
+    fn daemon_errors_keep_their_meaning_as_http_statuses() {
+        let cases = [
+            (ApiError::SandboxNotFound("x".into()), 404),
+            (ApiError::InvalidArgument("x".into()), 400),
+            (ApiError::Unauthenticated("x".into()), 401),
+            (ApiError::FileNotFound { path: "/x".into() }, 404),
+            (ApiError::FileTooLarge { size: 2, limit: 1 }, 413),
+            (ApiError::Internal("x".into()), 500),
+        ];
+        for (e, status) in cases {
+            assert_eq!(http_status(&e).as_u16(), status, "{e}");
+        }
+    }
 }
