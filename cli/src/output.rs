@@ -280,27 +280,7 @@ pub fn exposure_text(e: &Exposure) -> String {
     out
 }
 
-/// Unix milliseconds as UTC, `2024-05-01T12:34:56.789Z`.
-pub fn utc_time(unix_ms: i64) -> String {
-    let (secs, ms) = (unix_ms.div_euclid(1000), unix_ms.rem_euclid(1000));
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Days since 1970-01-01 to a civil date (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{ms:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
+pub use airlock_api::utc_time;
 
 /// A template's JSON record.
 pub fn template_json(t: &Template) -> Value {

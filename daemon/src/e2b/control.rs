@@ -66,29 +66,6 @@ fn body<T: serde::de::DeserializeOwned + Default>(raw: &[u8]) -> Result<T, Respo
         .map_err(|e| json_error(StatusCode::BAD_REQUEST, &format!("request body: {e}")))
 }
 
-/// RFC 3339 (UTC, milliseconds) of a Unix time in ms.
-fn rfc3339(ms: i64) -> String {
-    let secs = ms.div_euclid(1000);
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Civil date from days since the epoch (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        ms.rem_euclid(1000)
-    )
-}
-
 fn state_name(s: SandboxState) -> &'static str {
     match s {
         SandboxState::Paused => "paused",
@@ -123,8 +100,8 @@ impl Gateway {
             "sandboxID": s.id,
             "clientID": "airlock",
             "alias": s.template,
-            "startedAt": rfc3339(s.created_unix_ms),
-            "endAt": rfc3339(end),
+            "startedAt": airlock_api::utc_time(s.created_unix_ms),
+            "endAt": airlock_api::utc_time(end),
             "envdVersion": ENVD_VERSION,
             "envdAccessToken": self.access_token(&s.id),
             "cpuCount": s.vcpus,
@@ -463,7 +440,7 @@ async fn metrics(State(gw): Gw, headers: HeaderMap, Path(id): Path<String>) -> R
     let cpu_pct = s.cpu_usage_us as f64 * 100.0 / (age_us * f64::from(s.vcpus.max(1)));
     // One sample: the averages since the sandbox started, and its peak memory.
     let sample = json!({
-        "timestamp": rfc3339(now),
+        "timestamp": airlock_api::utc_time(now),
         "timestampUnix": now / 1000,
         "cpuCount": s.vcpus,
         "cpuUsedPct": (cpu_pct * 100.0).round() / 100.0,
@@ -479,13 +456,6 @@ async fn metrics(State(gw): Gw, headers: HeaderMap, Path(id): Path<String>) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rfc3339_matches_known_dates() {
-        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(rfc3339(1_735_689_600_123), "2025-01-01T00:00:00.123Z");
-        assert_eq!(rfc3339(951_782_400_000), "2000-02-29T00:00:00.000Z");
-    }
 
     #[test]
     fn metadata_is_decoded_as_the_sdks_encode_it() {

@@ -25,6 +25,29 @@ pub const DEFAULT_SOCKET: &str = "/run/airlock/airlockd.sock";
 pub const ADDR_ENV: &str = "AIRLOCK_ADDR";
 
 /// Where clients find the daemon: `$AIRLOCK_ADDR` if set, else [`DEFAULT_SOCKET`].
+/// Unix milliseconds as UTC in RFC 3339, `2024-05-01T12:34:56.789Z` (the CLI's times, the E2B
+/// gateway's).
+pub fn utc_time(unix_ms: i64) -> String {
+    let (secs, ms) = (unix_ms.div_euclid(1000), unix_ms.rem_euclid(1000));
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{ms:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
 pub fn default_address() -> String {
     std::env::var(ADDR_ENV)
         .ok()
@@ -168,4 +191,14 @@ pub fn error_info(
         .find(|a| a.type_url.ends_with("google.rpc.ErrorInfo"))
         .and_then(|a| ErrorInfo::decode(a.value.as_slice()).ok())
         .map(|i| (i.reason, i.metadata))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn utc_time_matches_known_dates() {
+        assert_eq!(super::utc_time(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(super::utc_time(1_735_689_600_123), "2025-01-01T00:00:00.123Z");
+        assert_eq!(super::utc_time(951_782_400_000), "2000-02-29T00:00:00.000Z");
+    }
 }
