@@ -12,8 +12,9 @@ use airlock_api::v1::{
     CreateSandboxRequest, EgressRule, FilePolicy, NetworkPolicy, Sandbox, SandboxState, egress_rule,
 };
 use axum::Router;
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::extract::{FromRequest, FromRequestParts, Path, Query, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
@@ -57,13 +58,35 @@ struct NewNetwork {
     allow_out: Vec<String>,
 }
 
-/// A body that is not JSON is a 400 in E2B's shape, not axum's text.
-fn body<T: serde::de::DeserializeOwned + Default>(raw: &[u8]) -> Result<T, Response> {
-    if raw.iter().all(u8::is_ascii_whitespace) {
-        return Ok(T::default());
+/// The tenant of a control-plane call, by its API key (a refusal is E2B's 401).
+struct Caller(String);
+
+impl FromRequestParts<Arc<Gateway>> for Caller {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, gw: &Arc<Gateway>) -> Result<Self, Response> {
+        gw.tenant(&parts.headers).map(Caller)
     }
-    serde_json::from_slice(raw)
-        .map_err(|e| json_error(StatusCode::BAD_REQUEST, &format!("request body: {e}")))
+}
+
+/// A JSON body (an empty one is the default); one that is not JSON is a 400 in E2B's shape,
+/// not axum's text.
+struct JsonBody<T>(T);
+
+impl<T: serde::de::DeserializeOwned + Default, S: Send + Sync> FromRequest<S> for JsonBody<T> {
+    type Rejection = Response;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Response> {
+        let raw = axum::body::Bytes::from_request(req, state)
+            .await
+            .map_err(|e| json_error(StatusCode::BAD_REQUEST, &format!("request body: {e}")))?;
+        if raw.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Self(T::default()));
+        }
+        serde_json::from_slice(&raw)
+            .map(Self)
+            .map_err(|e| json_error(StatusCode::BAD_REQUEST, &format!("request body: {e}")))
+    }
 }
 
 fn state_name(s: SandboxState) -> &'static str {
@@ -165,15 +188,11 @@ impl Gateway {
     }
 }
 
-async fn create(State(gw): Gw, headers: HeaderMap, raw: axum::body::Bytes) -> Response {
-    let tenant = match gw.tenant(&headers) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
-    let n: NewSandbox = match body(&raw) {
-        Ok(n) => n,
-        Err(r) => return r,
-    };
+async fn create(
+    State(gw): Gw,
+    Caller(tenant): Caller,
+    JsonBody(n): JsonBody<NewSandbox>,
+) -> Response {
     let timeout = n
         .timeout
         .filter(|t| *t > 0)
@@ -213,11 +232,7 @@ async fn create(State(gw): Gw, headers: HeaderMap, raw: axum::body::Bytes) -> Re
     }
 }
 
-async fn info(State(gw): Gw, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    let tenant = match gw.tenant(&headers) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
+async fn info(State(gw): Gw, Caller(tenant): Caller, Path(id): Path<String>) -> Response {
     match gw.live(&tenant, &id) {
         Ok(s) => json(StatusCode::OK, &gw.detail_json(&s)),
         Err(e) => api_error(&tenant, &id, "e2b.GetSandbox", &e),
@@ -254,13 +269,9 @@ fn percent_decode(s: &str) -> Option<String> {
 
 async fn list(
     State(gw): Gw,
-    headers: HeaderMap,
+    Caller(tenant): Caller,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    let tenant = match gw.tenant(&headers) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
     let labels = q
         .get("metadata")
         .map(|m| metadata_filter(m))
@@ -308,19 +319,17 @@ async fn list(
         .map(|s| gw.detail_json(s))
         .collect();
     let mut r = json(StatusCode::OK, &page);
-    if start + limit < found.len()
-        && let Ok(v) = HeaderValue::from_str(&(start + limit).to_string())
+    // `nextToken` is the caller's: a huge one must not overflow.
+    let next = start.saturating_add(limit);
+    if next < found.len()
+        && let Ok(v) = HeaderValue::from_str(&next.to_string())
     {
         r.headers_mut().insert("x-next-token", v);
     }
     r
 }
 
-async fn kill(State(gw): Gw, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    let tenant = match gw.tenant(&headers) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
+async fn kill(State(gw): Gw, Caller(tenant): Caller, Path(id): Path<String>) -> Response {
     if let Err(e) = gw.live(&tenant, &id) {
         return api_error(&tenant, &id, "e2b.Kill", &e);
     }
@@ -340,18 +349,10 @@ struct Timeout {
 
 async fn set_timeout(
     State(gw): Gw,
-    headers: HeaderMap,
+    Caller(tenant): Caller,
     Path(id): Path<String>,
-    raw: axum::body::Bytes,
+    JsonBody(t): JsonBody<Timeout>,
 ) -> Response {
-    let tenant = match gw.tenant(&headers) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
-    let t: Timeout = match body(&raw) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
     let Some(secs) = t.timeout else {
         return json_error(StatusCode::BAD_REQUEST, "timeout (seconds) is required");
     };
@@ -364,11 +365,7 @@ async fn set_timeout(
     }
 }
 
-async fn pause(State(gw): Gw, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    let tenant = match gw.tenant(&headers) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
+async fn pause(State(gw): Gw, Caller(tenant): Caller, Path(id): Path<String>) -> Response {
     match gw.live(&tenant, &id) {
         Ok(s) if s.state() == SandboxState::Paused => {
             return json_error(
@@ -389,18 +386,10 @@ async fn pause(State(gw): Gw, headers: HeaderMap, Path(id): Path<String>) -> Res
 /// shortens it). 201 when it was resumed, 200 when it ran.
 async fn connect(
     State(gw): Gw,
-    headers: HeaderMap,
+    Caller(tenant): Caller,
     Path(id): Path<String>,
-    raw: axum::body::Bytes,
+    JsonBody(t): JsonBody<Timeout>,
 ) -> Response {
-    let tenant = match gw.tenant(&headers) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
-    let t: Timeout = match body(&raw) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
     let mut s = match gw.live(&tenant, &id) {
         Ok(s) => s,
         Err(e) => return api_error(&tenant, &id, "e2b.Connect", &e),
@@ -426,11 +415,7 @@ async fn connect(
     json(status, &gw.sandbox_json(&s))
 }
 
-async fn metrics(State(gw): Gw, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    let tenant = match gw.tenant(&headers) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
+async fn metrics(State(gw): Gw, Caller(tenant): Caller, Path(id): Path<String>) -> Response {
     let s = match gw.live(&tenant, &id) {
         Ok(s) => s,
         Err(e) => return api_error(&tenant, &id, "e2b.Metrics", &e),
