@@ -63,67 +63,70 @@ async fn live(s: &Shared) -> Vec<airlock_api::v1::Sandbox> {
     .sandboxes
 }
 
-/// Runs the SDK's tests with `version` of the `e2b` package.
-async fn run_sdk(version: &str) {
-    let (_guard, s) = shared().await;
-    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2b");
-    let venv = Command::new(here.join("venv.sh"))
-        .arg(version)
-        .output()
-        .unwrap();
+/// Runs an installer script; the last line it prints (what it installed).
+fn install(script: &Path, args: &[&str], what: &str) -> String {
+    let out = Command::new(script).args(args).output().unwrap();
     assert!(
-        venv.status.success(),
-        "tests/e2b/venv.sh {version} (the SDK from PyPI) failed: {}",
-        String::from_utf8_lossy(&venv.stderr)
+        out.status.success(),
+        "{} ({what}) failed: {}",
+        script.display(),
+        String::from_utf8_lossy(&out.stderr)
     );
-    let python = String::from_utf8(venv.stdout)
-        .unwrap()
-        .trim()
-        .lines()
-        .last()
-        .unwrap()
-        .to_owned();
+    let text = String::from_utf8(out.stdout).unwrap();
+    text.trim().lines().last().unwrap().to_owned()
+}
+
+/// Runs an E2B client program pointed at the gateway by its settings only; its output, after
+/// it succeeded and left no sandbox of the tenant behind.
+async fn run_client(s: &Shared, mut cmd: Command, what: &str) -> String {
     let url = format!("http://127.0.0.1:{}", port());
+    cmd.env("E2B_API_KEY", KEY)
+        .env("E2B_API_URL", &url)
+        .env("E2B_SANDBOX_URL", &url)
+        .env_remove("E2B_DEBUG")
+        .env_remove("E2B_DOMAIN");
     let t0 = Instant::now();
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new(python)
-            .args([
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-p",
-                "no:asyncio",
-            ])
-            .arg(here.join("test_sdk.py"))
-            .env("E2B_API_KEY", KEY)
-            .env("E2B_API_URL", &url)
-            .env("E2B_SANDBOX_URL", &url)
-            .env_remove("E2B_DEBUG")
-            .env_remove("E2B_DOMAIN")
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
+    let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
+        .await
+        .unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    eprintln!("e2b {version}: pytest in {:?}\n{text}", t0.elapsed());
+    eprintln!("{what}: {:?}\n{text}", t0.elapsed());
     assert!(
         out.status.success(),
-        "the e2b {version} SDK's tests failed:\n{text}\ndaemon log:\n{}",
+        "{what} failed:\n{text}\ndaemon log:\n{}",
         s.log_tail()
     );
-    // Whatever the SDK made, it killed (or its timeout ended).
+    // Whatever the client made, it killed (or its timeout ended).
     let deadline = Instant::now() + Duration::from_secs(30);
     while !live(s).await.is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(live(s).await, vec![], "sandboxes left behind");
+    text
+}
+
+/// Runs the SDK's tests with `version` of the `e2b` package.
+async fn run_sdk(version: &str) {
+    let (_guard, s) = shared().await;
+    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2b");
+    let python = install(&here.join("venv.sh"), &[version], "the SDK from PyPI");
+    let mut pytest = Command::new(python);
+    pytest
+        .args([
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:asyncio",
+        ])
+        .arg(here.join("test_sdk.py"));
+    run_client(s, pytest, &format!("the e2b {version} SDK's tests")).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -140,45 +143,24 @@ async fn an_older_python_sdk_runs_unchanged() {
 async fn the_javascript_sdk_runs_unchanged() {
     let (_guard, s) = shared().await;
     let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2b/js");
-    let install = Command::new(here.join("install.sh")).output().unwrap();
-    assert!(
-        install.status.success(),
-        "tests/e2b/js/install.sh (the e2b npm package; Node.js >= 20.18) failed: {}",
-        String::from_utf8_lossy(&install.stderr)
+    let modules = install(
+        &here.join("install.sh"),
+        &[],
+        "the e2b npm package; Node.js >= 20.18",
     );
-    let modules = String::from_utf8(install.stdout).unwrap().trim().to_owned();
     // ES modules resolve packages next to the script: run it from a directory beside them.
     let dir = s.dir.join("e2b-js");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     std::os::unix::fs::symlink(&modules, dir.join("node_modules")).unwrap();
     std::fs::copy(here.join("scenario.mjs"), dir.join("scenario.mjs")).unwrap();
-    let url = format!("http://127.0.0.1:{}", port());
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new("node")
-            .arg(dir.join("scenario.mjs"))
-            .env("E2B_API_KEY", KEY)
-            .env("E2B_API_URL", &url)
-            .env("E2B_SANDBOX_URL", &url)
-            .env_remove("E2B_DEBUG")
-            .env_remove("E2B_DOMAIN")
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("e2b (npm):\n{text}");
+    let mut node = Command::new("node");
+    node.arg(dir.join("scenario.mjs"));
+    let text = run_client(s, node, "the e2b npm package's scenario").await;
     assert!(
-        out.status.success() && text.contains("\nok"),
-        "the e2b npm package's scenario failed:\n{text}\ndaemon log:\n{}",
-        s.log_tail()
+        text.contains("\nok"),
+        "the scenario did not finish:\n{text}"
     );
-    assert_eq!(live(s).await, vec![], "sandboxes left behind");
 }
 
 /// An HTTP/1.1 exchange with the gateway: the status, the headers (lowercase names) and the body.
