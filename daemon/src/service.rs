@@ -411,16 +411,8 @@ impl Airlock for Service {
         let target = sb
             .file_target(self.daemon.cfg.max_file_bytes)?
             .acting_as(r.user)?;
-        let mut chunks = crate::transfer::read(target, &tenant, r.path)?;
-        let (tx, rx) = tokio::sync::mpsc::channel(4);
-        tokio::spawn(async move {
-            while let Some(c) = chunks.recv().await {
-                if tx.send(c.map_err(Status::from)).await.is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        let chunks = crate::transfer::read(target, &tenant, r.path, Status::from)?;
+        Ok(Response::new(ReceiverStream::new(chunks)))
     }
 
     async fn list_files(

@@ -63,14 +63,15 @@ where
     written
 }
 
-/// Reads `path` from `target`'s sandbox: its chunks (or the error that ended the read) arrive
-/// on the returned channel. A refusal before any byte is the error returned (and audited as a
-/// denial).
-pub fn read(
+/// Reads `path` from `target`'s sandbox: its chunks (or the error that ended the read, as
+/// `into` makes it for the caller's protocol) arrive on the returned channel. A refusal before
+/// any byte is the error returned (and audited as a denial).
+pub fn read<E: Send + 'static>(
     target: FileTarget,
     tenant: &str,
     path: String,
-) -> ApiResult<Receiver<ApiResult<FileChunk>>> {
+    into: fn(ApiError) -> E,
+) -> ApiResult<Receiver<Result<FileChunk, E>>> {
     let sandbox = target.sandbox_id.clone();
     let mut chunks = match files::read(target, path.clone()) {
         Ok(c) => c,
@@ -91,7 +92,7 @@ pub fn read(
                 }
                 Err(e) => error = Some(e.reason().to_owned()),
             }
-            if tx.send(c).await.is_err() {
+            if tx.send(c.map_err(into)).await.is_err() {
                 error.get_or_insert_with(|| "the caller went away".into());
                 break;
             }

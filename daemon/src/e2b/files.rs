@@ -73,7 +73,7 @@ async fn download(
         Ok(f) => f,
         Err(e) => return file_error(&t, "e2b.ReadFile", &path, &e),
     };
-    let mut chunks = match crate::transfer::read(ft, t.tenant(), path.clone()) {
+    let mut chunks = match crate::transfer::read(ft, t.tenant(), path.clone(), |e| e) {
         Ok(c) => c,
         Err(e) => return file_error(&t, "e2b.ReadFile", &path, &e),
     };
