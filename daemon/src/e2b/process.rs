@@ -253,11 +253,13 @@ impl ProcessService {
             .executions
             .write_stdin(t.tenant(), &rt.id, data, eof)
             .await
-            .map_err(|e| match e {
-                ApiError::InvalidArgument(m) if m.contains("has ended") => {
-                    ConnectError::not_found(m)
+            .map_err(|e| {
+                // A process that ended is gone for envd's clients: NOT_FOUND, as envd says.
+                if rt.is_finished() {
+                    ConnectError::not_found(format!("process {} has ended", rt.record().pid))
+                } else {
+                    connect_error(t, "e2b.SendInput", &e)
                 }
-                other => connect_error(t, "e2b.SendInput", &other),
             })
     }
 }

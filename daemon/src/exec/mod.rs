@@ -309,7 +309,7 @@ impl Executions {
             .filter(|e| e.sandbox_id == sandbox_id && !e.is_finished())
             .cloned()
             .collect();
-        v.sort_by_key(|e| e.record().started_unix_ms);
+        v.sort_by_cached_key(|e| e.record().started_unix_ms);
         v
     }
 

@@ -393,7 +393,8 @@ impl Sandboxes {
         rt.touch();
         let age = u32::try_from(rt.age().as_secs()).unwrap_or(u32::MAX);
         let lifetime = age.saturating_add(secs).min(self.cfg.max_lifetime_s);
-        let idle = secs.clamp(1, self.cfg.max_idle_ttl_s);
+        // Not `clamp`: it panics on a cap of 0 in the settings.
+        let idle = secs.max(1).min(self.cfg.max_idle_ttl_s);
         let r = rt.update(|r| {
             r.max_lifetime_s = lifetime;
             r.idle_ttl_s = idle;

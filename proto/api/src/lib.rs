@@ -198,7 +198,10 @@ mod tests {
     #[test]
     fn utc_time_matches_known_dates() {
         assert_eq!(super::utc_time(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(super::utc_time(1_735_689_600_123), "2025-01-01T00:00:00.123Z");
+        assert_eq!(
+            super::utc_time(1_735_689_600_123),
+            "2025-01-01T00:00:00.123Z"
+        );
         assert_eq!(super::utc_time(951_782_400_000), "2000-02-29T00:00:00.000Z");
     }
 }
