@@ -137,6 +137,9 @@ pub enum Command {
     Volume(VolumeCommand),
     /// What your tenant holds (sandboxes, memory, templates, stored output) against its quota
     Usage,
+    /// The daemon's nodes (cluster mode: every node of the cluster), their load, capacity and
+    /// templates
+    Nodes,
     /// Print the completion script of a shell (airlock completions bash > FILE)
     Completions(CompletionsArgs),
 }

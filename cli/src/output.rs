@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use airlock_api::v1::{
     EgressEvent, EgressKind, EgressRule, Exposure, FileEntry, InstallEvent, InstallOutcome,
-    NetworkPolicy, PackagePolicy, Sandbox, SandboxState, Template, Volume, egress_rule,
+    NetworkPolicy, Node, PackagePolicy, Sandbox, SandboxState, Template, Volume, egress_rule,
 };
 use serde_json::{Value, json};
 
@@ -40,6 +40,7 @@ pub fn sandbox_json(s: &Sandbox) -> Value {
             "expires_unix_ms": x.expires_unix_ms, "removed": x.removed,
         })).collect::<Vec<_>>(),
         "disk_mib": s.disk_mib,
+        "node": s.node,
         "volumes": s.volumes.iter().map(|v| json!({
             "name": v.name, "mount_path": v.mount_path, "read_only": v.read_only,
         })).collect::<Vec<_>>(),
@@ -373,6 +374,42 @@ pub fn sandbox_table(list: &[Sandbox]) -> String {
     out
 }
 
+/// A node's JSON record.
+pub fn node_json(n: &Node) -> Value {
+    json!({
+        "name": n.name, "tag": n.tag, "address": n.address, "version": n.version,
+        "sandboxes": n.sandboxes, "max_sandboxes": n.max_sandboxes,
+        "committed_mib": n.committed_mib, "capacity_mib": n.capacity_mib,
+        "templates": n.templates, "started_unix_ms": n.started_unix_ms,
+    })
+}
+
+/// The table of `airlock nodes`.
+pub fn node_table(list: &[Node]) -> String {
+    let mut out = format!(
+        "{:<16} {:<4} {:>11} {:>15} {:<24} {}\n",
+        "NODE", "TAG", "SANDBOXES", "MEM_MIB", "ADDRESS", "TEMPLATES"
+    );
+    for n in list {
+        let name = if n.name.is_empty() {
+            "(single host)"
+        } else {
+            &n.name
+        };
+        let _ = writeln!(
+            out,
+            "{:<16} {:<4} {:>11} {:>15} {:<24} {}",
+            name,
+            n.tag,
+            format!("{}/{}", n.sandboxes, n.max_sandboxes),
+            format!("{}/{}", n.committed_mib, n.capacity_mib),
+            n.address,
+            n.templates.join(",")
+        );
+    }
+    out
+}
+
 /// The table of `airlock template ls`.
 pub fn template_table(list: &[Template]) -> String {
     let mut out = format!(
@@ -399,7 +436,7 @@ pub fn sandbox_text(s: &Sandbox) -> String {
     let mut labels: Vec<_> = s.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
     labels.sort();
     let mut out = String::new();
-    let rows: [(&str, String); 14] = [
+    let rows: [(&str, String); 15] = [
         ("id", s.id.clone()),
         ("state", state_name(s.state).to_owned()),
         ("template", format!("{} ({})", s.template, s.template_id)),
@@ -413,6 +450,7 @@ pub fn sandbox_text(s: &Sandbox) -> String {
         ("create_ms", format!("{:.1}", s.create_ms)),
         ("network", network_text(s.network.as_ref())),
         ("packages", packages_text(s.packages.as_ref())),
+        ("node", s.node.clone()),
         ("end", format!("{} {}", s.end_reason, s.end_message)),
     ];
     for (k, v) in rows {

@@ -589,6 +589,20 @@ impl Airlock for Mock {
         }))
     }
 
+    async fn list_nodes(&self, _: Request<ListNodesRequest>) -> Answer<ListNodesResponse> {
+        let node = |name: &str, tag: &str, n| Node {
+            name: name.into(),
+            tag: tag.into(),
+            address: format!("http://{name}:7101"),
+            sandboxes: n,
+            max_sandboxes: 256,
+            templates: vec!["/base".into()],
+            ..Default::default()
+        };
+        let nodes = vec![node("node-a", "1a2b", 3), node("node-b", "3c4d", 0)];
+        Ok(Response::new(ListNodesResponse { nodes }))
+    }
+
     async fn get_usage(&self, _: Request<GetUsageRequest>) -> Answer<Usage> {
         Ok(Response::new(Usage {
             tenant: "default".into(),
@@ -602,6 +616,8 @@ impl Airlock for Mock {
 
 #[path = "mock_daemon/net.rs"]
 mod net;
+#[path = "mock_daemon/nodes.rs"]
+mod nodes;
 #[path = "mock_daemon/packages.rs"]
 mod packages;
 

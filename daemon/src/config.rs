@@ -143,6 +143,9 @@ pub struct Config {
     pub audit: crate::audit::AuditConfig,
     /// The E2B-compatible gateway (off unless `[e2b] listen` is set; see `e2b/mod.rs`).
     pub e2b: crate::e2b::E2bConfig,
+    /// Cluster mode: several nodes coordinated through etcd (off unless `[cluster] etcd` is
+    /// set; see `cluster/mod.rs`).
+    pub cluster: crate::cluster::ClusterConfig,
 }
 
 /// A registered image: a kernel and a root filesystem on the daemon's host.
@@ -303,6 +306,7 @@ impl Default for Config {
             packages: crate::pkg::PackagesConfig::default(),
             audit: crate::audit::AuditConfig::default(),
             e2b: crate::e2b::E2bConfig::default(),
+            cluster: crate::cluster::ClusterConfig::default(),
             import_templates: Vec::new(),
         }
     }

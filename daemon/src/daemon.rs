@@ -41,6 +41,8 @@ pub struct Daemon {
     pub sandboxes: Arc<Sandboxes>,
     pub retention: Arc<Retention>,
     pub data_dir: PathBuf,
+    /// Cluster mode: this node in its cluster, once it joined.
+    cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
 }
 
 /// Sets `p`'s permission bits to `mode`.
@@ -186,6 +188,7 @@ impl Daemon {
             sandboxes,
             retention,
             data_dir,
+            cluster: std::sync::OnceLock::new(),
         };
         Ok((Arc::new(d), events))
     }
@@ -221,6 +224,23 @@ impl Daemon {
         tokio::spawn(self.retention.clone().run());
         self.pool.refill_all();
         Ok(())
+    }
+
+    /// Cluster mode: joins the cluster of the settings (after the recovery, before the
+    /// listeners: what this node still runs is in etcd before any call is routed).
+    pub async fn join_cluster(self: &Arc<Self>) -> Result<(), String> {
+        if !self.cfg.cluster.enabled() {
+            return Ok(());
+        }
+        let c = crate::cluster::join(self).await?;
+        self.cluster
+            .set(c)
+            .map_err(|_| "joined the cluster twice".to_owned())
+    }
+
+    /// This node in its cluster (cluster mode).
+    pub fn cluster(&self) -> Option<&Arc<crate::cluster::Cluster>> {
+        self.cluster.get()
     }
 
     /// A VMM ended: its owner learns of it; what it had on the host goes.

@@ -88,6 +88,12 @@ pub enum ApiError {
     /// The daemon's data directory (records, output, snapshots) has no space left.
     #[error("the host's data directory is full: {0}")]
     DataDirFull(String),
+    /// Cluster mode: the node that runs the sandbox (or the execution) left the cluster.
+    #[error("{id} ran on node {node}, which left the cluster (its lease expired)")]
+    NodeLost { id: String, node: String },
+    /// Cluster mode: etcd could not be reached for what the call needs (a quota count).
+    #[error("the cluster's store is unavailable: {0}")]
+    ClusterUnavailable(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -119,6 +125,8 @@ impl ApiError {
             Self::GuestPermission { .. } => "GUEST_PERMISSION_DENIED",
             Self::Dead { reason, .. } => reason.dead_call_reason(),
             Self::AgentUnavailable { .. } => "AGENT_UNAVAILABLE",
+            Self::NodeLost { .. } => "NODE_LOST",
+            Self::ClusterUnavailable(_) => "CLUSTER_UNAVAILABLE",
             Self::Internal(_) => "INTERNAL",
         }
     }
@@ -146,7 +154,10 @@ impl ApiError {
             | Self::GuestPermission { .. }
             | Self::NetworkNotAllowed { .. }
             | Self::PackagesNotAllowed { .. } => Code::PermissionDenied,
-            Self::Dead { .. } | Self::AgentUnavailable { .. } => Code::Unavailable,
+            Self::Dead { .. }
+            | Self::AgentUnavailable { .. }
+            | Self::NodeLost { .. }
+            | Self::ClusterUnavailable(_) => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
         }
     }
@@ -220,7 +231,19 @@ impl ApiError {
             Self::PackagesNotAllowed { tenant, .. } => {
                 m.insert("tenant".into(), tenant.clone());
             }
-            Self::InvalidArgument(_) | Self::Unauthenticated(_) | Self::Internal(_) => {}
+            Self::NodeLost { id, node } => {
+                let key = if id.starts_with("ex-") {
+                    "execution_id"
+                } else {
+                    "sandbox_id"
+                };
+                m.insert(key.into(), id.clone());
+                m.insert("node".into(), node.clone());
+            }
+            Self::InvalidArgument(_)
+            | Self::Unauthenticated(_)
+            | Self::Internal(_)
+            | Self::ClusterUnavailable(_) => {}
         }
         if let Self::SandboxNotRunning { state, .. } = self {
             m.insert("state".into(), state.clone());

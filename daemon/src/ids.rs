@@ -1,7 +1,9 @@
 //! Ids and names: sandbox, execution, template and VMM ids (`sb-`, `ex-`, `tpl-`, `vm-` and 16
 //! random hex digits, made by the shared `airlock_proto::identity`), template names, and the
-//! wall clock of records.
+//! wall clock of records. In cluster mode the first 4 hex digits of sandbox and execution ids
+//! are the node's tag, so any node knows from an id which node holds it.
 
+use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 pub use airlock_proto::identity::well_formed;
@@ -14,10 +16,46 @@ pub const TEMPLATE: &str = "tpl";
 pub const VMM: &str = "vm";
 pub const VOLUME: &str = "vol";
 
-/// A new random id with `prefix`.
+/// Cluster mode: this node's tag (4 hex digits), set once when it joins.
+static NODE_TAG: OnceLock<String> = OnceLock::new();
+
+/// Sets this node's tag (cluster mode, once, before any sandbox is made); false if it was set
+/// to another one already.
+pub fn set_node_tag(tag: &str) -> bool {
+    valid_tag(tag) && NODE_TAG.get_or_init(|| tag.to_owned()) == tag
+}
+
+/// Whether `tag` is 4 lower-case hex digits.
+pub fn valid_tag(tag: &str) -> bool {
+    tag.len() == 4
+        && tag
+            .bytes()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+}
+
+/// The node tag an id of a sandbox or an execution carries (its first 4 hex digits).
+pub fn tag_of(id: &str) -> Option<&str> {
+    if !(well_formed(id, SANDBOX) || well_formed(id, EXECUTION)) {
+        return None;
+    }
+    id.get(3..7)
+}
+
+/// A new random id with `prefix`; sandbox and execution ids start with the node's tag in
+/// cluster mode.
 pub fn new_id(prefix: &str) -> ApiResult<String> {
-    airlock_proto::identity::new_id(prefix)
-        .map_err(|e| ApiError::Internal(format!("making an id: {e}")))
+    let id = airlock_proto::identity::new_id(prefix)
+        .map_err(|e| ApiError::Internal(format!("making an id: {e}")))?;
+    match NODE_TAG.get() {
+        Some(tag) if prefix == SANDBOX || prefix == EXECUTION => Ok(with_tag(&id, tag)),
+        _ => Ok(id),
+    }
+}
+
+/// `id` with its first 4 hex digits replaced by `tag`.
+fn with_tag(id: &str, tag: &str) -> String {
+    let (head, rest) = id.split_at(id.find('-').map_or(0, |i| i + 1));
+    format!("{head}{tag}{}", rest.get(4..).unwrap_or_default())
 }
 
 /// Milliseconds since the Unix epoch.
@@ -48,6 +86,20 @@ mod tests {
         let a = new_id(SANDBOX).unwrap();
         assert!(well_formed(&a, SANDBOX));
         assert!(!well_formed(&a, EXECUTION));
+    }
+
+    #[test]
+    fn tagged_ids_name_their_node_and_stay_well_formed() {
+        let id = with_tag("sb-0123456789abcdef", "beef");
+        assert_eq!(id, "sb-beef456789abcdef");
+        assert!(well_formed(&id, SANDBOX));
+        assert_eq!(tag_of(&id), Some("beef"));
+        assert_eq!(tag_of("ex-beef456789abcdef"), Some("beef"));
+        assert_eq!(tag_of("tpl-beef456789abcdef"), None);
+        assert_eq!(tag_of("sb-../../etc"), None);
+        assert!(valid_tag("00af"));
+        assert!(!valid_tag("00AF"));
+        assert!(!valid_tag("abc"));
     }
 
     #[test]

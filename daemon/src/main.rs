@@ -15,6 +15,7 @@ mod agent;
 mod audit;
 mod auth;
 mod cgroup;
+mod cluster;
 mod config;
 mod daemon;
 mod e2b;
@@ -154,6 +155,7 @@ async fn serve(cfg: config::Config) -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())??;
     daemon.start(events).await.map_err(|e| e.to_string())?;
+    daemon.join_cluster().await?;
     let servers = server::listen(&daemon).await?;
     info!(
         templates = daemon.templates.list().len(),

@@ -25,6 +25,8 @@ pub enum EndReason {
     DaemonRestarted,
     /// The daemon stopped everything (`on_stop = "stop"`).
     DaemonStopped,
+    /// Cluster mode: the node that ran it left the cluster (reported by the others).
+    NodeLost,
     /// Its create failed, with the error's reason code.
     CreateFailed(String),
 }
@@ -42,6 +44,7 @@ impl EndReason {
             Self::SandboxDead => "SANDBOX_DEAD",
             Self::DaemonRestarted => "DAEMON_RESTARTED",
             Self::DaemonStopped => "DAEMON_STOPPED",
+            Self::NodeLost => "NODE_LOST",
             Self::CreateFailed(code) => code,
         }
     }
@@ -58,6 +61,7 @@ impl EndReason {
             "SANDBOX_DEAD" | "" => Self::SandboxDead,
             "DAEMON_RESTARTED" => Self::DaemonRestarted,
             "DAEMON_STOPPED" => Self::DaemonStopped,
+            "NODE_LOST" => Self::NodeLost,
             other => Self::CreateFailed(other.to_owned()),
         }
     }

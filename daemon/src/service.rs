@@ -20,23 +20,55 @@ use crate::{files, stream};
 pub struct Tenant(pub String);
 
 /// Authentication for one listener: on a Unix socket a call without a token is the default
-/// tenant; on TCP every call needs a token.
+/// tenant; on TCP every call needs a token. In cluster mode a call with the cluster token is
+/// another node's, forwarded for the tenant it names.
 #[derive(Clone, Debug)]
 pub struct Auth {
     pub tokens: Arc<Tokens>,
     pub default_tenant: String,
     pub token_required: bool,
+    /// Cluster mode: the digest of the node-to-node token.
+    pub cluster_token: Option<crate::auth::TokenDigest>,
 }
 
-impl tonic::service::Interceptor for Auth {
-    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
-        let token = req
-            .metadata()
-            .get("authorization")
-            .map(|v| v.to_str().unwrap_or_default().trim().to_owned());
-        let tenant = match token {
+/// Who calls.
+#[derive(Clone, Debug)]
+pub struct Caller {
+    pub tenant: String,
+    /// Forwarded by another node of the cluster.
+    pub forwarded: bool,
+}
+
+impl Auth {
+    /// Whether `authorization` (the header's value) carries the cluster token.
+    pub fn is_cluster_token(&self, authorization: Option<&str>) -> bool {
+        let (Some(ours), Some(a)) = (&self.cluster_token, authorization) else {
+            return false;
+        };
+        let t = a.strip_prefix("Bearer ").unwrap_or(a).trim();
+        crate::auth::same(&crate::auth::digest(t), ours)
+    }
+
+    /// The caller of a call with `authorization` and, forwarded by a node, `forwarded_tenant`.
+    pub fn caller(
+        &self,
+        authorization: Option<&str>,
+        forwarded_tenant: Option<&str>,
+    ) -> Result<Caller, Status> {
+        if self.is_cluster_token(authorization) {
+            let tenant = forwarded_tenant.filter(|t| !t.is_empty()).ok_or_else(|| {
+                Status::from(ApiError::Unauthenticated(
+                    "a node's call names no tenant".into(),
+                ))
+            })?;
+            return Ok(Caller {
+                tenant: tenant.to_owned(),
+                forwarded: true,
+            });
+        }
+        let tenant = match authorization {
             Some(t) => {
-                let t = t.strip_prefix("Bearer ").unwrap_or(&t).trim();
+                let t = t.strip_prefix("Bearer ").unwrap_or(t).trim();
                 self.tokens.tenant_of(t).map(str::to_owned).ok_or_else(|| {
                     Status::from(ApiError::Unauthenticated("unknown token".into()))
                 })?
@@ -49,7 +81,25 @@ impl tonic::service::Interceptor for Auth {
             }
             None => self.default_tenant.clone(),
         };
-        req.extensions_mut().insert(Tenant(tenant));
+        Ok(Caller {
+            tenant,
+            forwarded: false,
+        })
+    }
+}
+
+impl tonic::service::Interceptor for Auth {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        let md = req.metadata();
+        let token = md
+            .get("authorization")
+            .map(|v| v.to_str().unwrap_or_default().trim().to_owned());
+        let forwarded = md
+            .get(crate::cluster::FORWARDED_TENANT)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let caller = self.caller(token.as_deref(), forwarded.as_deref())?;
+        req.extensions_mut().insert(Tenant(caller.tenant));
         Ok(req)
     }
 }
@@ -171,15 +221,17 @@ impl Airlock for Service {
         req: Request<CreateSandboxRequest>,
     ) -> Result<Response<Sandbox>, Status> {
         let tenant = tenant(&req)?;
-        let (s, t, req) = (
-            self.daemon.sandboxes.clone(),
-            tenant.clone(),
-            req.into_inner(),
-        );
+        let (d, t, req) = (self.daemon.clone(), tenant.clone(), req.into_inner());
         traced(
             "CreateSandbox",
             &tenant,
-            detached(async move { s.create(&t, req).await }),
+            detached(async move {
+                if let Some(c) = d.cluster() {
+                    // Cluster mode: a template this node lacks is fetched from one that has it.
+                    c.ensure_template(&t, &req.template).await?;
+                }
+                d.sandboxes.create(&t, req).await
+            }),
         )
         .await
     }
@@ -641,11 +693,45 @@ impl Airlock for Service {
         let d = self.daemon.clone();
         let t = tenant.clone();
         traced("GetUsage", &tenant, async move {
-            tokio::task::spawn_blocking(move || d.usage(&t))
+            let cluster = d.cluster().cloned();
+            let tt = t.clone();
+            let mut usage = tokio::task::spawn_blocking(move || d.usage(&tt))
                 .await
-                .map_err(|e| ApiError::Internal(format!("usage task: {e}")))?
+                .map_err(|e| ApiError::Internal(format!("usage task: {e}")))??;
+            if let Some(c) = cluster {
+                // Cluster mode: the quota counts the tenant's sandboxes on every node.
+                (usage.live_sandboxes, usage.memory_mib) = c.ledger.usage(&t).await?;
+            }
+            Ok(usage)
         })
         .await
+    }
+
+    async fn list_nodes(
+        &self,
+        req: Request<ListNodesRequest>,
+    ) -> Result<Response<ListNodesResponse>, Status> {
+        let tenant = tenant(&req)?;
+        let operator = self.daemon.cfg.is_operator(&tenant);
+        let nodes = match self.daemon.cluster() {
+            Some(c) => c.nodes(),
+            None => Vec::new(),
+        };
+        let nodes = if nodes.is_empty() {
+            vec![crate::cluster::local_node(&self.daemon)]
+        } else {
+            nodes.into_iter().map(crate::cluster::to_proto).collect()
+        };
+        let nodes = nodes
+            .into_iter()
+            .map(|mut n| {
+                if !operator {
+                    n.address.clear();
+                }
+                n
+            })
+            .collect();
+        Ok(Response::new(ListNodesResponse { nodes }))
     }
 }
 

@@ -7,6 +7,7 @@ pub mod files;
 pub mod fs;
 mod log;
 pub mod net;
+pub mod nodes;
 pub mod packages;
 pub mod sandbox;
 pub mod template;
@@ -65,6 +66,7 @@ pub async fn run(ctx: &mut Ctx, command: Command) -> Result<u8, String> {
         Command::Audit(a) => audit::run(ctx, &a).await,
         Command::Volume(v) => volume::run(ctx, v).await,
         Command::Usage => sandbox::usage(ctx).await,
+        Command::Nodes => nodes::list(ctx).await,
         Command::Completions(_) => Err("completions need no daemon".into()),
     }
 }

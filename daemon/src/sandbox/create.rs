@@ -84,6 +84,14 @@ impl Sandboxes {
             self.metrics.create_failed(e.reason());
             return Err(e);
         }
+        if let Some(ledger) = self.ledger() {
+            // Cluster mode: the tenant's quota counts its sandboxes on every node.
+            if let Err(e) = ledger.reserve(&rt.snapshot()).await {
+                self.live_map().remove(&rt.id);
+                self.metrics.create_failed(e.reason());
+                return Err(e);
+            }
+        }
         let started = self.start(&rt, &template, &spec, pkg, t0).await;
         // Refilled after the answer: starting a VMM process competes for the CPU with the
         // restore it would replace.
@@ -122,6 +130,7 @@ impl Sandboxes {
             network: Some(spec.network.clone()),
             volumes: spec.volumes.clone(),
             packages: Some(crate::pkg::to_proto(pkg)),
+            node: self.ledger().map(|l| l.node()).unwrap_or_default(),
             ..Default::default()
         };
         Ok(SandboxRt::new(

@@ -90,6 +90,9 @@ impl Sandboxes {
         self.store.put_sandbox(&record)?;
         let _ = self.store.remove_sandbox_spec(&rt.id);
         self.live_map().remove(&rt.id);
+        if let Some(ledger) = self.ledger() {
+            ledger.release(&record);
+        }
         // Its values are no longer redacted from the daemon's log: its outputs are stored.
         crate::secrets::logs::unregister(&rt.id);
         let secrets: Vec<&str> = record.secrets.iter().map(|s| s.name.as_str()).collect();

@@ -196,6 +196,8 @@ pub struct Sandboxes {
     builds: Mutex<HashMap<u64, (String, u64)>>,
     next_build: std::sync::atomic::AtomicU64,
     slots: admission::StartSlots,
+    /// Cluster mode: where sandboxes are counted across the nodes.
+    ledger: std::sync::OnceLock<Arc<dyn Ledger>>,
 }
 
 /// A template build admitted like a sandbox; it stops counting when dropped.
@@ -261,7 +263,18 @@ impl Sandboxes {
             builds: Mutex::new(HashMap::new()),
             next_build: Default::default(),
             slots,
+            ledger: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Cluster mode: sandboxes are counted in `ledger` from now on.
+    pub fn set_ledger(&self, ledger: Arc<dyn Ledger>) -> Result<(), Arc<dyn Ledger>> {
+        self.ledger.set(ledger)
+    }
+
+    /// The cluster's ledger (cluster mode).
+    pub fn ledger(&self) -> Option<&Arc<dyn Ledger>> {
+        self.ledger.get()
     }
 
     fn live_map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<SandboxRt>>> {
@@ -502,6 +515,21 @@ pub fn ended_error(s: &Sandbox) -> ApiError {
             state: "destroyed".into(),
         }
     }
+}
+
+/// Where a cluster counts its sandboxes: each is reserved against its tenant's quota across
+/// the nodes when admitted and released at its end (`cluster::EtcdLedger`; a single host has
+/// none).
+pub trait Ledger: Send + Sync + std::fmt::Debug {
+    /// Counts `record` (a new sandbox) against its tenant's quota cluster-wide.
+    fn reserve<'a>(
+        &'a self,
+        record: &'a Sandbox,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ApiResult<()>> + Send + 'a>>;
+    /// The sandbox ended (not waited for).
+    fn release(&self, record: &Sandbox);
+    /// This node's name.
+    fn node(&self) -> String;
 }
 
 /// A new sandbox id.

@@ -55,7 +55,13 @@ pub async fn listen(daemon: &Arc<Daemon>) -> Result<Servers, String> {
             tokens: tokens.clone(),
             default_tenant: cfg.default_tenant.clone(),
             token_required: tcp,
+            cluster_token: daemon.cluster().map(|c| c.token_digest),
         };
+        // Cluster mode: calls are routed to the node that holds what they name.
+        let route = daemon.cluster().map(|c| crate::cluster::RouteLayer {
+            cluster: c.clone(),
+            auth: auth.clone(),
+        });
         let mut builder = tonic::transport::Server::builder()
             .concurrency_limit_per_connection(cfg.max_calls_per_connection)
             .max_concurrent_streams(u32::try_from(cfg.max_calls_per_connection).ok());
@@ -66,6 +72,7 @@ pub async fn listen(daemon: &Arc<Daemon>) -> Result<Servers, String> {
         }
         // Reflection describes the API to callers the listener authenticates, like the API.
         let router = builder
+            .layer(tower::util::option_layer(route))
             .add_service(AirlockServer::with_interceptor(svc.clone(), auth.clone()))
             .add_service(InterceptedService::new(reflection.clone(), auth));
         if let Some(path) = addr

@@ -1,0 +1,205 @@
+//! Cluster mode: several `airlockd` nodes behind one API, coordinated through etcd (off unless
+//! `[cluster] etcd` names its endpoints; a single host needs nothing of this).
+//!
+//! - **Membership** (`members.rs`): each node holds an etcd lease and keeps its record under
+//!   it (`PREFIX/nodes/NAME`: address, version, capacity, the templates it holds with their
+//!   content hashes), refreshed every second; a node that stops renewing it is gone after
+//!   `lease_ttl_s`. Each node claims a 4-hex-digit tag once (`PREFIX/tags/TAG`); its sandbox
+//!   and execution ids start with it, so any node knows from an id where it lives.
+//! - **Records and quotas** (`ledger.rs`): every live sandbox has a record
+//!   (`PREFIX/sandboxes/TENANT/ID`), written at admission in an etcd transaction that counts
+//!   the tenant's records across the cluster against its quota, removed at its end. The
+//!   records of a node that is gone move to `PREFIX/lost/ID` (state DEAD, `NODE_LOST`); a node
+//!   that comes back puts back what it still runs (its own records win) and drops what it no
+//!   longer runs.
+//! - **Routing** (`route.rs`): a tower layer in front of the gRPC service forwards a call on a
+//!   sandbox or an execution to its node, places CreateSandbox (spread or pack, the next node
+//!   on CAPACITY_EXHAUSTED), gathers ListSandboxes and ListTemplates from every node and sends
+//!   DeleteTemplate to each. Node-to-node calls carry the cluster token and the caller's
+//!   tenant (`peers.rs`).
+//! - **Templates** (`templates.rs`): a node asked for a template it lacks fetches it from a
+//!   node that holds it, verifies every file's SHA-256 and the manifest's hash published in
+//!   etcd, and imports it.
+
+mod ledger;
+mod members;
+mod peers;
+mod route;
+mod templates;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+pub use ledger::EtcdLedger;
+pub use members::{Cluster, NodeInfo};
+pub use route::RouteLayer;
+
+/// `[cluster]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// etcd's client URLs (`http://HOST:PORT`); empty: cluster mode is off.
+    pub etcd: Vec<String>,
+    /// This node's name, unique in the cluster (default: the host name).
+    pub node: String,
+    /// Where the other nodes reach this node's gRPC service: one of its `listen` TCP
+    /// addresses, as `http://HOST:PORT` (`https://` with `[tls]`).
+    pub advertise: String,
+    /// The secret node-to-node calls carry (the same file on every node; at least 32
+    /// characters).
+    pub token_file: Option<PathBuf>,
+    /// Where CreateSandbox goes: `spread` (the least loaded node) or `pack` (the fullest node
+    /// that has room).
+    pub placement: Placement,
+    /// How long a node that stopped renewing its lease counts as present (seconds).
+    pub lease_ttl_s: u64,
+    /// The key prefix in etcd (one etcd can hold several clusters).
+    pub prefix: String,
+    /// The CA of the other nodes' TLS certificates (`https://` addresses; default: the
+    /// public roots).
+    pub ca: Option<PathBuf>,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            etcd: Vec::new(),
+            node: String::new(),
+            advertise: String::new(),
+            token_file: None,
+            placement: Placement::Spread,
+            lease_ttl_s: 5,
+            prefix: "/airlock/".into(),
+            ca: None,
+        }
+    }
+}
+
+/// How CreateSandbox picks a node.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    #[default]
+    Spread,
+    Pack,
+}
+
+impl ClusterConfig {
+    pub fn enabled(&self) -> bool {
+        !self.etcd.is_empty()
+    }
+
+    /// This node's name: `node`, else the host name.
+    pub fn node_name(&self) -> String {
+        if !self.node.is_empty() {
+            return self.node.clone();
+        }
+        let mut buf = [0u8; 256];
+        // SAFETY: gethostname(2) writes at most `buf.len()` bytes into the live buffer.
+        let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        match (rc, std::str::from_utf8(&buf[..end])) {
+            (0, Ok(name)) if !name.is_empty() => name.to_owned(),
+            _ => "airlockd".into(),
+        }
+    }
+
+    /// Checks the settings and reads the cluster token.
+    pub fn check(&self) -> Result<String, String> {
+        let name = self.node_name();
+        if !name
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
+            || name.len() > 63
+        {
+            return Err(format!(
+                "[cluster] node {name:?}: letters, digits, '.', '_' and '-', at most 63"
+            ));
+        }
+        if !(self.advertise.starts_with("http://") || self.advertise.starts_with("https://")) {
+            return Err(
+                "[cluster] advertise: where the other nodes reach this one, http(s)://HOST:PORT"
+                    .into(),
+            );
+        }
+        if self.lease_ttl_s < 2 {
+            return Err("[cluster] lease_ttl_s: at least 2".into());
+        }
+        if !self.prefix.starts_with('/') || !self.prefix.ends_with('/') {
+            return Err("[cluster] prefix: starts and ends with '/'".into());
+        }
+        let path = self
+            .token_file
+            .as_ref()
+            .ok_or("[cluster] token_file: the node-to-node secret is required")?;
+        let token = std::fs::read_to_string(path)
+            .map_err(|e| format!("[cluster] token_file {}: {e}", path.display()))?
+            .trim()
+            .to_owned();
+        if token.len() < 32 {
+            return Err(format!(
+                "[cluster] token_file {}: at least 32 characters",
+                path.display()
+            ));
+        }
+        Ok(token)
+    }
+}
+
+/// The header a forwarded call names its caller's tenant with (only honoured with the cluster
+/// token).
+pub const FORWARDED_TENANT: &str = "airlock-forwarded-tenant";
+
+/// Joins the cluster of `daemon`'s settings; the returned handle is the routing layer's.
+pub async fn join(daemon: &Arc<crate::daemon::Daemon>) -> Result<Arc<Cluster>, String> {
+    let cfg = &daemon.cfg.cluster;
+    let token = cfg.check()?;
+    let ledger = Arc::new(EtcdLedger::connect(cfg, daemon.cfg.clone()).await?);
+    let cluster = Cluster::join(daemon.clone(), ledger.clone(), token).await?;
+    daemon
+        .sandboxes
+        .set_ledger(ledger)
+        .map_err(|_| "the cluster's ledger was set twice".to_owned())?;
+    Ok(cluster)
+}
+
+/// A node's record as the API shows it.
+pub fn to_proto(n: NodeInfo) -> airlock_api::v1::Node {
+    airlock_api::v1::Node {
+        name: n.name,
+        address: n.address,
+        version: n.version,
+        sandboxes: n.sandboxes,
+        max_sandboxes: n.max_sandboxes,
+        committed_mib: n.committed_mib,
+        capacity_mib: n.capacity_mib,
+        templates: n
+            .templates
+            .into_iter()
+            .map(|t| format!("{}/{}", t.owner, t.name))
+            .collect(),
+        started_unix_ms: n.started_unix_ms,
+        tag: n.tag,
+    }
+}
+
+/// This daemon as a node outside cluster mode.
+pub fn local_node(d: &crate::daemon::Daemon) -> airlock_api::v1::Node {
+    let live = d.sandboxes.all();
+    airlock_api::v1::Node {
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        sandboxes: u32::try_from(live.len()).unwrap_or(u32::MAX),
+        max_sandboxes: u32::try_from(d.cfg.max_sandboxes).unwrap_or(u32::MAX),
+        committed_mib: live.iter().map(|s| s.memory_mib()).sum(),
+        capacity_mib: d.cfg.committed_capacity_mib(),
+        templates: d
+            .templates
+            .list()
+            .into_iter()
+            .map(|t| format!("{}/{}", t.record.tenant, t.record.name))
+            .collect(),
+        ..Default::default()
+    }
+}
