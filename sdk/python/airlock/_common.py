@@ -258,6 +258,28 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Node:
+    """A node of the daemon's cluster (outside cluster mode: the daemon itself, unnamed)."""
+
+    name: str
+    tag: str
+    address: str
+    version: str
+    sandboxes: int
+    max_sandboxes: int
+    committed_mib: int
+    capacity_mib: int
+    templates: List[str]
+    started_unix_ms: int
+
+    @classmethod
+    def from_pb(cls, n) -> "Node":
+        fields = {f: getattr(n, f) for f in cls.__dataclass_fields__}
+        fields["templates"] = list(n.templates)
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
 class FileEntry:
     name: str
     is_dir: bool
@@ -1390,6 +1412,11 @@ class SandboxInfo:
     @property
     def end_reason(self) -> str:
         return self._info.end_reason
+
+    @property
+    def node(self) -> str:
+        """Cluster mode: the node that runs it (empty on a single host)."""
+        return self._info.node
 
     @property
     def create_ms(self) -> float:

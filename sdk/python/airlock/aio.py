@@ -71,6 +71,12 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    async def nodes(self) -> List[c.Node]:
+        """The daemon's nodes (cluster mode: every node of the cluster) with their load,
+        capacity and templates; addresses only for an operator."""
+        resp = await self._unary("ListNodes", pb.ListNodesRequest())
+        return [c.Node.from_pb(n) for n in resp.nodes]
+
     async def usage(self) -> c.Usage:
         """What the caller's tenant holds now against its quota, and the retention."""
         return c.Usage.from_pb(await self._unary("GetUsage", pb.GetUsageRequest()))

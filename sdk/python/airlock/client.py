@@ -76,6 +76,12 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def nodes(self) -> List[c.Node]:
+        """The daemon's nodes (cluster mode: every node of the cluster) with their load,
+        capacity and templates; addresses only for an operator."""
+        resp = self._unary("ListNodes", pb.ListNodesRequest())
+        return [c.Node.from_pb(n) for n in resp.nodes]
+
     def usage(self) -> c.Usage:
         """What the caller's tenant holds now against its quota, and the retention."""
         return c.Usage.from_pb(self._unary("GetUsage", pb.GetUsageRequest()))

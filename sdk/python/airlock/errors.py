@@ -54,6 +54,8 @@ __all__ = [
     "OomKilled",
     "SeccompViolation",
     "Unavailable",
+    "NodeLost",
+    "ClusterUnavailable",
     "InternalError",
 ]
 
@@ -285,6 +287,19 @@ class Unavailable(AirlockError):
     reason_codes = ("AGENT_UNAVAILABLE",)
 
 
+class NodeLost(Unavailable):
+    """Cluster mode: the node that ran the sandbox (or the execution) left the cluster; the
+    sandbox is reported dead with end reason ``NODE_LOST``."""
+
+    reason_codes = ("NODE_LOST",)
+
+
+class ClusterUnavailable(Unavailable):
+    """Cluster mode: the cluster's store (etcd) could not be reached; try again."""
+
+    reason_codes = ("CLUSTER_UNAVAILABLE",)
+
+
 class InternalError(AirlockError):
     """A fault of the platform."""
 
@@ -322,6 +337,8 @@ _BY_REASON = {
         OomKilled,
         SeccompViolation,
         Unavailable,
+        NodeLost,
+        ClusterUnavailable,
         InternalError,
     )
     for code in cls.reason_codes

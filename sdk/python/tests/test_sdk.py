@@ -499,6 +499,10 @@ def test_tenants_quota_and_capacity(daemon, client):
             assert usage.memory_mib == 256 and usage.max_memory_mib == 4096
             assert usage.sandbox_records >= 1 and usage.record_retention_s > usage.output_retention_s > 0
             assert client.usage().tenant == "default"
+            # Outside cluster mode the daemon is its only node, unnamed, and holds the sandbox.
+            (node,) = client.nodes()
+            assert (node.name, mine.node) == ("", "")
+            assert node.sandboxes >= 1 and any(t.endswith("/base") for t in node.templates)
         finally:
             mine.destroy()
 
