@@ -82,6 +82,40 @@ impl EtcdLedger {
         self.client.kv_client()
     }
 
+    /// A range read, tried again on a transient failure (a member down, a leader change).
+    async fn get(
+        &self,
+        key: String,
+        prefix: bool,
+    ) -> Result<etcd_client::GetResponse, etcd_client::Error> {
+        let opts = prefix.then(|| GetOptions::new().with_prefix());
+        retry(|| {
+            let (mut kv, key, opts) = (self.kv(), key.clone(), opts.clone());
+            async move { kv.get(key, opts).await }
+        })
+        .await
+    }
+
+    /// A transaction, tried again on a transient failure (each of ours is idempotent or
+    /// guarded by its comparisons).
+    async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, etcd_client::Error> {
+        retry(|| {
+            let (mut kv, txn) = (self.kv(), txn.clone());
+            async move { kv.txn(txn).await }
+        })
+        .await
+    }
+
+    /// Deletes `key`, tried again on a transient failure.
+    async fn delete(&self, key: String) -> Result<(), etcd_client::Error> {
+        retry(|| {
+            let (mut kv, key) = (self.kv(), key.clone());
+            async move { kv.delete(key, None).await }
+        })
+        .await
+        .map(drop)
+    }
+
     pub fn lease(&self) -> etcd_client::LeaseClient {
         self.client.lease_client()
     }
@@ -108,7 +142,7 @@ impl EtcdLedger {
             let txn = Txn::new()
                 .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
                 .and_then([TxnOp::put(key, node, None)]);
-            if self.kv().txn(txn).await.map_err(e)?.succeeded() {
+            if self.txn(txn).await.map_err(e)?.succeeded() {
                 return Ok(tag);
             }
         }
@@ -120,10 +154,7 @@ impl EtcdLedger {
         &self,
     ) -> Result<std::collections::HashMap<String, String>, etcd_client::Error> {
         let prefix = self.key("tags/");
-        let resp = self
-            .kv()
-            .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
-            .await?;
+        let resp = self.get(prefix.clone(), true).await?;
         Ok(resp
             .kvs()
             .iter()
@@ -137,22 +168,21 @@ impl EtcdLedger {
     /// Writes this node's record under `lease`.
     pub async fn put_node(&self, info: &NodeInfo, lease: i64) -> Result<(), etcd_client::Error> {
         let value = serde_json::to_vec(info).unwrap_or_default();
-        self.kv()
-            .put(
-                self.key(&format!("nodes/{}", info.name)),
-                value,
-                Some(PutOptions::new().with_lease(lease)),
-            )
-            .await
-            .map(drop)
+        let key = self.key(&format!("nodes/{}", info.name));
+        retry(|| {
+            let (mut kv, key, value) = (self.kv(), key.clone(), value.clone());
+            async move {
+                kv.put(key, value, Some(PutOptions::new().with_lease(lease)))
+                    .await
+            }
+        })
+        .await
+        .map(drop)
     }
 
     /// The nodes present now.
     pub async fn nodes(&self) -> Result<Vec<NodeInfo>, etcd_client::Error> {
-        let resp = self
-            .kv()
-            .get(self.key("nodes/"), Some(GetOptions::new().with_prefix()))
-            .await?;
+        let resp = self.get(self.key("nodes/"), true).await?;
         Ok(resp
             .kvs()
             .iter()
@@ -171,10 +201,7 @@ impl EtcdLedger {
         } else {
             self.key(&format!("sandboxes/{tenant}/"))
         };
-        let resp = self
-            .kv()
-            .get(prefix, Some(GetOptions::new().with_prefix()))
-            .await?;
+        let resp = self.get(prefix, true).await?;
         let rev = resp.header().map_or(0, |h| h.revision());
         let records = resp
             .kvs()
@@ -239,7 +266,7 @@ impl EtcdLedger {
                     record.encode_to_vec(),
                     None,
                 )]);
-            if self.kv().txn(txn).await.map_err(unavailable)?.succeeded() {
+            if self.txn(txn).await.map_err(unavailable)?.succeeded() {
                 return Ok(());
             }
         }
@@ -250,10 +277,8 @@ impl EtcdLedger {
 
     /// Removes the record of `id`.
     async fn remove_record(&self, tenant: &str, id: &str) -> Result<(), etcd_client::Error> {
-        self.kv()
-            .delete(self.key(&format!("sandboxes/{tenant}/{id}")), None)
+        self.delete(self.key(&format!("sandboxes/{tenant}/{id}")))
             .await
-            .map(drop)
     }
 
     /// Moves the records of the sandboxes of the nodes `gone` (by tag) to `lost/`; each move
@@ -280,7 +305,7 @@ impl EtcdLedger {
                         None,
                     ),
                 ]);
-            if self.kv().txn(txn).await?.succeeded() {
+            if self.txn(txn).await?.succeeded() {
                 moved += 1;
             }
         }
@@ -291,8 +316,7 @@ impl EtcdLedger {
     /// be moved there (reported lost the same way).
     pub async fn lost(&self, id: &str, node: &str) -> ApiResult<Option<Sandbox>> {
         let resp = self
-            .kv()
-            .get(self.key(&format!("lost/{id}")), None)
+            .get(self.key(&format!("lost/{id}")), false)
             .await
             .map_err(unavailable)?;
         if let Some(kv) = resp.kvs().first() {
@@ -308,8 +332,7 @@ impl EtcdLedger {
     /// The lost records of `tenant`.
     pub async fn lost_of(&self, tenant: &str) -> ApiResult<Vec<Sandbox>> {
         let resp = self
-            .kv()
-            .get(self.key("lost/"), Some(GetOptions::new().with_prefix()))
+            .get(self.key("lost/"), true)
             .await
             .map_err(unavailable)?;
         Ok(resp
@@ -322,15 +345,13 @@ impl EtcdLedger {
 
     /// Deletes lost records older than `max_age_ms`.
     pub async fn prune_lost(&self, max_age_ms: i64, now_ms: i64) -> Result<(), etcd_client::Error> {
-        let resp = self
-            .kv()
-            .get(self.key("lost/"), Some(GetOptions::new().with_prefix()))
-            .await?;
+        let resp = self.get(self.key("lost/"), true).await?;
         for kv in resp.kvs() {
             let old =
                 Sandbox::decode(kv.value()).map_or(true, |s| now_ms - s.ended_unix_ms > max_age_ms);
             if old {
-                self.kv().delete(kv.key().to_vec(), None).await?;
+                self.delete(kv.key_str().unwrap_or_default().to_owned())
+                    .await?;
             }
         }
         Ok(())
@@ -348,13 +369,13 @@ impl EtcdLedger {
                 ),
                 TxnOp::delete(self.key(&format!("lost/{}", s.id)), None),
             ]);
-            self.kv().txn(txn).await?;
+            self.txn(txn).await?;
         }
         let (records, _) = self.records("").await?;
         for (key, _, s) in records {
             let mine = crate::ids::tag_of(&s.id) == Some(tag);
             if mine && !live.iter().any(|l| l.id == s.id) {
-                self.kv().delete(key, None).await?;
+                self.delete(key).await?;
             }
         }
         Ok(())
@@ -382,4 +403,25 @@ impl Ledger for EtcdLedger {
     fn node(&self) -> String {
         self.cfg.cluster.node_name()
     }
+}
+
+/// Runs `op` until it succeeds, at most 5 times over about 1.5 s: etcd answers a client whose
+/// member went away or whose leader changed with an error the next try does not meet.
+async fn retry<T, F, Fut>(mut op: F) -> Result<T, etcd_client::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+{
+    let mut wait = Duration::from_millis(100);
+    for _ in 0..4 {
+        match op().await {
+            Ok(v) => return Ok(v),
+            Err(e) => {
+                tracing::debug!("etcd: {e}; trying again in {wait:?}");
+                tokio::time::sleep(wait).await;
+                wait *= 2;
+            }
+        }
+    }
+    op().await
 }

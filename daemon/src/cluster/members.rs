@@ -18,6 +18,9 @@ use crate::ids;
 
 /// How often the node's record is written and the others' read.
 const TICK: Duration = Duration::from_secs(1);
+/// How long a create this node placed counts towards its node's load (its node's record
+/// shows it within a second).
+const PLACED_WINDOW: Duration = Duration::from_secs(2);
 /// How often, at the latest, records of sandboxes this node no longer runs are dropped and old
 /// lost records pruned.
 const RECONCILE_EVERY: Duration = Duration::from_secs(30);
@@ -62,8 +65,11 @@ struct Members {
     nodes: BTreeMap<String, NodeInfo>,
     /// Every tag ever claimed, and its node.
     tags: HashMap<String, String>,
-    /// Creates this node placed on each node since that node's record was last read.
-    placed: HashMap<String, u32>,
+    /// When this node placed creates on each node lately (counted for [`PLACED_WINDOW`],
+    /// until that node's record shows them).
+    placed: HashMap<String, Vec<Instant>>,
+    /// When each node's record was last seen to change.
+    changed: HashMap<String, Instant>,
 }
 
 /// This node in its cluster.
@@ -186,15 +192,16 @@ impl Cluster {
             .templates
             .list()
             .into_iter()
-            .filter_map(|t| {
-                let m = manifests.get(&t.record.id)?;
-                Some(TemplateEntry {
-                    owner: t.record.tenant.clone(),
-                    name: t.record.name.clone(),
-                    id: t.record.id.clone(),
-                    hash: m.hash.clone(),
-                    memory_mib: t.record.memory_mib,
-                })
+            .map(|t| TemplateEntry {
+                owner: t.record.tenant.clone(),
+                name: t.record.name.clone(),
+                id: t.record.id.clone(),
+                // Empty while its manifest is being computed: placed here, not fetched yet.
+                hash: manifests
+                    .get(&t.record.id)
+                    .map(|m| m.hash.clone())
+                    .unwrap_or_default(),
+                memory_mib: t.record.memory_mib,
             })
             .collect();
         NodeInfo {
@@ -219,14 +226,7 @@ impl Cluster {
         let mut reconciled = Instant::now();
         loop {
             tokio::time::sleep(TICK).await;
-            if keeper.is_none() {
-                keeper = self.ledger.lease().keep_alive(lease).await.ok();
-            }
-            let alive = match keeper.as_mut() {
-                Some((k, stream)) => renew(k, stream).await,
-                None => Err("no keep-alive stream".into()),
-            };
-            match alive {
+            match self.renew(&mut keeper, lease).await {
                 Ok(true) => {}
                 Ok(false) => {
                     warn!("this node's lease expired: registering again");
@@ -243,7 +243,6 @@ impl Cluster {
                 }
                 Err(e) => {
                     warn!("renewing the lease: {e}");
-                    keeper = None;
                     continue;
                 }
             }
@@ -291,9 +290,12 @@ impl Cluster {
         let m = &mut *guard;
         let fresh: BTreeMap<String, NodeInfo> =
             nodes.into_iter().map(|n| (n.name.clone(), n)).collect();
-        // A node's new record counts what was placed on it before.
-        let old = &m.nodes;
-        m.placed.retain(|name, _| old.get(name) == fresh.get(name));
+        let now = Instant::now();
+        for (name, n) in &fresh {
+            if m.nodes.get(name) != Some(n) {
+                m.changed.insert(name.clone(), now);
+            }
+        }
         m.nodes = fresh;
         m.tags = tags;
         let gone = m
@@ -345,7 +347,14 @@ impl Cluster {
             .nodes
             .values()
             .map(|n| {
-                let load = n.sandboxes + m.placed.get(&n.name).copied().unwrap_or(0);
+                // Placed since its record last changed (a record that changed shows them).
+                let seen = m.changed.get(&n.name).copied();
+                let recent = m.placed.get(&n.name).map_or(0, |at| {
+                    at.iter()
+                        .filter(|t| t.elapsed() < PLACED_WINDOW && seen.is_none_or(|c| **t > c))
+                        .count()
+                });
+                let load = n.sandboxes + u32::try_from(recent).unwrap_or(u32::MAX);
                 (load, n.template_for(owner, template).is_some(), n)
             })
             .filter(|(load, _, n)| {
@@ -370,10 +379,10 @@ impl Cluster {
 
     /// Notes a create placed on `node`, counted until its next record is read.
     pub fn placed_on(&self, node: &str) {
-        *lock(&self.members)
-            .placed
-            .entry(node.to_owned())
-            .or_default() += 1;
+        let mut m = lock(&self.members);
+        let at = m.placed.entry(node.to_owned()).or_default();
+        at.retain(|t| t.elapsed() < PLACED_WINDOW);
+        at.push(Instant::now());
     }
 
     fn target_named(&self, name: &str, address: &str) -> Target {
@@ -401,16 +410,54 @@ impl Cluster {
     }
 }
 
-/// One lease renewal: true while it lives, false once it expired.
-async fn renew(
+impl Cluster {
+    /// Renews `lease`, trying again at once with a new keep-alive stream when one fails (the
+    /// etcd member it went to may be gone): true while it lives, false once it expired.
+    async fn renew(
+        &self,
+        keeper: &mut Option<(etcd_client::LeaseKeeper, etcd_client::LeaseKeepAliveStream)>,
+        lease: i64,
+    ) -> Result<bool, String> {
+        let mut last = String::new();
+        for _ in 0..4 {
+            if keeper.is_none() {
+                let opened =
+                    tokio::time::timeout(RENEW_TIMEOUT, self.ledger.lease().keep_alive(lease))
+                        .await;
+                match opened {
+                    Ok(Ok(k)) => *keeper = Some(k),
+                    Ok(Err(e)) => last = e.to_string(),
+                    Err(_) => last = "no keep-alive stream within 1 s".into(),
+                }
+            }
+            if let Some((k, stream)) = keeper.as_mut() {
+                match renew_once(k, stream).await {
+                    Ok(alive) => return Ok(alive),
+                    Err(e) => {
+                        last = e;
+                        *keeper = None;
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
+        Err(last)
+    }
+}
+
+/// How long one renewal may take before another stream is tried.
+const RENEW_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// One lease renewal on `stream`: true while it lives, false once it expired.
+async fn renew_once(
     keeper: &mut etcd_client::LeaseKeeper,
     stream: &mut etcd_client::LeaseKeepAliveStream,
 ) -> Result<bool, String> {
     keeper.keep_alive().await.map_err(|e| e.to_string())?;
-    match tokio::time::timeout(Duration::from_secs(3), stream.message()).await {
+    match tokio::time::timeout(RENEW_TIMEOUT, stream.message()).await {
         Ok(Ok(Some(resp))) => Ok(resp.ttl() > 0),
         Ok(Ok(None)) => Err("the keep-alive stream ended".into()),
         Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err("no keep-alive answer within 3 s".into()),
+        Err(_) => Err("no keep-alive answer within 1 s".into()),
     }
 }

@@ -175,9 +175,11 @@ pub fn to_proto(n: NodeInfo) -> airlock_api::v1::Node {
         max_sandboxes: n.max_sandboxes,
         committed_mib: n.committed_mib,
         capacity_mib: n.capacity_mib,
+        // Those the other nodes can fetch (their content hash is known).
         templates: n
             .templates
             .into_iter()
+            .filter(|t| !t.hash.is_empty())
             .map(|t| format!("{}/{}", t.owner, t.name))
             .collect(),
         started_unix_ms: n.started_unix_ms,

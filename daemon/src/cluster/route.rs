@@ -281,7 +281,8 @@ where
     }
 
     /// CreateSandbox: tried on each candidate node in turn while they answer
-    /// CAPACITY_EXHAUSTED (the template is fetched by a node that lacks it).
+    /// CAPACITY_EXHAUSTED or TEMPLATE_NOT_FOUND (the template is fetched by a node that lacks
+    /// it; a node without any source for it answers TEMPLATE_NOT_FOUND).
     async fn create(&self, req: http::Request<Body>, tenant: &str) -> Result<Response, Status> {
         let (parts, body) = req.into_parts();
         let bytes = collect(body, MAX_FIRST_MESSAGE).await?;
@@ -317,7 +318,8 @@ where
             } else {
                 self.cluster.placed_on(&self.cluster.name);
             }
-            if !capacity_exhausted(resp.headers()) {
+            // Full, or without the template yet (its holder still hashes it): the next node.
+            if !moves_on(resp.headers()) {
                 return Ok(resp);
             }
             last = Some(Ok(resp));
@@ -495,13 +497,13 @@ async fn peek_first(req: http::Request<Body>) -> Result<(http::Request<Body>, By
 
 use futures_util::StreamExt as _;
 
-/// Whether a response is a CAPACITY_EXHAUSTED error (a trailers-only answer).
-fn capacity_exhausted(headers: &http::HeaderMap) -> bool {
+/// Whether a create's response sends it to the next node: CAPACITY_EXHAUSTED or
+/// TEMPLATE_NOT_FOUND (a trailers-only answer).
+fn moves_on(headers: &http::HeaderMap) -> bool {
     use tonic_types::StatusExt as _;
     Status::from_header_map(headers).is_some_and(|s| {
-        s.code() == tonic::Code::ResourceExhausted
-            && s.get_details_error_info()
-                .is_some_and(|i| i.reason == "CAPACITY_EXHAUSTED")
+        s.get_details_error_info()
+            .is_some_and(|i| i.reason == "CAPACITY_EXHAUSTED" || i.reason == "TEMPLATE_NOT_FOUND")
     })
 }
 
@@ -663,6 +665,14 @@ mod tests {
             current: 1,
         }
         .into();
-        assert!(capacity_exhausted(err.into_http::<Body>().headers()));
+        assert!(moves_on(err.into_http::<Body>().headers()));
+        let quota: Status = ApiError::Quota {
+            tenant: "t".into(),
+            what: "sandboxes",
+            limit: 1,
+            current: 1,
+        }
+        .into();
+        assert!(!moves_on(quota.into_http::<Body>().headers()));
     }
 }

@@ -76,17 +76,39 @@ pub fn content_hash(owner: &str, name: &str, files: &[FileEntry]) -> String {
     hex(&h.finalize())
 }
 
-/// SHA-256 of a file's bytes (holes read as zeros).
+/// Block size of a file's digest.
+const BLOCK: usize = 4096;
+
+/// A file's digest: SHA-256 over the offset and bytes of each 4 KiB block that is not all
+/// zeros (holes and zero blocks alike are skipped), so it names the file's content however
+/// its extents lie, and only its data is read (a guest memory file is mostly holes).
 fn file_sha256(path: &Path) -> std::io::Result<String> {
-    let mut f = std::fs::File::open(path)?;
+    let f = std::fs::File::open(path)?;
+    let len = f.metadata()?.len();
     let mut h = Sha256::new();
+    h.update(len.to_be_bytes());
     let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
+    let mut pos = 0;
+    while pos < len {
+        let Some(start) = seek(&f, pos, libc::SEEK_DATA)? else {
             break;
+        };
+        // Whole blocks: extents start and end on block boundaries but at the file's end.
+        let start = start - start % BLOCK as u64;
+        let end = seek(&f, start, libc::SEEK_HOLE)?.unwrap_or(len).min(len);
+        let mut at = start;
+        while at < end {
+            let n = ((end - at) as usize).min(buf.len());
+            f.read_exact_at(&mut buf[..n], at)?;
+            for (i, block) in buf[..n].chunks(BLOCK).enumerate() {
+                if block.iter().any(|&b| b != 0) {
+                    h.update((at + (i * BLOCK) as u64).to_be_bytes());
+                    h.update(block);
+                }
+            }
+            at += n as u64;
         }
-        h.update(&buf[..n]);
+        pos = end.max(start + 1);
     }
     Ok(hex(&h.finalize()))
 }
@@ -198,7 +220,7 @@ impl Cluster {
         let owner = templates.owner_for(tenant);
         let source = self.nodes().into_iter().find_map(|n| {
             let e = n.template_for(&owner, name)?.clone();
-            (n.name != self.name).then_some((n, e))
+            (n.name != self.name && !e.hash.is_empty()).then_some((n, e))
         });
         let Some((node, entry)) = source else {
             return Ok(());
@@ -436,4 +458,69 @@ async fn receive_extents(body: Body, path: &PathBuf, size: u64) -> Result<(), St
         return Err("the file ended inside an extent".into());
     }
     file.sync_all().map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn file(name: &str, len: u64, writes: &[(u64, &[u8])]) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("airlock-digest-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(name);
+        let f = std::fs::File::create(&p).unwrap();
+        f.set_len(len).unwrap();
+        for (at, bytes) in writes {
+            f.write_all_at(bytes, *at).unwrap();
+        }
+        p
+    }
+
+    #[test]
+    fn a_digest_names_the_content_whether_zeros_are_holes_or_written() {
+        let len = 1 << 20;
+        let sparse = file("sparse", len, &[(8192, b"data")]);
+        let zeros = vec![0u8; 16384];
+        let dense = file("dense", len, &[(0, &zeros), (8192, b"data")]);
+        let other = file("other", len, &[(8192, b"dat!")]);
+        let longer = file("longer", len + 4096, &[(8192, b"data")]);
+        let a = file_sha256(&sparse).unwrap();
+        assert_eq!(a, file_sha256(&dense).unwrap());
+        assert_ne!(a, file_sha256(&other).unwrap());
+        assert_ne!(a, file_sha256(&longer).unwrap());
+    }
+
+    #[tokio::test]
+    async fn extents_sent_are_written_back_with_the_same_digest_and_bad_ones_refused() {
+        let len = 3 << 20;
+        let src = file("src", len, &[(4096, b"one"), (2 << 20, b"two")]);
+        let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+        let s = src.clone();
+        tokio::task::spawn_blocking(move || send_extents(&s, &tx).unwrap())
+            .await
+            .unwrap();
+        let mut body = Vec::new();
+        while let Some(Ok(frame)) = rx.recv().await {
+            body.extend_from_slice(&frame.into_data().unwrap());
+        }
+        let dst = src.with_file_name("dst");
+        let _ = std::fs::remove_file(&dst);
+        let full = |b: Vec<u8>| Body::new(http_body_util::Full::new(Bytes::from(b)));
+        receive_extents(full(body.clone()), &dst, len)
+            .await
+            .unwrap();
+        assert_eq!(file_sha256(&src).unwrap(), file_sha256(&dst).unwrap());
+        // An extent past the declared size, and a cut one, are refused.
+        let bad = src.with_file_name("bad");
+        let _ = std::fs::remove_file(&bad);
+        let err = receive_extents(full(body.clone()), &bad, 4096)
+            .await
+            .unwrap_err();
+        assert!(err.contains("outside"), "{err}");
+        let _ = std::fs::remove_file(&bad);
+        let cut = body[..body.len() - 1].to_vec();
+        let err = receive_extents(full(cut), &bad, len).await.unwrap_err();
+        assert!(err.contains("ended inside"), "{err}");
+    }
 }
