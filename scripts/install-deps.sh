@@ -25,6 +25,7 @@ build_pkgs=(
 test_pkgs=(
   qemu-system-x86   # the reference VMM of benches/run.sh boot and restore
   iproute2          # tests/egress.rs, benches/run.sh net: namespaces and veths of their own
+  etcd-server etcd-client  # tests/cluster.rs, benches/run.sh cluster: the nodes' etcd members
 )
 
 tests=0 list=0

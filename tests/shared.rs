@@ -158,7 +158,7 @@ fn start(config: &str, data_mib: Option<u64>) -> Shared {
 }
 
 /// The record file of an exported template (as airlockd's `templates::EXPORT_RECORD`).
-const EXPORT_RECORD: &str = "template.pb";
+pub const EXPORT_RECORD: &str = "template.pb";
 
 /// Settings that change what a template build makes: a daemon started with any of them
 /// builds its own.
@@ -174,20 +174,27 @@ const TEMPLATE_SETTINGS: [&str; 8] = [
 ];
 
 /// Where this run keeps the template of a daemon started with `config`:
-/// `$AIRLOCK_CACHE_DIR/test-templates/KEY`, KEY a digest of the kernel, the base image and the
-/// two binaries (each by path, size and modification time: a rebuild is a new key). `None`
-/// (build it) when the settings change what a build makes or `AIRLOCK_TEST_TEMPLATE_CACHE=0`.
+/// `$AIRLOCK_CACHE_DIR/test-templates/KEY` ([`template_cache_dir`]). `None` (build it) when the
+/// settings change what a build makes or `AIRLOCK_TEST_TEMPLATE_CACHE=0`.
 fn template_cache(config: &str) -> Option<PathBuf> {
-    use sha2::Digest as _;
-    use std::os::unix::fs::MetadataExt as _;
-    if std::env::var("AIRLOCK_TEST_TEMPLATE_CACHE").is_ok_and(|v| v == "0") {
-        return None;
-    }
     if config.lines().any(|l| {
         TEMPLATE_SETTINGS
             .iter()
             .any(|k| l.trim_start().starts_with(k))
     }) {
+        return None;
+    }
+    template_cache_dir()
+}
+
+/// Where this run keeps the template `base` of the default settings:
+/// `$AIRLOCK_CACHE_DIR/test-templates/KEY`, KEY a digest of the kernel, the base image and the
+/// two binaries (each by path, size and modification time: a rebuild is a new key). `None`
+/// when `AIRLOCK_TEST_TEMPLATE_CACHE=0`.
+pub fn template_cache_dir() -> Option<PathBuf> {
+    use sha2::Digest as _;
+    use std::os::unix::fs::MetadataExt as _;
+    if std::env::var("AIRLOCK_TEST_TEMPLATE_CACHE").is_ok_and(|v| v == "0") {
         return None;
     }
     let mut h = sha2::Sha256::new();
@@ -232,7 +239,7 @@ fn imported_template(s: &Shared) -> Option<Template> {
 /// Keeps the template built in `dir` for the next test processes of this run: its snapshot's
 /// files (holes kept) and record, put in place whole (a rename) or not at all. Entries older
 /// than a day go.
-fn export_template(dir: &Path, t: &Template, to: &Path) {
+pub fn export_template(dir: &Path, t: &Template, to: &Path) {
     use prost::Message as _;
     let Some(root) = to.parent() else { return };
     let _ = std::fs::create_dir_all(root);
