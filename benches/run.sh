@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks. Usage: benches/run.sh boot|exec|restore|settle|net|create|jail|disk|soak|e2b|plot
+# Benchmarks. Usage: benches/run.sh boot|exec|restore|settle|net|create|jail|disk|cluster|soak|e2b|plot
 #   boot  time from process start to `airlock: userspace up`, airlock-vmm vs QEMU microvm
 #         (same kernel, image, vCPUs and memory, interleaved runs), and the VMM's resident
 #         memory outside guest RAM. RUNS (default 5), VCPUS (1), MEM_MIB (256).
@@ -44,6 +44,12 @@
 #         and with a read-only one, two daemons side by side, RUNS (default 20) creates each,
 #         alternating; then in one sandbox of each DD_RUNS (3) times dd writes DD_MIB (16) MiB
 #         where it writes (/root on the layer, /tmp on the tmpfs) and reads it back, uncached.
+#   cluster  cluster mode's routing hop: one etcd member and two airlockd nodes (placement
+#         "pack", node a the smaller, so every sandbox lands on a); RUNS (default 10) rounds of
+#         create -> ready, GetSandbox and destroy through a (local) and through b (forwarded to
+#         a), alternating, each over TCP with a tenant token; p50/p90/p99 of each, the ratios
+#         forwarded/local and the create's p50 difference. Needs etcd (scripts/install-deps.sh
+#         --tests).
 #   e2b   the E2B gateway's cost: the same steps (create, a first command, 5 more, a 64 KiB
 #         file written and read, kill) through the unchanged `e2b` SDK and the gateway and
 #         through Airlock's Python SDK over gRPC, one live airlockd, alternating; RUNS (default
@@ -164,6 +170,20 @@ bench_disk() {
     --dd-runs "${DD_RUNS:-3}" --dd-mib "${DD_MIB:-16}"
 }
 
+bench_cluster() {
+  local etcd
+  etcd=$(command -v etcd || true)
+  [[ -n $etcd ]] || {
+    echo "etcd is missing: scripts/install-deps.sh --tests (Debian etcd-server)" >&2
+    exit 1
+  }
+  artifacts
+  (cd "$root" && cargo build --release -q -p airlock-vmm -p airlockd -p airlock-bench >&2)
+  "$root/target/release/airlock-create-bench" --compare-cluster --etcd "$etcd" \
+    --daemon "$root/target/release/airlockd" --vmm "$root/target/release/airlock-vmm" \
+    --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" --runs "${RUNS:-10}"
+}
+
 bench_soak() {
   artifacts
   local cycles=${CYCLES:-10000} log
@@ -217,10 +237,11 @@ main() {
     create) bench_create ;;
     jail) bench_jail ;;
     disk) bench_disk ;;
+    cluster) bench_cluster ;;
     soak) bench_soak ;;
     e2b) bench_e2b ;;
     *)
-      sed -n '2,52p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,62p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac

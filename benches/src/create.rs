@@ -5,6 +5,10 @@
 //! Usage: airlock-create-bench --daemon PATH --vmm PATH --kernel PATH --rootfs PATH
 //!        [--runs N] [--levels 1,10,50] [--idle N] [--compare-jail]
 //!        [--exec-runs N] [--exec-mib M] [--compare-disk [--dd-runs N] [--dd-mib M]]
+//!        [--compare-cluster --etcd PATH]
+//!
+//! `--compare-cluster`: cluster mode's routing hop, create → ready through the node that runs
+//! the sandbox and through another that forwards it (see `cluster_bench.rs`).
 //!
 //! `--compare-disk`: with and without a writable root, side by side (see `disk_bench.rs`).
 //!
@@ -53,6 +57,10 @@ struct Args {
     compare_jail: bool,
     /// Instead of the levels: with and without a writable root, side by side (disk_bench.rs).
     compare_disk: bool,
+    /// Instead of the levels: local and forwarded calls of a two-node cluster
+    /// (cluster_bench.rs), with the etcd binary `etcd`.
+    compare_cluster: bool,
+    etcd: PathBuf,
     dd_runs: usize,
     dd_mib: usize,
     /// Executions, file reads and stdout through the daemon (0: none).
@@ -76,6 +84,8 @@ fn parse_args() -> Result<Args, String> {
         idle: 100,
         compare_jail: false,
         compare_disk: false,
+        compare_cluster: false,
+        etcd: PathBuf::new(),
         dd_runs: 3,
         dd_mib: 16,
         exec_runs: 10,
@@ -96,6 +106,10 @@ fn parse_args() -> Result<Args, String> {
             a.compare_disk = true;
             continue;
         }
+        if flag == "--compare-cluster" {
+            a.compare_cluster = true;
+            continue;
+        }
         if flag == "--net-run" {
             a.net_run = true;
             continue;
@@ -114,6 +128,7 @@ fn parse_args() -> Result<Args, String> {
             "--vmm" => a.vmm = v.into(),
             "--kernel" => a.kernel = v.into(),
             "--rootfs" => a.rootfs = v.into(),
+            "--etcd" => a.etcd = v.into(),
             "--runs" => a.runs = n(v)?,
             "--idle" => a.idle = n(v)?,
             "--dd-runs" => a.dd_runs = n(v)?,
@@ -614,6 +629,7 @@ async fn compare_jail(a: Args) -> Result<serde_json::Value, String> {
     Ok(serde_json::Value::Object(out))
 }
 
+mod cluster_bench;
 mod daemon_exec;
 mod disk_bench;
 mod net_run;
@@ -649,6 +665,8 @@ fn main() -> ExitCode {
         rt.block_on(compare_jail(args))
     } else if args.compare_disk {
         rt.block_on(disk_bench::compare_disk(args))
+    } else if args.compare_cluster {
+        rt.block_on(cluster_bench::compare_cluster(args))
     } else {
         rt.block_on(bench(args))
     };
