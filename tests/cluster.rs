@@ -539,3 +539,107 @@ async fn a_lost_node_is_reported_and_reconciles_when_it_returns() {
     assert!(destroy(&mut cb, &s.id).await);
     step("exec, list and destroy after the return", &mut t);
 }
+
+/// The Python SDK of this checkout (its cached venv, made by `sdk/python/venv.sh`).
+fn sdk_python() -> String {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../sdk/python/venv.sh");
+    let out = std::process::Command::new(script)
+        .output()
+        .unwrap_or_else(|e| panic!("{script}: {e}"));
+    assert!(
+        out.status.success(),
+        "{script} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// What the Python SDK does through three nodes: the script below, as a user writes it.
+const SDK_SCRIPT: &str = r#"
+import sys, airlock
+a, c, token = sys.argv[1], sys.argv[2], sys.argv[3]
+names = set(sys.argv[4].split(","))
+ca, cc = airlock.Client(a, token), airlock.Client(c, token)
+assert {n.name for n in cc.nodes()} == names, cc.nodes()
+sb = ca.sandboxes.create(labels={"via": "sdk"})
+assert sb.node in names, sb.node
+seen = cc.sandboxes.get(sb.id)
+assert (seen.node, seen.state) == (sb.node, "running"), (seen.node, seen.state)
+r = seen.exec(["echo", "through-" + sb.node])
+assert (r.stdout, r.exit_code) == ("through-" + sb.node + "\n", 0), r
+assert [s.id for s in cc.sandboxes.list(labels={"via": "sdk"})] == [sb.id]
+assert cc.sandboxes.get(sb.id).destroy()
+try:
+    ca.sandboxes.get("sb-" + "f" * 16).exec(["true"])
+    raise SystemExit("an unknown sandbox was found")
+except airlock.SandboxNotFound:
+    pass
+print("sdk ok", sb.node)
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cli_and_the_python_sdk_see_one_service() {
+    let (_serial, k) = scenario().await;
+    let mut t = Instant::now();
+    let names = NAMES.join(",");
+    // The CLI, pointed at node b, creates; pointed at c, lists the nodes, runs and removes.
+    let cli = |node: &str, args: &[&str]| {
+        let out = std::process::Command::new(airlock_system_tests::binary("airlock"))
+            .args(args)
+            .env("AIRLOCK_ADDR", k.node(node).address())
+            .env("AIRLOCK_TOKEN", TOKEN)
+            .output()
+            .unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        assert!(
+            out.status.success(),
+            "airlock {args:?} through {node}: {}",
+            text(&out.stderr)
+        );
+        text(&out.stdout)
+    };
+    let created: serde_json::Value =
+        serde_json::from_str(&cli("b", &["--json", "create"])).unwrap();
+    let (id, node) = (
+        created["id"].as_str().unwrap().to_owned(),
+        created["node"].as_str().unwrap().to_owned(),
+    );
+    assert!(NAMES.contains(&node.as_str()), "{created}");
+    let listed: serde_json::Value = serde_json::from_str(&cli("c", &["--json", "nodes"])).unwrap();
+    let listed: BTreeSet<_> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(listed, NAMES.iter().map(|n| n.to_string()).collect());
+    assert_eq!(cli("c", &["exec", &id, "--", "echo", "cli"]), "cli\n");
+    assert!(cli("a", &["ls"]).contains(&id));
+    cli("c", &["rm", &id]);
+    step("the CLI through b, c and a", &mut t);
+    let python = sdk_python();
+    let out = std::process::Command::new(&python)
+        .args([
+            "-c",
+            SDK_SCRIPT,
+            &k.node("a").address(),
+            &k.node("c").address(),
+            TOKEN,
+            &names,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "the SDK's script: {}{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        k.logs()
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("sdk ok"));
+    step("the Python SDK through a and c", &mut t);
+}
