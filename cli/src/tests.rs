@@ -616,7 +616,8 @@ fn json_records_keep_their_shape() {
     assert_eq!(v["id"], "sb-1");
     assert_eq!(v["state"], "running");
     let keys: Vec<_> = v.as_object().unwrap().keys().cloned().collect();
-    assert_eq!(keys.len(), 20, "{keys:?}");
+    assert_eq!(keys.len(), 21, "{keys:?}");
+    assert_eq!(v["node"], "", "empty on a single host");
     assert_eq!(v["secrets"], serde_json::json!([]));
     assert_eq!(v["network"]["allow_internet"], false);
     assert_eq!(v["packages"]["offline"], false);
