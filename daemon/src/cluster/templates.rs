@@ -236,9 +236,14 @@ impl Cluster {
             Ok(manifest) => {
                 let d = dir.clone();
                 let t = self.daemon.templates.clone();
+                let t1 = std::time::Instant::now();
                 let r = tokio::task::spawn_blocking(move || t.import_exported(&d))
                     .await
                     .map_err(|e| ApiError::Internal(format!("import task: {e}")))?;
+                tracing::debug!(
+                    import_ms = t1.elapsed().as_millis() as u64,
+                    "fetched template imported"
+                );
                 r.map(|t| (t, manifest))
                     .map_err(|e| ApiError::Internal(format!("importing the fetched template: {e}")))
             }
@@ -285,11 +290,14 @@ impl Cluster {
                 .get(address, &format!("{PATH}{}/files/{}", entry.id, f.name))
                 .await?;
             let path = dir.join(&f.name);
+            let t0 = std::time::Instant::now();
             receive_extents(body, &path, f.size).await.map_err(bad)?;
+            let received = t0.elapsed();
             let p = path.clone();
             let sum = tokio::task::spawn_blocking(move || file_sha256(&p))
                 .await
                 .map_err(|e| bad(e.to_string()))??;
+            tracing::debug!(file = %f.name, received_ms = received.as_millis() as u64, digest_ms = (t0.elapsed() - received).as_millis() as u64, "template file fetched");
             if sum != f.sha256 {
                 return Err(bad(format!("{}: SHA-256 {sum}, not {}", f.name, f.sha256)));
             }
