@@ -465,7 +465,11 @@ async fn receive_extents(body: Body, path: &PathBuf, size: u64) -> Result<(), St
     if !buf.is_empty() {
         return Err("the file ended inside an extent".into());
     }
-    file.sync_all().map_err(|e| e.to_string())
+    // Writes went to the page cache; the flush may wait on the disk: off the runtime.
+    tokio::task::spawn_blocking(move || file.sync_all())
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
