@@ -208,6 +208,10 @@ impl EtcdLedger {
             .iter()
             .filter_map(|kv| {
                 let s = Sandbox::decode(kv.value()).ok()?;
+                // The prefix of tenant "acme" also covers "acme/x"'s keys: count only its own.
+                if !tenant.is_empty() && s.tenant != tenant {
+                    return None;
+                }
                 Some((kv.key_str().ok()?.to_owned(), kv.mod_revision(), s))
             })
             .collect();
