@@ -285,7 +285,8 @@ pub struct CreateArgs {
     #[arg(long, visible_alias = "max-lifetime", value_name = "SECS")]
     pub lifetime: Option<u32>,
     /// Upload a local file before the sandbox is ready, with octal permission bits (default
-    /// 644); the guest path must be under a writable prefix (repeatable)
+    /// 644); the guest path must be under a writable prefix; about 4 MiB in all, `cp` for
+    /// larger files (repeatable)
     #[arg(
         long = "file",
         value_name = "LOCAL:/GUEST/PATH[:MODE]",

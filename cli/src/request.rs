@@ -34,6 +34,11 @@ fn map(pairs: &[(String, String)]) -> HashMap<String, String> {
     pairs.iter().cloned().collect()
 }
 
+/// The most bytes of `--file` contents one create carries: they travel inside the
+/// CreateSandboxRequest, and a gRPC server takes messages of 4 MiB at most (what is left is
+/// room for the rest of the request).
+pub const MAX_CREATE_FILE_BYTES: usize = (4 << 20) - (64 << 10);
+
 /// `CreateSandboxRequest` of `airlock create`; reads the `--file`s.
 pub fn create_request(args: &CreateArgs, read: Read) -> Result<CreateSandboxRequest, String> {
     let files = args
@@ -47,6 +52,14 @@ pub fn create_request(args: &CreateArgs, read: Read) -> Result<CreateSandboxRequ
             })
         })
         .collect::<Result<Vec<_>, String>>()?;
+    let total: usize = files.iter().map(|f| f.content.len()).sum();
+    if total > MAX_CREATE_FILE_BYTES {
+        return Err(format!(
+            "--file: {total} bytes in all; files placed at create travel in the create request, \
+             at most {MAX_CREATE_FILE_BYTES} bytes: copy larger ones with \
+             `airlock cp LOCAL ID:/PATH` once the sandbox is ready"
+        ));
+    }
     let any = !args.writable.is_empty()
         || !args.exportable.is_empty()
         || args.export_max_file_bytes.is_some()

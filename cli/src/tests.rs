@@ -22,7 +22,8 @@ use crate::output::{
     egress_line, exposure_json, exposure_text, network_json, network_text, utc_time,
 };
 use crate::request::{
-    create_request, exec_request, expose_request, list_request, net_request, template_request,
+    MAX_CREATE_FILE_BYTES, create_request, exec_request, expose_request, list_request, net_request,
+    template_request,
 };
 
 mod net;
@@ -165,6 +166,21 @@ fn create_fails_on_an_unreadable_file() {
         create_request(&a, &fake_read)
             .unwrap_err()
             .contains("missing")
+    );
+}
+
+#[test]
+fn create_refuses_files_too_large_for_one_request_and_names_cp() {
+    let Command::Create(a) = parse(&["create", "--file", "big:/tmp/big"]).command else {
+        panic!("not create")
+    };
+    let big = |_: &std::path::Path| Ok(vec![0u8; MAX_CREATE_FILE_BYTES + 1]);
+    let e = create_request(&a, &big).unwrap_err();
+    assert!(e.contains("airlock cp"), "{e}");
+    let fits = |_: &std::path::Path| Ok(vec![0u8; MAX_CREATE_FILE_BYTES]);
+    assert_eq!(
+        create_request(&a, &fits).unwrap().files[0].content.len(),
+        MAX_CREATE_FILE_BYTES
     );
 }
 
