@@ -81,9 +81,10 @@ uplinks: {}\n\
 packages:\n  '**':\n    access: $all\n    publish: $authenticated\n\
 log: { type: file, path: ./verdaccio.log, level: info }\n";
 
-/// Publishes package `airlock-left-pad` 1.0.0 to the verdaccio on `port` with the host's npm
-/// (a user made through the registry's own API); returns its tarball's SHA-256.
-fn publish_npm(dir: &Path, port: u16) -> String {
+/// Publishes packages `airlock-left-pad` and `airlock-right-pad` 1.0.0 to the verdaccio on
+/// `port` with the host's npm (a user made through the registry's own API); returns their
+/// tarballs' SHA-256, by name.
+fn publish_npm(dir: &Path, port: u16) -> Vec<(String, String)> {
     let py = |code: &str| {
         let o = Command::new("python3").args(["-c", code]).output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -96,41 +97,50 @@ fn publish_npm(dir: &Path, port: u16) -> String {
          method='PUT', headers={{'Content-Type': 'application/json'}})\n\
          print(json.load(urllib.request.urlopen(r))['token'])"
     ));
-    let pkg = dir.join("npm-pkg");
-    std::fs::create_dir_all(&pkg).unwrap();
-    std::fs::write(
-        pkg.join("package.json"),
-        r#"{"name":"airlock-left-pad","version":"1.0.0","main":"index.js","license":"MIT"}"#,
-    )
-    .unwrap();
-    std::fs::write(
-        pkg.join("index.js"),
-        "module.exports = (s, n) => String(s).padStart(n, '.');\n",
-    )
-    .unwrap();
     let npmrc = dir.join("npmrc");
     std::fs::write(&npmrc, format!("//127.0.0.1:{port}/:_authToken={token}\n")).unwrap();
-    let o = Command::new("npm")
-        .args([
-            "publish",
-            "--registry",
-            &format!("http://127.0.0.1:{port}/"),
-        ])
-        .arg("--userconfig")
-        .arg(&npmrc)
-        .current_dir(&pkg)
-        .output()
-        .expect("npm (Node.js) on PATH");
-    assert!(
-        o.status.success(),
-        "npm publish: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    py(&format!(
-        "import hashlib, urllib.request\n\
-         u = 'http://127.0.0.1:{port}/airlock-left-pad/-/airlock-left-pad-1.0.0.tgz'\n\
-         print(hashlib.sha256(urllib.request.urlopen(u).read()).hexdigest())"
-    ))
+    [
+        ("airlock-left-pad", "padStart"),
+        ("airlock-right-pad", "padEnd"),
+    ]
+    .into_iter()
+    .map(|(name, pad)| {
+        let pkg = dir.join(format!("npm-{name}"));
+        std::fs::create_dir_all(&pkg).unwrap();
+        std::fs::write(
+            pkg.join("package.json"),
+            format!(r#"{{"name":"{name}","version":"1.0.0","main":"index.js","license":"MIT"}}"#),
+        )
+        .unwrap();
+        std::fs::write(
+            pkg.join("index.js"),
+            format!("module.exports = (s, n) => String(s).{pad}(n, '.');\n"),
+        )
+        .unwrap();
+        let o = Command::new("npm")
+            .args([
+                "publish",
+                "--registry",
+                &format!("http://127.0.0.1:{port}/"),
+            ])
+            .arg("--userconfig")
+            .arg(&npmrc)
+            .current_dir(&pkg)
+            .output()
+            .expect("npm (Node.js) on PATH");
+        assert!(
+            o.status.success(),
+            "npm publish {name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let sha = py(&format!(
+            "import hashlib, urllib.request\n\
+                 u = 'http://127.0.0.1:{port}/{name}/-/{name}-1.0.0.tgz'\n\
+                 print(hashlib.sha256(urllib.request.urlopen(u).read()).hexdigest())"
+        ));
+        (name.to_owned(), sha)
+    })
+    .collect()
 }
 
 /// `pypi-server`: AIRLOCK_PYPISERVER, else where tests/registries.sh puts it.
@@ -252,7 +262,7 @@ pub fn registries() -> &'static Registries {
         wait_port(pypi_port, "pypi-server", &log);
         wait_port(mirror_port, "the mirror", &mirror_log);
         wait_port(npm_port, "verdaccio", &vdir.join("stderr.log"));
-        sha.insert("airlock-left-pad".into(), publish_npm(&dir, npm_port));
+        sha.extend(publish_npm(&dir, npm_port));
         Registries {
             dir,
             pypi_port,
