@@ -1,6 +1,6 @@
 //! The registries of the package tests, on loopback: a real `pypiserver` serving wheels the
 //! test builds, a static PEP 503 mirror (Python's `http.server`) whose index lies about one
-//! file's digest, and a real `verdaccio` the test publishes an npm package to. Started once per
+//! file's digest, and a real `verdaccio` the test publishes two npm packages to. Started once per
 //! test process, killed at its exit.
 
 use std::path::{Path, PathBuf};
