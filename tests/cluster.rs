@@ -19,7 +19,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use airlock_api::v1::*;
-use airlock_system_tests::harness::{Client, execution_with_output, reason, run, shell};
+use airlock_system_tests::harness::{Client, execution_with_output, read_all, reason, run, shell};
 use airlock_system_tests::step;
 use nodes::{CAPPED_MAX, CAPPED_TOKEN, Cluster, LEASE_TTL_S, NAMES, TOKEN, scenario, wait_nodes};
 use tonic::Code;
@@ -280,19 +280,7 @@ async fn every_call_works_through_any_node() {
         .unwrap_or_else(|e| panic!("write through c: {e:?}\n{}", k.logs()))
         .into_inner();
     assert_eq!(written.bytes_written, data.len() as u64);
-    let mut chunks = cc
-        .read_file(ReadFileRequest {
-            sandbox_id: s.id.clone(),
-            path: "/tmp/cluster/data.bin".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap_or_else(|e| panic!("read through c: {e:?}\n{}", k.logs()))
-        .into_inner();
-    let mut back = Vec::new();
-    while let Some(ch) = chunks.message().await.unwrap() {
-        back.extend(ch.data);
-    }
+    let back = read_all(&mut cc, &s.id, "/tmp/cluster/data.bin").await;
     assert!(
         back == data,
         "read back {} bytes of {}",

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use airlock_api::v1::*;
 use airlock_system_tests::harness::{
-    Client, alive, create_sandbox, execution_with_output, http_get, reason, run, run_as, shell,
+    Client, alive, create_sandbox, execution_with_output, http_get, read_all, reason, run, run_as,
+    shell,
 };
 use airlock_system_tests::shared::{Shared, scenario};
 use tonic::Code;
@@ -41,24 +42,6 @@ async fn destroy(c: &mut Client, id: &str) -> bool {
     .unwrap()
     .into_inner()
     .destroyed
-}
-
-/// Reads a whole file out of a sandbox.
-async fn read_all(c: &mut Client, sandbox: &str, path: &str) -> Vec<u8> {
-    let mut chunks = c
-        .read_file(ReadFileRequest {
-            sandbox_id: sandbox.into(),
-            path: path.into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut out = Vec::new();
-    while let Some(ch) = chunks.message().await.unwrap() {
-        out.extend(ch.data);
-    }
-    out
 }
 
 /// An execution's record once it has ended.

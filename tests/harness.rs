@@ -347,3 +347,21 @@ pub async fn run_long(
     }
     panic!("execution {} stream ended without an exit", ex.execution_id);
 }
+
+/// Reads a whole file out of a sandbox.
+pub async fn read_all(c: &mut Client, sandbox: &str, path: &str) -> Vec<u8> {
+    let mut chunks = c
+        .read_file(ReadFileRequest {
+            sandbox_id: sandbox.into(),
+            path: path.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(ch) = chunks.message().await.unwrap() {
+        out.extend(ch.data);
+    }
+    out
+}
