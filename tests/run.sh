@@ -2,12 +2,59 @@
 # The test command: installs the Debian packages it needs, builds every artifact the tests need
 # (guest kernel, base image, binaries), then runs formatting and lint checks, unit tests, KVM
 # micro tests, system tests, the Python SDK and CLI tests (pytest against a live airlockd), and a
-# short run of every fuzz target.
+# short run of every fuzz target. At its end (pass or fail) it prints a timing table: each stage,
+# each test binary, the ten slowest tests and the total (tests/times.py; also written as JSON to
+# target/test-times.json), with a warning when the run passes its budget.
+#
+#   ./tests/run.sh           the default run (CI's)
+#   ./tests/run.sh --soak    the same, then the soaks: tests/jail.rs with 1,000 create/destroy
+#                            cycles and `benches/run.sh soak` (10,000)
+#
+# Env: AIRLOCK_TEST_JOBS   system test binaries run at once (default 2)
 # Artifacts are cached under ${AIRLOCK_CACHE_DIR:-/var/cache/airlock}, keyed by their inputs.
 set -euo pipefail
 
+soak=0
+for arg in "$@"; do
+  case $arg in
+    --soak) soak=1 ;;
+    *) echo "usage: $0 [--soak]" >&2; exit 2 ;;
+  esac
+done
+
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+
+# The binaries the system tests and the SDK tests start (CARGO_TARGET_DIR may put them outside
+# the checkout: .ci/run does).
+export AIRLOCK_BIN_DIR=${AIRLOCK_BIN_DIR:-${CARGO_TARGET_DIR:-$root/target}/debug}
+
+# Where the timing table's records go (tests/times.py).
+export AIRLOCK_TIMES_DIR=$root/target/test-times
+rm -rf "$AIRLOCK_TIMES_DIR"
+mkdir -p "$AIRLOCK_TIMES_DIR"
+timing() { python3 "$root/tests/times.py" "$@"; }
+
+# `stage NAME COMMAND...` runs COMMAND in this shell (a failure still ends the run: set -e) and
+# records how long it took; the EXIT trap records a stage that failed and prints the table.
+current_stage="" stage_t0=""
+stage() {
+  current_stage=$1 stage_t0=$(date +%s.%N)
+  shift
+  "$@"
+  timing stage "$current_stage" "$stage_t0" "$(date +%s.%N)" 0
+  current_stage=""
+}
+on_exit() {
+  local rc=$?
+  trap - EXIT
+  if [[ -n $current_stage ]]; then
+    timing stage "$current_stage" "$stage_t0" "$(date +%s.%N)" "$rc" || true
+  fi
+  timing report || true
+  exit "$rc"
+}
+trap on_exit EXIT
 
 # Everything from Debian that the builds and the tests need (idempotent, quiet when present).
 install_packages() {
@@ -15,19 +62,27 @@ install_packages() {
   scripts/install-deps.sh --tests
 }
 
-build_artifacts() {
+kernel() {
   echo "== guest kernel" >&2
   AIRLOCK_KERNEL=$(kernel-config/build.sh | tail -n1)
+  export AIRLOCK_KERNEL
+  echo "kernel: $AIRLOCK_KERNEL" >&2
+}
+
+image() {
   echo "== base image" >&2
   AIRLOCK_ROOTFS=$(rootfs/build.sh | tail -n1)
-  echo "== registry software of the package tests (tests/registries.sh)" >&2
-  local registries
-  registries=$(tests/registries.sh | tail -n2)
-  AIRLOCK_PYPISERVER=$(head -n1 <<<"$registries")
-  AIRLOCK_VERDACCIO=$(tail -n1 <<<"$registries")
-  export AIRLOCK_KERNEL AIRLOCK_ROOTFS AIRLOCK_PYPISERVER AIRLOCK_VERDACCIO
-  echo "kernel: $AIRLOCK_KERNEL" >&2
+  export AIRLOCK_ROOTFS
   echo "rootfs: $AIRLOCK_ROOTFS" >&2
+}
+
+registries() {
+  echo "== registry software of the package tests (tests/registries.sh)" >&2
+  local out
+  out=$(tests/registries.sh | tail -n2)
+  AIRLOCK_PYPISERVER=$(head -n1 <<<"$out")
+  AIRLOCK_VERDACCIO=$(tail -n1 <<<"$out")
+  export AIRLOCK_PYPISERVER AIRLOCK_VERDACCIO
 }
 
 # The agent's cgroup tests need a writable cgroup v2 hierarchy. Hybrid-mode hosts (cgroup v1
@@ -43,39 +98,80 @@ ensure_cgroup2() {
   fi
 }
 
-static_checks() {
-  echo "== fmt, clippy" >&2
+fmt() {
+  echo "== fmt" >&2
   cargo fmt --all -- --check
+}
+
+clippy() {
+  echo "== clippy" >&2
   cargo clippy --workspace --all-targets -- -D warnings
 }
 
-run_tests() {
-  echo "== tests" >&2
-  # The system tests start the binaries (airlock-vmm, airlockd), which `cargo test` alone
-  # does not build for packages without integration tests.
+# The binaries the system tests start (airlock-vmm, airlockd, airlock: `cargo test` alone does
+# not build them for packages without integration tests) and every test binary.
+build() {
+  echo "== build" >&2
   cargo build --workspace --bins
-  cargo test --workspace -- --nocapture
+  cargo test --workspace --no-run
 }
 
-# The Python SDK and the `airlock` CLI against a live airlockd (sdk/python/tests; the daemon
-# fixture uses the debug binaries that run_tests built).
-sdk_tests() {
-  echo "== Python SDK and CLI tests" >&2
-  local python
-  python=$(sdk/python/venv.sh | tail -n1)
-  "$(dirname "$python")/pytest" -q -rA sdk/python/tests
+# Unit tests and the VMM's KVM micro tests: every package but the system tests.
+unit_tests() {
+  echo "== unit tests" >&2
+  cargo test --workspace --exclude airlock-system-tests -- --nocapture 2>&1 | timing tee "unit tests"
+  cargo test -p airlock-system-tests --lib -- --nocapture 2>&1 | timing tee "unit tests"
 }
 
-install_packages
+# The Python SDK's environment (a venv with pytest and this checkout's SDK; sdk/python/venv.sh).
+sdk_venv() {
+  echo "== Python SDK environment" >&2
+  AIRLOCK_SDK_PYTHON=$(sdk/python/venv.sh | tail -n1)
+  export AIRLOCK_SDK_PYTHON
+}
+
+# The system tests (tests/*.rs, each its own binary with its own daemon) and the Python SDK and
+# CLI tests (sdk/python/tests: pytest against a live airlockd of their own, the debug binaries
+# that build made), AIRLOCK_TEST_JOBS at once, longest first (by the last run's times); each
+# one's output is shown whole when it ends.
+system_tests() {
+  echo "== system tests, SDK and CLI tests (${AIRLOCK_TEST_JOBS:-2} at once)" >&2
+  local specs=()
+  local f
+  for f in $(sed -n 's/^path = "\([a-z_0-9]*\.rs\)"$/\1/p' tests/Cargo.toml); do
+    [[ $f == lib.rs ]] || specs+=("tests/$f")
+  done
+  specs+=("pytest:sdk/python/tests")
+  timing lanes "system tests" "${AIRLOCK_TEST_JOBS:-2}" -- "${specs[@]}"
+}
+
 # Every fuzz target for a short while from its seeds (fuzz/run.sh; a longer run: fuzz/run.sh 600).
 fuzz_smoke() {
   echo "== fuzz smoke (${AIRLOCK_FUZZ_SECONDS:-10} s per target)" >&2
   fuzz/run.sh "${AIRLOCK_FUZZ_SECONDS:-10}"
 }
 
-build_artifacts
+# The long runs, only with --soak: 1,000 jailed create/destroy cycles in tests/jail.rs and the
+# 10,000-cycle soak of benches/run.sh.
+soaks() {
+  echo "== soaks" >&2
+  AIRLOCK_TEST_JAIL_CYCLES=1000 cargo test -p airlock-system-tests --test jail -- --nocapture 2>&1 |
+    timing tee soaks
+  benches/run.sh soak
+}
+
+stage "debian packages" install_packages
+stage "guest kernel" kernel
+stage "base image" image
+stage "registries" registries
 ensure_cgroup2
-static_checks
-run_tests
-sdk_tests
-fuzz_smoke
+stage "fmt" fmt
+stage "clippy" clippy
+stage "build" build
+stage "sdk venv" sdk_venv
+stage "unit tests" unit_tests
+stage "system tests" system_tests
+stage "fuzz smoke" fuzz_smoke
+if ((soak)); then
+  stage "soaks" soaks
+fi

@@ -1,0 +1,340 @@
+#!/usr/bin/env python3
+"""Where the time of a test run goes: the timing table of ./tests/run.sh.
+
+    tests/times.py tee STAGE        passes its standard input through to standard output and
+                                    records the cargo test binaries and tests it sees in it
+    tests/times.py lanes STAGE N -- SPEC...
+                                    runs the cargo test binaries SPEC (`tests/NAME.rs` for the
+                                    system test NAME) N at a time, longest first, each one's
+                                    output shown whole when it ends; exits 1 if any failed
+    tests/times.py stage NAME T0 T1 RC
+                                    records a stage of run.sh (start and end in Unix seconds)
+    tests/times.py report           prints the table and writes target/test-times.json
+
+Records live in $AIRLOCK_TIMES_DIR (run.sh sets target/test-times). Per-test seconds come from
+when libtest reports each test as done: the time since the binary's previous test ended (or the
+binary started). The system tests of one binary run one at a time (tests/shared.rs), so for
+them this is the test's own time; a binary's first test includes its daemon's start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMES_DIR = Path(os.environ.get("AIRLOCK_TIMES_DIR", ROOT / "target" / "test-times"))
+CACHE_DIR = Path(os.environ.get("AIRLOCK_CACHE_DIR", "/var/cache/airlock"))
+# Durations of the last run's system test binaries, for the lanes' order (longest first).
+LAST_TIMES = CACHE_DIR / "test-times-last.json"
+OUT_JSON = ROOT / "target" / "test-times.json"
+
+# The budget (issue 34): the whole run on a warm machine, and any one test binary or stage.
+BUDGET_TOTAL_S = 40 * 60
+BUDGET_FILE_S = 6 * 60
+
+RUNNING = re.compile(r"^\s*Running (?:unittests )?(\S+) \((\S+)\)")
+DOCTESTS = re.compile(r"^\s*Doc-tests (\S+)")
+TEST_DONE = re.compile(r"test (\S+) \.\.\. (ok|FAILED|ignored)")
+RESULT = re.compile(
+    r"test result: (ok|FAILED)\. (\d+) passed; (\d+) failed; (\d+) ignored;.*finished in ([\d.]+)s"
+)
+
+
+def binary_name(src: str, exe: str) -> str:
+    """`tests/packages.rs` for a system test file (the package's root is tests/), `airlock_vmm
+    (src/lib.rs)` for unit tests and other packages' integration tests."""
+    crate = re.sub(r"-[0-9a-f]{16}$", "", Path(exe).name)
+    if "/" not in src and src not in ("lib.rs", "main.rs"):
+        return f"tests/{src}"
+    return f"{crate} ({src})"
+
+
+class Recorder:
+    """Follows cargo test output line by line and keeps what each binary and test took."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+        self.start = time.time()
+        self.binaries: list[dict] = []
+        self.cur: dict | None = None
+
+    def _close(self, now: float) -> None:
+        if self.cur is not None and "end" not in self.cur:
+            self.cur["end"] = now
+            self.cur.setdefault("seconds", round(now - self.cur["start"], 1))
+
+    def line(self, text: str, now: float) -> None:
+        m = RUNNING.search(text)
+        d = DOCTESTS.search(text) if not m else None
+        if m or d:
+            self._close(now)
+            name = binary_name(m.group(1), m.group(2)) if m else f"{d.group(1)} (doc tests)"
+            self.cur = {"name": name, "start": now, "last": now, "tests": []}
+            self.binaries.append(self.cur)
+            return
+        if self.cur is None:
+            return
+        m = TEST_DONE.search(text)
+        if m:
+            self.cur["tests"].append(
+                {
+                    "name": m.group(1),
+                    "result": m.group(2),
+                    "seconds": round(now - self.cur["last"], 1),
+                }
+            )
+            self.cur["last"] = now
+            return
+        m = RESULT.search(text)
+        if m:
+            self.cur.update(
+                result=m.group(1),
+                passed=int(m.group(2)),
+                failed=int(m.group(3)),
+                ignored=int(m.group(4)),
+                seconds=float(m.group(5)),
+            )
+            self._close(now)
+
+    def finish(self) -> dict:
+        self._close(time.time())
+        for b in self.binaries:
+            b.pop("last", None)
+        return {"stage": self.stage, "start": self.start, "end": time.time(), "binaries": self.binaries}
+
+
+def write_record(name: str, record: dict) -> None:
+    TIMES_DIR.mkdir(parents=True, exist_ok=True)
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+    (TIMES_DIR / f"binaries-{safe}-{os.getpid()}.json").write_text(json.dumps(record))
+
+
+def cmd_tee(stage: str) -> int:
+    rec = Recorder(stage)
+    out = sys.stdout.buffer
+    for raw in sys.stdin.buffer:
+        out.write(raw)
+        out.flush()
+        rec.line(raw.decode("utf-8", "replace"), time.time())
+    write_record(stage, rec.finish())
+    return 0
+
+
+def last_durations() -> dict[str, float]:
+    try:
+        return json.loads(LAST_TIMES.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def cmd_lanes(stage: str, jobs: int, specs: list[str]) -> int:
+    """Runs each spec (`tests/NAME.rs`) as `cargo test -p airlock-system-tests --test NAME`."""
+    last = last_durations()
+    order = sorted(specs, key=lambda s: -last.get(s, 0.0))
+    queue = list(order)
+    lock = threading.Lock()
+    results: dict[str, dict] = {}
+    failed: list[str] = []
+
+    def run_one(spec: str) -> None:
+        if spec.startswith("pytest:"):
+            # The SDK and CLI tests: pytest of the venv tests/run.sh made, times from JUnit XML.
+            target = spec.split(":", 1)[1]
+            xml = TIMES_DIR / f"pytest-{re.sub(r'[^A-Za-z0-9_.-]', '_', target)}.xml"
+            python = os.environ.get("AIRLOCK_SDK_PYTHON", "python3")
+            cmd = [python, "-m", "pytest", "-q", "-rA", f"--junitxml={xml}", target]
+        else:
+            name = Path(spec).stem
+            cmd = ["cargo", "test", "-p", "airlock-system-tests", "--test", name, "--", "--nocapture"]
+        rec = Recorder(spec)
+        lines: list[str] = []
+        t0 = time.time()
+        with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as p:
+            assert p.stdout is not None
+            for raw in p.stdout:
+                now = time.time()
+                text = raw.decode("utf-8", "replace")
+                lines.append(f"[{now - t0:7.1f}] {text}")
+                rec.line(text, now)
+            rc = p.wait()
+        record = rec.finish()
+        secs = time.time() - t0
+        if spec.startswith("pytest:"):
+            # pytest's own tests are read from its XML by `report`; this is the whole run.
+            record["binaries"] = []
+            record["pytest"] = {"name": spec, "seconds": round(secs, 1)}
+        elif record["binaries"]:
+            # The process's time (build check, daemon start and stop included), not libtest's.
+            record["binaries"][0]["seconds"] = round(secs, 1)
+        with lock:
+            results[spec] = record
+            if rc != 0:
+                failed.append(spec)
+            verdict = "ok" if rc == 0 else f"FAILED (exit {rc})"
+            sys.stdout.write(f"\n==== {spec}: {verdict} in {secs:.1f} s ====\n")
+            sys.stdout.write("".join(lines))
+            sys.stdout.write(f"==== end of {spec} ====\n")
+            sys.stdout.flush()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                spec = queue.pop(0)
+                sys.stderr.write(f"== {spec} started\n")
+            run_one(spec)
+
+    threads = [threading.Thread(target=worker) for _ in range(max(1, jobs))]
+    start = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    binaries = [b for s in order if s in results for b in results[s]["binaries"]]
+    runs = [results[s]["pytest"] for s in order if s in results and "pytest" in results[s]]
+    write_record(stage, {"stage": stage, "start": start, "end": time.time(), "binaries": binaries, "jobs": jobs})
+    if not failed:
+        last.update({b["name"]: b["seconds"] for b in binaries + runs})
+        try:
+            LAST_TIMES.parent.mkdir(parents=True, exist_ok=True)
+            LAST_TIMES.write_text(json.dumps(last, indent=1, sort_keys=True))
+        except OSError:
+            pass
+    if failed:
+        sys.stdout.write(f"\nfailed: {', '.join(failed)}\n")
+    return 1 if failed else 0
+
+
+def cmd_stage(name: str, t0: str, t1: str, rc: str) -> int:
+    TIMES_DIR.mkdir(parents=True, exist_ok=True)
+    with open(TIMES_DIR / "stages.tsv", "a") as f:
+        f.write(f"{name}\t{t0}\t{t1}\t{rc}\n")
+    return 0
+
+
+def pytest_binaries() -> list[dict]:
+    """The SDK/CLI tests from pytest's JUnit XML, one entry per test file."""
+    out = []
+    for xml in sorted(TIMES_DIR.glob("pytest-*.xml")):
+        try:
+            root = ET.parse(xml).getroot()
+        except (OSError, ET.ParseError):
+            continue
+        files: dict[str, dict] = {}
+        for case in root.iter("testcase"):
+            cls = case.get("classname", "")
+            fname = "sdk/python/tests/" + cls.split(".")[-1] + ".py" if cls else "pytest"
+            b = files.setdefault(fname, {"name": fname, "seconds": 0.0, "tests": [], "passed": 0, "failed": 0, "ignored": 0})
+            secs = float(case.get("time", "0") or 0)
+            result = "ok"
+            if case.find("failure") is not None or case.find("error") is not None:
+                result = "FAILED"
+                b["failed"] += 1
+            elif case.find("skipped") is not None:
+                result = "ignored"
+                b["ignored"] += 1
+            else:
+                b["passed"] += 1
+            b["seconds"] = round(b["seconds"] + secs, 1)
+            b["tests"].append({"name": case.get("name", "?"), "result": result, "seconds": round(secs, 1)})
+        out.extend(files.values())
+    return out
+
+
+def fmt_s(s: float) -> str:
+    return f"{s:8.1f}"
+
+
+def cmd_report() -> int:
+    stages = []
+    try:
+        for line in (TIMES_DIR / "stages.tsv").read_text().splitlines():
+            name, t0, t1, rc = line.split("\t")
+            stages.append({"name": name, "seconds": round(float(t1) - float(t0), 1), "start": float(t0), "end": float(t1), "rc": int(rc)})
+    except OSError:
+        pass
+    records = []
+    for f in sorted(TIMES_DIR.glob("binaries-*.json")):
+        try:
+            records.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            pass
+    by_stage: dict[str, list[dict]] = {}
+    for r in records:
+        by_stage.setdefault(r["stage"], []).extend(r["binaries"])
+    py = pytest_binaries()
+    if py:
+        by_stage.setdefault(os.environ.get("AIRLOCK_PYTEST_STAGE", "system tests"), []).extend(py)
+    total = 0.0
+    if stages:
+        total = max(s["end"] for s in stages) - min(s["start"] for s in stages)
+    warm = all(s["seconds"] < 60 for s in stages if s["name"] in ("guest kernel", "base image"))
+    warnings = []
+    lines = ["", "== timing table (seconds) =="]
+    for s in stages:
+        flag = "" if s["rc"] == 0 else "  FAILED"
+        lines.append(f"{fmt_s(s['seconds'])}  {s['name']}{flag}")
+        key = next((k for k in by_stage if k == s["name"]), None)
+        for b in by_stage.get(key, []) if key else []:
+            n = b.get("passed", 0) + b.get("failed", 0)
+            counts = f"{n} tests" + (f", {b['failed']} failed" if b.get("failed") else "")
+            over = b["seconds"] > BUDGET_FILE_S
+            lines.append(f"{fmt_s(b['seconds'])}      {b['name']} ({counts}){'  OVER 6 MIN' if over else ''}")
+            if over:
+                warnings.append(f"{b['name']} took {b['seconds']:.0f} s, over the {BUDGET_FILE_S // 60}-minute budget of one file")
+    tests = [
+        {"binary": b["name"], **t}
+        for bs in by_stage.values()
+        for b in bs
+        for t in b.get("tests", [])
+    ]
+    slowest = sorted(tests, key=lambda t: -t["seconds"])[:10]
+    lines.append("-- the ten slowest tests --")
+    for t in slowest:
+        lines.append(f"{fmt_s(t['seconds'])}  {t['binary']}: {t['name']}")
+    lines.append(f"{fmt_s(total)}  TOTAL ({'warm' if warm else 'cold'}: the kernel and image {'came from' if warm else 'were not all in'} the cache)")
+    if warm and total > BUDGET_TOTAL_S:
+        warnings.append(f"the run took {total / 60:.1f} min on a warm machine, over the budget of {BUDGET_TOTAL_S // 60} min")
+    for w in warnings:
+        lines.append(f"WARNING: {w}")
+    print("\n".join(lines), flush=True)
+    doc = {
+        "total_seconds": round(total, 1),
+        "warm": warm,
+        "budget": {"total_seconds": BUDGET_TOTAL_S, "file_seconds": BUDGET_FILE_S},
+        "warnings": warnings,
+        "stages": [
+            {**s, "binaries": by_stage.get(s["name"], [])} for s in stages
+        ],
+        "slowest_tests": slowest,
+    }
+    OUT_JSON.parent.mkdir(parents=True, exist_ok=True)
+    OUT_JSON.write_text(json.dumps(doc, indent=1))
+    print(f"(written to {OUT_JSON})", flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 2 and argv[0] == "tee":
+        return cmd_tee(argv[1])
+    if len(argv) >= 4 and argv[0] == "lanes" and argv[3] == "--":
+        return cmd_lanes(argv[1], int(argv[2]), argv[4:])
+    if len(argv) == 5 and argv[0] == "stage":
+        return cmd_stage(*argv[1:])
+    if argv == ["report"]:
+        return cmd_report()
+    sys.stderr.write(__doc__ or "")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
