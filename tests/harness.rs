@@ -45,7 +45,7 @@ pub fn daemon_setup(dir: &Path, cgroup_parent: &str, extra: &str) -> DaemonSetup
         format!(
             "cgroup_parent = \"{cgroup_parent}\"\n\
              kernel = \"{}\"\nrootfs = \"{}\"\nvmm_binary = \"{}\"\nready_timeout_ms = 120000\n\
-             {}{extra}",
+             {}{extra}{}",
             kernel().display(),
             rootfs().display(),
             binary("airlock-vmm").display(),
@@ -54,6 +54,16 @@ pub fn daemon_setup(dir: &Path, cgroup_parent: &str, extra: &str) -> DaemonSetup
                 ""
             } else {
                 "adopt_on_restart = false\n"
+            },
+            // Test processes run side by side (tests/run.sh): each one's daemons hand their
+            // VMMs uids of a range of its own, unless the test sets one.
+            if extra.contains("[jail]") {
+                String::new()
+            } else {
+                format!(
+                    "\n[jail]\nuid_base = {}\nuid_count = 65536\n",
+                    1_000_000_000 + (std::process::id() % 8192) * 65536
+                )
             }
         ),
     )
@@ -364,4 +374,172 @@ pub async fn read_all(c: &mut Client, sandbox: &str, path: &str) -> Vec<u8> {
         out.extend(ch.data);
     }
     out
+}
+
+/// A reply to [`http_exchange`]: the status and its reason phrase, the head (lowercase) and the
+/// body (chunks joined).
+#[derive(Debug)]
+pub struct HttpReply {
+    pub status: u16,
+    pub reason: String,
+    pub head: String,
+    pub body: Vec<u8>,
+}
+
+impl HttpReply {
+    /// The body as text.
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// The value of header `name` (lowercase), if present.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            (k.trim() == name).then(|| v.trim())
+        })
+    }
+}
+
+/// One HTTP/1.1 request on `s` (`Connection: close`; `Host: 127.0.0.1` unless `headers` name
+/// one) and its whole reply.
+pub fn http_exchange(
+    mut s: std::net::TcpStream,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> HttpReply {
+    use std::io::{Read as _, Write as _};
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        req.push_str("Host: 127.0.0.1\r\n");
+    }
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no HTTP head in {:?}", String::from_utf8_lossy(&raw)));
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let rest = &raw[split + 4..];
+    let first = head.lines().next().unwrap_or("");
+    let mut parts = first.splitn(3, ' ');
+    let status = parts
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {head:?}"));
+    let reason = parts.next().unwrap_or("").to_owned();
+    let head = head.to_ascii_lowercase();
+    let body = if head.contains("transfer-encoding: chunked") {
+        dechunk(rest)
+    } else {
+        rest.to_vec()
+    };
+    HttpReply {
+        status,
+        reason,
+        head,
+        body,
+    }
+}
+
+/// The data of a chunked body.
+fn dechunk(mut rest: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
+        let size = String::from_utf8_lossy(&rest[..eol]);
+        let n = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        let data = &rest[eol + 2..];
+        out.extend_from_slice(&data[..n.min(data.len())]);
+        rest = data.get(n + 2..).unwrap_or_default();
+    }
+    out
+}
+
+/// The network of a sandbox as its guest sees it, entered from the host: connections made
+/// here start inside the sandbox's namespace (the VMM's), so they meet the daemon's sockets
+/// there exactly where the guest's do. Made once per sandbox; the namespace's own ruleset is
+/// left as it is.
+#[derive(Debug)]
+pub struct GuestNet {
+    ns: std::os::fd::OwnedFd,
+}
+
+impl GuestNet {
+    /// The namespace of the sandbox whose VMM is `vmm_pid`. The sandbox's ruleset redirects the
+    /// guest's TCP (arriving on its TAP) to the daemon's proxy; connections made in the
+    /// namespace itself do not pass that hook, so a table of the test's own (`airlock_test`)
+    /// sends them to the proxy the same way, keeping their original destination (which the
+    /// proxy reads, as it does for the guest's).
+    pub fn of(vmm_pid: u32) -> Self {
+        let ns: std::os::fd::OwnedFd = std::fs::File::open(format!("/proc/{vmm_pid}/ns/net"))
+            .unwrap_or_else(|e| panic!("the namespace of VMM {vmm_pid}: {e}"))
+            .into();
+        // Made again (flushed first) when a test enters the same namespace twice.
+        let rules = "add table ip airlock_test\nflush table ip airlock_test\n\
+                     table ip airlock_test {\n  chain output {\n    \
+                     type nat hook output priority -100; policy accept;\n    \
+                     ip daddr 100.96.0.1 tcp dport != 15001 dnat to 100.96.0.1:15001\n  }\n}\n";
+        use std::os::fd::AsFd as _;
+        let out = airlock_netcfg::in_netns(ns.as_fd(), move || {
+            let mut child = Command::new("nft")
+                .args(["-f", "-"])
+                .stdin(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()?;
+            use std::io::Write as _;
+            child.stdin.take().unwrap().write_all(rules.as_bytes())?;
+            child.wait_with_output()
+        })
+        .unwrap();
+        assert!(
+            out.status.success(),
+            "nft in the sandbox's namespace: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Self { ns }
+    }
+
+    /// A TCP connection to `addr` from inside the sandbox's namespace.
+    pub fn connect(&self, addr: std::net::SocketAddr) -> std::net::TcpStream {
+        use std::os::fd::AsFd as _;
+        airlock_netcfg::in_netns(self.ns.as_fd(), move || {
+            std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(30))
+        })
+        .unwrap_or_else(|e| panic!("connect to {addr} in the sandbox's namespace: {e}"))
+    }
+
+    /// `GET url` (`http://HOST:PORT/PATH`) through the sandbox's network, with `headers`.
+    pub fn get(&self, url: &str, headers: &[(&str, &str)]) -> HttpReply {
+        let rest = url
+            .strip_prefix("http://")
+            .unwrap_or_else(|| panic!("not an http URL: {url}"));
+        let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+        let addr: std::net::SocketAddr = authority
+            .parse()
+            .unwrap_or_else(|e| panic!("{authority}: {e}"));
+        let mut all = vec![("Host", authority)];
+        all.extend_from_slice(headers);
+        http_exchange(
+            self.connect(addr),
+            "GET",
+            if path.is_empty() { "/" } else { path },
+            &all,
+            &[],
+        )
+    }
 }

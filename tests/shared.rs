@@ -121,6 +121,9 @@ fn start(config: &str, data_mib: Option<u64>) -> Shared {
     // daemon's start instead of booted again (tens of seconds to minutes per test process on
     // nested-KVM machines).
     let cached = template_cache(config);
+    // Test binaries run side by side (tests/run.sh): the first to need a template builds and
+    // keeps it while the others wait for it here, instead of each booting its own.
+    let _building = cached.as_deref().map(lock_template_cache);
     let import = match &cached {
         Some(d) if d.join(EXPORT_RECORD).is_file() => {
             format!("import_templates = [{:?}]\n", d.display().to_string())
@@ -155,6 +158,21 @@ fn start(config: &str, data_mib: Option<u64>) -> Shared {
         }
     };
     shared
+}
+
+/// Holds an exclusive lock on `KEY.lock` beside the template cache entry `dir` until the
+/// returned file is closed.
+pub fn lock_template_cache(dir: &Path) -> std::fs::File {
+    use std::os::fd::AsRawFd as _;
+    let lock = dir.with_extension("lock");
+    if let Some(root) = lock.parent() {
+        std::fs::create_dir_all(root).unwrap();
+    }
+    let f = std::fs::File::create(&lock).unwrap();
+    // SAFETY: flock(2) on a descriptor this function owns; it blocks until the lock is ours.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+    assert_eq!(rc, 0, "flock {}", lock.display());
+    f
 }
 
 /// The record file of an exported template (as airlockd's `templates::EXPORT_RECORD`).
@@ -250,7 +268,7 @@ pub fn export_template(dir: &Path, t: &Template, to: &Path) {
             .and_then(|m| m.modified())
             .is_ok_and(|t| t.elapsed().unwrap_or_default() > day);
         if old {
-            let _ = std::fs::remove_dir_all(e.path());
+            let _ = std::fs::remove_dir_all(e.path()).or_else(|_| std::fs::remove_file(e.path()));
         }
     }
     let tmp = root.join(format!(".tmp-{}", std::process::id()));
