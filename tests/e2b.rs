@@ -9,12 +9,12 @@
 //! its sandboxes, the audit trail its file writes).
 #![allow(clippy::unwrap_used)] // a failed step is a failed test
 
-use std::io::{Read as _, Write as _};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use airlock_api::v1::{ListAuditEventsRequest, ListSandboxesRequest, SandboxState};
+use airlock_system_tests::harness::http_exchange;
 use airlock_system_tests::shared::{Shared, scenario};
 
 const KEY: &str = "e2b-test-key-acme-0123456789";
@@ -165,44 +165,10 @@ async fn the_javascript_sdk_runs_unchanged() {
 
 /// An HTTP/1.1 exchange with the gateway: the status, the headers (lowercase names) and the body.
 fn http(method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> (u16, String, String) {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port())).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
-        req.push_str("Host: 127.0.0.1\r\n");
-    }
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    s.write_all(req.as_bytes()).unwrap();
-    s.write_all(body).unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let head = head.to_ascii_lowercase();
-    // A chunked body: the chunks' data, joined.
-    let body = if head.contains("transfer-encoding: chunked") {
-        let mut out = String::new();
-        let mut rest = body;
-        while let Some((size, tail)) = rest.split_once("\r\n") {
-            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-            if n == 0 {
-                break;
-            }
-            out.push_str(&tail[..n]);
-            rest = &tail[n + 2..];
-        }
-        out
-    } else {
-        body.to_owned()
-    };
-    (status, head, body)
+    let s = std::net::TcpStream::connect(("127.0.0.1", port())).unwrap();
+    let r = http_exchange(s, method, path, headers, body);
+    let text = r.text();
+    (r.status, r.head, text)
 }
 
 fn json(body: &str) -> serde_json::Value {
