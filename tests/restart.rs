@@ -4,8 +4,9 @@
 //! with no gap in the output; a create in flight ends as failed and leaves nothing running. With
 //! `adopt_on_restart = false` the next daemon reaps them, and a stop leaves nothing behind.
 //!
-//! The scenarios share one data directory whose template is built once per test process; each
-//! starts its own daemons on it, one scenario at a time.
+//! The scenarios share one data directory with the template `base` (the run's cached one,
+//! imported, or built once per test process); each starts its own daemons on it, one scenario
+//! at a time.
 #![allow(clippy::unwrap_used)] // a failed step is a failed test
 
 use std::collections::HashSet;
@@ -18,7 +19,7 @@ use airlock_system_tests::harness::{
     self, Client, Daemon, alive, cgroups_left, client, create_sandbox, processes_mentioning,
     remove_parent_cgroups, run, shell, start_daemon, tail,
 };
-use airlock_system_tests::require_kvm;
+use airlock_system_tests::{require_kvm, shared};
 
 /// The data directory with its template, made once.
 #[derive(Debug)]
@@ -43,9 +44,31 @@ async fn prepared() -> (tokio::sync::MutexGuard<'static, ()>, &'static Prepared)
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let cgroup_parent = format!("airlock-restart-{}", std::process::id());
-    let d = start_daemon(&dir, &cgroup_parent, REAP);
+    // The template of this run's shared daemons (tests/shared.rs) when one of them built it
+    // already: imported into the data directory, where every later daemon of this test finds
+    // it; else built here and kept for them.
+    let cache = shared::template_cache_dir();
+    let _building = cache.as_deref().map(shared::lock_template_cache);
+    let import = match &cache {
+        Some(d) if d.join(shared::EXPORT_RECORD).is_file() => {
+            format!("import_templates = [{:?}]\n", d.display().to_string())
+        }
+        _ => String::new(),
+    };
+    let d = start_daemon(&dir, &cgroup_parent, &format!("{import}{REAP}"));
     let mut c = client(&d, None).await;
-    harness::build_template(&mut c, "base", &d.log).await;
+    let listed = c
+        .list_templates(ListTemplatesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .templates;
+    if !listed.iter().any(|t| t.name == "base") {
+        let t = harness::build_template(&mut c, "base", &d.log).await;
+        if let Some(to) = &cache {
+            shared::export_template(&d.data_dir.join("templates").join(&t.id), &t, to);
+        }
+    }
     drop(d);
     // SAFETY: registers a plain `extern "C"` function that runs at exit.
     unsafe { libc::atexit(remove_prepared) };
