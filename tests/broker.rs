@@ -4,18 +4,21 @@
 //! namespace the test makes (`egress/upstream.rs`); traffic stays on this machine.
 #![allow(clippy::unwrap_used)] // a failed step is a failed test
 
+use std::os::unix::fs::MetadataExt as _;
+use std::path::Path;
+
 use airlock_api::v1::{
-    CreateSandboxRequest, ListAuditEventsRequest, RemoveSecretsRequest, Secret, SecretBroker,
-    SecretEnv, secret,
+    CreateSandboxRequest, KillExecutionRequest, ListAuditEventsRequest, RemoveSecretsRequest,
+    Secret, SecretBroker, SecretEnv, secret,
 };
-use airlock_system_tests::harness::run_as;
+use airlock_system_tests::harness::{run_as, shell};
 use airlock_system_tests::shared::scenario;
 
 #[path = "egress/upstream.rs"]
 mod upstream;
 use upstream::*;
 
-/// A value no one guesses, of the shape the guest's scan looks for (`brk-` and 32 hex digits).
+/// A value no one guesses (`brk-` and 32 hex digits).
 fn broker_value(salt: u64) -> String {
     use sha2::Digest as _;
     let now = std::time::SystemTime::now()
@@ -25,14 +28,6 @@ fn broker_value(salt: u64) -> String {
     let d = sha2::Sha256::digest(format!("{now} {} {salt}", std::process::id()));
     let hex: String = d.iter().take(16).map(|b| format!("{b:02x}")).collect();
     format!("brk-{hex}")
-}
-
-fn sha256_hex(s: &str) -> String {
-    use sha2::Digest as _;
-    sha2::Sha256::digest(s.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 fn broker(name: &str, value: &str, header: &str, format: &str, https: bool) -> Secret {
@@ -51,56 +46,84 @@ fn broker(name: &str, value: &str, header: &str, format: &str, https: bool) -> S
 
 /// The guest's side: requests to a brokered host over HTTP (with a header of its own that the
 /// secret replaces) and HTTPS (trusting the system bundle only, where the sandbox's CA is),
-/// and to a host no secret names; then a search for the secrets' values in every process's
-/// environment, the files under /etc, /run, /tmp, /home, /root and /usr/local (but the base
-/// image's Node.js and npm there, ~130 MB of read-only image content that would take minutes to
-/// read through the emulated guest kernel of the build machines), and its own memory. The code
-/// holds only the values' digests; CONTROL, an environment secret, shows that the search finds
-/// what is there.
+/// and to a host no secret names.
 const BROKER_GUEST: &str = r#"
-import hashlib, os, re, urllib.request
+import urllib.request
 def get(url, headers={}):
     req = urllib.request.Request(url, headers=headers)
     print(url, urllib.request.urlopen(req, timeout=60).read().decode())
 get('http://allowed.test/one', {'Authorization': 'the-guests-own'})
 get('https://allowed.test/two')
 get('http://a.wild.test/three')
-pat = re.compile(rb'brk-[0-9a-f]{32}')
-def hits(data, digests):
-    return sum(1 for m in pat.findall(data) if hashlib.sha256(m).hexdigest() in digests)
-def search(digests):
-    n = 0
-    for pid in os.listdir('/proc'):
-        if pid.isdigit():
-            try:
-                n += hits(open(f'/proc/{pid}/environ', 'rb').read(), digests)
-            except OSError:
-                pass
-    for top in ['/etc', '/run', '/tmp', '/home', '/root', '/usr/local']:
-        for d, dirs, files in os.walk(top):
-            if d == '/usr/local/lib':
-                dirs[:] = [x for x in dirs if x != 'node_modules']
-            for f in files:
-                if os.path.join(d, f) == '/usr/local/bin/node':
-                    continue
-                try:
-                    n += hits(open(os.path.join(d, f), 'rb').read(), digests)
-                except OSError:
-                    pass
-    with open('/proc/self/mem', 'rb', 0) as mem:
-        for line in open('/proc/self/maps'):
-            parts = line.split()
-            if not parts[1].startswith('rw') or (len(parts) > 5 and parts[5] != '[heap]'):
-                continue
-            lo, hi = (int(x, 16) for x in parts[0].split('-'))
-            try:
-                mem.seek(lo)
-                n += hits(mem.read(hi - lo), digests)
-            except OSError:
-                pass
-    return n
-print('traces', search(BROKERED), search(CONTROL) > 0)
 "#;
+
+/// How often each of `needles` occurs in what the guest has, searched on the host: all of the
+/// guest's memory (every process's environment and memory, the page cache of every file it
+/// read or wrote, its tmpfs), read through `/proc/PID/mem` from the VMM's mappings of its
+/// template's memory file (`memory_inode`), and every sandbox's copy-on-write disk overlay
+/// under the daemon's `run_dir` (what the guest wrote to its disks). The host reads in seconds
+/// what a search inside the guest reads in minutes through the emulated guest kernel of the
+/// build machines, and misses nothing the guest could hide from itself.
+fn traces_in_guest(
+    vmm_pid: u32,
+    memory_inode: u64,
+    run_dir: &Path,
+    needles: &[&str],
+) -> Vec<usize> {
+    use std::io::Seek as _;
+    let mut counts = vec![0; needles.len()];
+    let mut scan = |r: &mut dyn std::io::Read, limit: u64| -> u64 {
+        let keep = needles.iter().map(|n| n.len()).max().unwrap_or(1) - 1;
+        let mut buf = vec![0u8; 8 << 20];
+        let (mut carried, mut read) = (0usize, 0u64);
+        while read < limit {
+            let want = (buf.len() - carried).min(usize::try_from(limit - read).unwrap());
+            let n = r.read(&mut buf[carried..carried + want]).unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            read += n as u64;
+            let window = &buf[..carried + n];
+            for (i, needle) in needles.iter().enumerate() {
+                counts[i] += window
+                    .windows(needle.len())
+                    .enumerate()
+                    .filter(|(at, w)| *w == needle.as_bytes() && at + needle.len() > carried)
+                    .count();
+            }
+            carried = keep.min(window.len());
+            let from = window.len() - carried;
+            buf.copy_within(from..from + carried, 0);
+        }
+        read
+    };
+    let maps = std::fs::read_to_string(format!("/proc/{vmm_pid}/maps")).unwrap();
+    let mut mem = std::fs::File::open(format!("/proc/{vmm_pid}/mem")).unwrap();
+    let mut memory = 0;
+    for line in maps.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 5 || f[4].parse::<u64>().ok() != Some(memory_inode) {
+            continue;
+        }
+        let (lo, hi) = f[0].split_once('-').unwrap();
+        let (lo, hi) = (
+            u64::from_str_radix(lo, 16).unwrap(),
+            u64::from_str_radix(hi, 16).unwrap(),
+        );
+        mem.seek(std::io::SeekFrom::Start(lo)).unwrap();
+        memory += scan(&mut mem, hi - lo);
+    }
+    assert!(
+        memory >= 128 << 20,
+        "the guest's memory (inode {memory_inode}) is not among VMM {vmm_pid}'s mappings:\n{maps}"
+    );
+    for vm in std::fs::read_dir(run_dir).unwrap().flatten() {
+        if let Ok(mut f) = std::fs::File::open(vm.path().join("root.overlay")) {
+            scan(&mut f, u64::MAX);
+        }
+    }
+    counts
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn brokered_secrets_reach_the_upstream_as_headers_and_never_the_guest() {
@@ -130,31 +153,51 @@ async fn brokered_secrets_reach_the_upstream_as_headers_and_never_the_guest() {
         .unwrap_or_else(|e| panic!("create: {e:?}\n{}", s.log_tail()))
         .into_inner();
     let before = up.seen().lines().count();
-    let code = BROKER_GUEST
-        .replace(
-            "search(BROKERED)",
-            &format!(
-                "search({{'{}', '{}'}})",
-                sha256_hex(&plain),
-                sha256_hex(&tls)
-            ),
-        )
-        .replace(
-            "search(CONTROL)",
-            &format!("search({{'{}'}})", sha256_hex(&control)),
-        );
-    let out = python(&mut c, &sb.id, &code, s).await;
+    let out = python(&mut c, &sb.id, BROKER_GUEST, s).await;
     assert_eq!(
         out,
         [
             "http://allowed.test/one hello allowed.test",
             "https://allowed.test/two hello allowed.test",
             "http://a.wild.test/three hello a.wild.test",
-            "traces 0 True",
         ],
-        "the brokered values are nowhere in the guest; the control is in the environ and the \
-         memory of the process"
     );
+    // The brokered values are nowhere in the guest; the control is, in the environment of the
+    // process that holds it (kept running while the host looks).
+    let holder = c
+        .exec(shell(&sb.id, "sleep 600", 600_000))
+        .await
+        .unwrap()
+        .into_inner();
+    let memory = std::fs::metadata(
+        s.data_dir
+            .join("templates")
+            .join(&sb.template_id)
+            .join("memory"),
+    )
+    .unwrap()
+    .ino();
+    let found = traces_in_guest(
+        sb.vmm_pid,
+        memory,
+        &s.data_dir.join("run"),
+        &[&plain, &tls, &control],
+    );
+    assert_eq!(
+        found[..2],
+        [0, 0],
+        "a brokered value is in the guest's memory or disk"
+    );
+    assert!(
+        found[2] > 0,
+        "the search finds the control secret: {found:?}"
+    );
+    c.kill_execution(KillExecutionRequest {
+        execution_id: holder.execution_id,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     let seen: Vec<String> = up.seen().lines().skip(before).map(str::to_owned).collect();
     assert_eq!(
         seen,
