@@ -247,6 +247,17 @@ EOF
   # debootstrap copied hostname and resolv.conf with the build machine's modes (0755 in Docker).
   chmod 0644 "$tree/etc/hostname" "$tree/etc/hosts" "$tree/etc/resolv.conf" "$tree/etc/fstab"
   write_package_config "$tree"
+  speed_up_profile "$tree"
+}
+
+# Login shells read /etc/profile (E2B's SDK runs every command as `bash -l -c`), whose
+# `$(id -u)` forks and execs id(1) twice on every start: a process start costs seconds in a
+# guest whose kernel code is emulated (the nested build machines), and something everywhere.
+# bash knows the uid already ($EUID); other shells still ask id.
+speed_up_profile() {
+  local profile=$1/etc/profile
+  grep -qF '"$(id -u)"' "$profile" || die "$profile has no \$(id -u) any more: revisit speed_up_profile"
+  sed -i 's/"\$(id -u)"/"${EUID:-$(id -u)}"/g' "$profile"
 }
 
 # Packages reach a sandbox through airlockd's package proxy on the gateway (port 3141: its
