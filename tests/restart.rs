@@ -49,12 +49,7 @@ async fn prepared() -> (tokio::sync::MutexGuard<'static, ()>, &'static Prepared)
     // it; else built here and kept for them.
     let cache = shared::template_cache_dir();
     let _building = cache.as_deref().map(shared::lock_template_cache);
-    let import = match &cache {
-        Some(d) if d.join(shared::EXPORT_RECORD).is_file() => {
-            format!("import_templates = [{:?}]\n", d.display().to_string())
-        }
-        _ => String::new(),
-    };
+    let import = shared::import_setting(cache.as_deref());
     let d = start_daemon(&dir, &cgroup_parent, &format!("{import}{REAP}"));
     let mut c = client(&d, None).await;
     let listed = c

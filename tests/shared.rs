@@ -124,12 +124,7 @@ fn start(config: &str, data_mib: Option<u64>) -> Shared {
     // Test binaries run side by side (tests/run.sh): the first to need a template builds and
     // keeps it while the others wait for it here, instead of each booting its own.
     let _building = cached.as_deref().map(lock_template_cache);
-    let import = match &cached {
-        Some(d) if d.join(EXPORT_RECORD).is_file() => {
-            format!("import_templates = [{:?}]\n", d.display().to_string())
-        }
-        _ => String::new(),
-    };
+    let import = import_setting(cached.as_deref());
     let extra = format!("{import}metrics_listen = \"127.0.0.1:{metrics_port}\"\n{config}");
     let setup = harness::daemon_setup(&dir, &cgroup_parent, &extra);
     let (socket, data_dir, log) = (setup.socket, setup.data_dir, setup.log);
@@ -173,6 +168,17 @@ pub fn lock_template_cache(dir: &Path) -> std::fs::File {
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
     assert_eq!(rc, 0, "flock {}", lock.display());
     f
+}
+
+/// The daemon setting that imports the template kept in `cache`, if one is kept there (else
+/// nothing: the daemon builds it).
+pub fn import_setting(cache: Option<&Path>) -> String {
+    match cache {
+        Some(d) if d.join(EXPORT_RECORD).is_file() => {
+            format!("import_templates = [{:?}]\n", d.display().to_string())
+        }
+        _ => String::new(),
+    }
 }
 
 /// The record file of an exported template (as airlockd's `templates::EXPORT_RECORD`).
