@@ -214,3 +214,17 @@ pub async fn python(c: &mut Client, id: &str, code: &str, s: &Shared) -> Vec<Str
     }
     out.lines().map(str::to_owned).collect()
 }
+
+/// `fetch(url)` of the guests' Python helpers done by the guest's busybox `wget`, timed by the
+/// bash that runs it (a Python start costs tens of seconds of emulated guest kernel work on the
+/// nested build machines, a wget a second or two): `URL BODY`, or `URL ERROR fast|slow`
+/// (wget's own message; fast: under 10 s, a refusal rather than a timeout).
+pub async fn wget(c: &mut Client, id: &str, url: &str, s: &Shared) -> String {
+    let script = format!(
+        "SECONDS=0; if wget -q -O /tmp/body {url} 2>/tmp/err; then echo \"{url} $(</tmp/body)\"; \
+         else if ((SECONDS < 10)); then t=fast; else t=slow; fi; echo \"{url} $(</tmp/err) $t\"; fi"
+    );
+    let (out, err, rec) = run_as(c, id, "root", &["bash", "-c", &script]).await;
+    assert_eq!(rec.exit_code, 0, "{rec:?}\nstderr: {err}\n{}", s.log_tail());
+    out.trim_end().to_owned()
+}
