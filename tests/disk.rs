@@ -152,7 +152,7 @@ async fn a_full_layer_gives_enospc_and_disk_quota_exceeded_within_the_quota_on_t
     let mut c = s.client(None).await;
     // Small: every byte the guest kernel copies is emulated on the nested build machines
     // (well under 1 MiB/s), and filling 64 MiB came close to the execution's 300 s timeout.
-    let quota_mib = 24u64;
+    let quota_mib = 16u64;
     let a = create(
         &mut c,
         s,

@@ -9,7 +9,7 @@
 //!   nor signal each other.
 //! - A system call outside the filter kills the VMM and the daemon reports
 //!   `SECCOMP_VIOLATION`; what the VMM had on the host is cleaned up.
-//! - After `AIRLOCK_TEST_JAIL_CYCLES` (default 200; `./tests/run.sh --soak` runs 1,000)
+//! - After `AIRLOCK_TEST_JAIL_CYCLES` (default 100; `./tests/run.sh --soak` runs 1,000)
 //!   create/destroy cycles no jail directory, mount, cgroup, uid or process remains beyond the
 //!   warm pool, and nothing once the daemon stopped.
 #![allow(clippy::unwrap_used)] // a failed step is a failed test
@@ -35,7 +35,7 @@ fn cycles() -> usize {
     std::env::var("AIRLOCK_TEST_JAIL_CYCLES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(200)
+        .unwrap_or(100)
 }
 
 /// How many descriptors `pid` has open.
