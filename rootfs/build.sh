@@ -62,7 +62,9 @@ check_host() {
 
 build_agent() {
   log "building airlock-agent (static, $RUST_TARGET)"
-  (cd "$REPO_ROOT" && RUSTFLAGS="-C target-feature=+crt-static" \
+  # The checkout's path is not part of the binary, so that the same sources give the same agent
+  # (and the cached image) wherever they are checked out.
+  (cd "$REPO_ROOT" && RUSTFLAGS="-C target-feature=+crt-static --remap-path-prefix=$REPO_ROOT=/airlock" \
     cargo build --release -p airlock-agent --target "$RUST_TARGET")
   local kind
   kind=$(file -b -- "$AGENT_BIN")
