@@ -114,9 +114,6 @@ build() {
   echo "== build" >&2
   cargo build --workspace --bins
   cargo test --workspace --no-run
-  # As the lanes run them (one package: cargo unifies its features alone), so that no lane
-  # compiles.
-  cargo test -p airlock-system-tests --no-run
 }
 
 # Unit tests and the VMM's KVM micro tests: every package but the system tests.
