@@ -103,8 +103,11 @@ async fn template_names_are_unique() {
 async fn twenty_sandboxes_each_see_only_their_own_files() {
     let (_serial, s) = shared().await;
     let c = s.client(None).await;
-    // All 20 are created at once and stay alive together; their executions run at most
-    // `exec_parallelism()` at a time.
+    // All 20 are created at once and stay alive together; the guest work in them (the
+    // listing, the agent's first answers, the execution) runs in at most
+    // `exec_parallelism()` of them at a time: on a nested host each freshly restored guest
+    // faults its pages in through emulated kernel code, and twenty at once beside another
+    // test binary starve one past the daemon's 60 s start deadline.
     let execs = Arc::new(tokio::sync::Semaphore::new(exec_parallelism()));
     let mut tasks = Vec::new();
     for i in 0..CONCURRENT {
@@ -123,6 +126,7 @@ async fn twenty_sandboxes_each_see_only_their_own_files() {
                 .await
                 .unwrap_or_else(|e| panic!("create {i}: {e:?}"))
                 .into_inner();
+            let permit = execs.acquire().await.unwrap();
             let listing: Vec<String> = c
                 .list_files(ListFilesRequest {
                     sandbox_id: sb.id.clone(),
@@ -136,7 +140,6 @@ async fn twenty_sandboxes_each_see_only_their_own_files() {
                 .into_iter()
                 .map(|e| e.name)
                 .collect();
-            let permit = execs.acquire().await.unwrap();
             let (out, _, rec) = run(&mut c, &sb.id, &["cat", &format!("/tmp/own-{i}")]).await;
             drop(permit);
             (i, sb, out, rec, listing)
