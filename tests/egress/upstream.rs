@@ -1,7 +1,9 @@
-//! The upstream of the egress and broker tests: a network namespace the test process makes
-//! (`airlock-up-egress`, reached from the host over a veth pair on 10.213.0.0/30), where a
-//! Python HTTP/HTTPS server of the test listens on 10.213.0.2 and logs what reaches it; the
-//! daemon's static host map names it (`allowed.test`, `denied.test`, `a.wild.test`). Traffic
+//! The upstream of the egress, broker and tools tests: a network namespace the test process makes
+//! (`airlock-up-egress`, `-broker` or `-tools`, after the test binary, reached from the host over
+//! a veth pair on a /30 of its own: the binaries may run at the same time), where a Python
+//! HTTP/HTTPS server of the test listens on [`UPSTREAM`] and logs what reaches it; the daemon's
+//! static host map names it (`allowed.test`, `denied.test`, `a.wild.test`). Under `/git/` it
+//! serves the files of [`Upstream::git_root`] as they are (git's "dumb" HTTP protocol). Traffic
 //! stays on this machine. Removed when the test process ends.
 #![allow(dead_code)] // each test binary uses a part of it
 
@@ -15,34 +17,60 @@ use airlock_system_tests::harness::{Client, run_as};
 use airlock_system_tests::shared::Shared;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
 
-pub const NS: &str = "airlock-up-egress";
-pub const VETH: &str = "al-up-egress";
-pub const HOST_SIDE: &str = "10.213.0.1";
-pub const UPSTREAM: &str = "10.213.0.2";
+/// Which test binary this is (egress, broker, tools): each has its own names and /30, so that
+/// they may run at the same time.
+const INDEX: usize = match env!("CARGO_CRATE_NAME").as_bytes()[0] {
+    b'b' => 1,
+    b't' => 2,
+    _ => 0,
+};
+pub const NS: &str = concat!("airlock-up-", env!("CARGO_CRATE_NAME"));
+pub const VETH: &str = concat!("al-up-", env!("CARGO_CRATE_NAME"));
+pub const HOST_SIDE: &str = ["10.213.0.1", "10.213.0.5", "10.213.0.9"][INDEX];
+pub const UPSTREAM: &str = ["10.213.0.2", "10.213.0.6", "10.213.0.10"][INDEX];
 
-/// The daemon's settings: the static host map, and the test CA as the broker's upstream CA
-/// (after `[network] broker_upstream_ca = "..."`, from [`config`]).
-pub const CONFIG: &str = r#"pool_size = 1
+/// The daemon's settings: the static host map (`UPSTREAM_ADDRESS` replaced by [`UPSTREAM`]),
+/// and the test CA as the broker's upstream CA (after `[network] broker_upstream_ca = "..."`,
+/// from [`config`]).
+const CONFIG: &str = r#"pool_size = 1
 [network.hosts]
-"allowed.test" = ["10.213.0.2"]
-"denied.test" = ["10.213.0.2"]
-"a.wild.test" = ["10.213.0.2"]
+"allowed.test" = ["UPSTREAM_ADDRESS"]
+"denied.test" = ["UPSTREAM_ADDRESS"]
+"a.wild.test" = ["UPSTREAM_ADDRESS"]
 "#;
 
 /// The upstream's server: HTTP on 80, HTTPS on 443 (the test CA's certificate for
 /// allowed.test), a UDP sink on 9999; every request and datagram is logged to argv[1].
 pub const SERVER: &str = r#"
-import http.server, socket, ssl, sys, threading
+import http.server, os, socket, ssl, sys, threading
 log = open(sys.argv[1], 'a', buffering=1)
 addr = sys.argv[2]
+git_root = sys.argv[5]
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.path.startswith('/git/'):
+            return self.git()
         host = self.headers.get('Host')
         auth = self.headers.get('Authorization')
         key = self.headers.get('X-Api-Key')
         log.write(f"http {self.server.server_port} {host} auth={auth} key={key}\n")
         body = f"hello {host}".encode()
         self.send_response(200)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def git(self):
+        # Static files (git's dumb HTTP protocol), never outside git_root.
+        path = os.path.realpath(os.path.join(git_root, self.path[5:].split('?')[0].lstrip('/')))
+        log.write(f"git {self.path}\n")
+        if not path.startswith(git_root + '/') or not os.path.isfile(path):
+            self.send_response(404)
+            self.send_header('Content-Length', '0')
+            self.end_headers()
+            return
+        body = open(path, 'rb').read()
+        self.send_response(200)
+        self.send_header('Content-Type', 'application/octet-stream')
         self.send_header('Content-Length', str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -121,7 +149,7 @@ pub fn upstream() -> &'static Upstream {
         must(&["-n", NS, "link", "set", "eth0", "up"]);
         must(&["-n", NS, "link", "set", "lo", "up"]);
         let dir = std::env::temp_dir().join(format!("airlock-egress-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(dir.join("git")).unwrap();
         let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
         ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         // Distinct names: a leaf whose subject equals its issuer is taken for self-signed.
@@ -144,6 +172,7 @@ pub fn upstream() -> &'static Upstream {
             .arg(UPSTREAM)
             .arg(dir.join("server.pem"))
             .arg(dir.join("server.key"))
+            .arg(dir.join("git").canonicalize().unwrap())
             .stdout(Stdio::piped())
             .spawn()
             .expect("start the upstream server (python3 in the upstream namespace)");
@@ -164,7 +193,7 @@ pub fn upstream() -> &'static Upstream {
 /// [`CONFIG`] with the upstream's CA as the one the broker trusts besides the public roots.
 pub fn config(up: &Upstream) -> String {
     let ca = up.dir.join("ca.pem");
-    CONFIG.replacen(
+    CONFIG.replace("UPSTREAM_ADDRESS", UPSTREAM).replacen(
         "[network.hosts]",
         &format!(
             "[network]\nbroker_upstream_ca = {:?}\n[network.hosts]",
@@ -178,6 +207,11 @@ impl Upstream {
     /// What reached the upstream so far.
     pub fn seen(&self) -> String {
         std::fs::read_to_string(self.dir.join("upstream.log")).unwrap_or_default()
+    }
+
+    /// The directory served under `http://allowed.test/git/`.
+    pub fn git_root(&self) -> PathBuf {
+        self.dir.join("git")
     }
 }
 
@@ -215,7 +249,8 @@ pub async fn python(c: &mut Client, id: &str, code: &str, s: &Shared) -> Vec<Str
     out.lines().map(str::to_owned).collect()
 }
 
-/// `fetch(url)` of the guests' Python helpers done by the guest's busybox `wget`, timed by the
+/// `fetch(url)` of the guests' Python helpers done by the guest's `busybox wget` (whose messages
+/// these tests know; the base image's `wget` is GNU wget), timed by the
 /// bash that runs it (a Python start costs tens of seconds of emulated guest kernel work on the
 /// nested build machines, a wget a second or two): `URL BODY`, or `URL ERROR fast|slow`
 /// (wget's own message; fast: under 10 s, a refusal rather than a timeout).
@@ -224,8 +259,8 @@ pub async fn wget(c: &mut Client, id: &str, url: &str, s: &Shared) -> String {
     // busybox's first page-in (many seconds on a loaded nested host), which is not what is
     // timed.
     let script = format!(
-        "timeout 60 wget -q -O /dev/null http://100.96.0.1:9/ 2>/dev/null; \
-         SECONDS=0; if wget -q -O /tmp/body {url} 2>/tmp/err; then echo \"{url} $(</tmp/body)\"; \
+        "timeout 60 busybox wget -q -O /dev/null http://100.96.0.1:9/ 2>/dev/null; \
+         SECONDS=0; if busybox wget -q -O /tmp/body {url} 2>/tmp/err; then echo \"{url} $(</tmp/body)\"; \
          else if ((SECONDS < 10)); then t=fast; else t=slow; fi; echo \"{url} $(</tmp/err) $t\"; fi"
     );
     let (out, err, rec) = run_as(c, id, "root", &["bash", "-c", &script]).await;
