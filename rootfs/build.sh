@@ -378,6 +378,35 @@ add_sandbox_user() {
   install -d -m 0750 -o "$id" -g "$id" -- "$tree/home/$u"
 }
 
+# sudo as in E2B's base image: `user` runs anything as root without a password. It works where
+# the sandbox's policy allows root (the default): the agent then leaves user's executions their
+# capability bounding set and no_new_privs unset. Where the policy sets no_root, the agent sets
+# no_new_privs and empties the bounding set (the kernel gives no setuid binary anything), and
+# /usr/local/bin/sudo, first on the PATH, says which policy refused instead of sudo's own
+# message. The wrapper only explains; the kernel enforces.
+allow_sudo() {
+  local tree=$1 u=$SANDBOX_USER
+  [[ -u $tree/usr/bin/sudo ]] || die "sudo is missing from the tree, or not setuid"
+  install -d -m 0750 -- "$tree/etc/sudoers.d"
+  printf '# Airlock: root for the sandbox user where the sandbox policy allows it.\n%s ALL=(ALL:ALL) NOPASSWD: ALL\n' \
+    "$u" >"$tree/etc/sudoers.d/airlock"
+  chmod 0440 "$tree/etc/sudoers.d/airlock"
+  install -d -m 0755 -- "$tree/usr/local/bin"
+  cat >"$tree/usr/local/bin/sudo" <<'SUDO'
+#!/bin/sh
+# Airlock: Debian's sudo, unless this sandbox's policy keeps root out of reach (no_new_privs,
+# which the agent sets for every execution of a sandbox created with no_root).
+while read -r key value; do
+  if [ "$key" = "NoNewPrivs:" ] && [ "$value" = 1 ]; then
+    echo "sudo: root is not available in this sandbox: its policy sets no_root" >&2
+    exit 1
+  fi
+done </proc/self/status
+exec /usr/bin/sudo "$@"
+SUDO
+  chmod 0755 "$tree/usr/local/bin/sudo"
+}
+
 # Keeps future `apt-get install` runs in the sandbox as lean as this image.
 write_dpkg_excludes() {
   cat >"$1/etc/dpkg/dpkg.cfg.d/01-airlock-nodoc" <<'EOF'
@@ -486,6 +515,7 @@ build_tree() {
   write_system_files "$tree"
   make_mount_points "$tree"
   add_sandbox_user "$tree"
+  allow_sudo "$tree"
   write_dpkg_excludes "$tree"
 }
 

@@ -26,6 +26,7 @@ test_pkgs=(
   qemu-system-x86   # the reference VMM of benches/run.sh boot and restore
   iproute2          # tests/egress.rs, benches/run.sh net: namespaces and veths of their own
   etcd-server etcd-client  # tests/cluster.rs, benches/run.sh cluster: the nodes' etcd members
+  git               # tests/egress.rs: the repository the guest's git clones
 )
 
 tests=0 list=0

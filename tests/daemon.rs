@@ -103,30 +103,39 @@ async fn template_names_are_unique() {
 async fn twenty_sandboxes_each_see_only_their_own_files() {
     let (_serial, s) = shared().await;
     let c = s.client(None).await;
-    // All 20 are created at once and stay alive together; the guest work in them (the
-    // listing, the agent's first answers, the execution) runs in at most
-    // `exec_parallelism()` of them at a time: on a nested host each freshly restored guest
-    // faults its pages in through emulated kernel code, and twenty at once beside another
-    // test binary starve one past the daemon's 60 s start deadline.
+    // All 20 are created at once and stay alive together. The guest work in them (the
+    // listing and the execution) starts once all are up, in at most `exec_parallelism()` of
+    // them at a time: on a nested host a guest's kernel work is emulated, and one guest working
+    // while nineteen others are being restored (beside another test binary) was starved past the
+    // daemon's 60 s start deadline.
+    let mut creates = Vec::new();
+    for i in 0..CONCURRENT {
+        let mut c = c.clone();
+        creates.push(tokio::spawn(async move {
+            c.create_sandbox(CreateSandboxRequest {
+                files: vec![FileToPlace {
+                    path: format!("/tmp/own-{i}"),
+                    content: format!("sandbox-{i}").into_bytes(),
+                    mode: 0,
+                }],
+                labels: HashMap::from([("test".into(), "concurrent".into())]),
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("create {i}: {e:?}"))
+            .into_inner()
+        }));
+    }
+    let mut created = Vec::new();
+    for task in creates {
+        created.push(task.await.unwrap());
+    }
     let execs = Arc::new(tokio::sync::Semaphore::new(exec_parallelism()));
     let mut tasks = Vec::new();
-    for i in 0..CONCURRENT {
+    for (i, sb) in created.into_iter().enumerate() {
         let (mut c, execs) = (c.clone(), execs.clone());
         tasks.push(tokio::spawn(async move {
-            let sb = c
-                .create_sandbox(CreateSandboxRequest {
-                    files: vec![FileToPlace {
-                        path: format!("/tmp/own-{i}"),
-                        content: format!("sandbox-{i}").into_bytes(),
-                        mode: 0,
-                    }],
-                    labels: HashMap::from([("test".into(), "concurrent".into())]),
-                    ..Default::default()
-                })
-                .await
-                .unwrap_or_else(|e| panic!("create {i}: {e:?}"))
-                .into_inner();
-            let permit = execs.acquire().await.unwrap();
+            let _permit = execs.acquire().await.unwrap();
             let listing: Vec<String> = c
                 .list_files(ListFilesRequest {
                     sandbox_id: sb.id.clone(),
@@ -141,7 +150,6 @@ async fn twenty_sandboxes_each_see_only_their_own_files() {
                 .map(|e| e.name)
                 .collect();
             let (out, _, rec) = run(&mut c, &sb.id, &["cat", &format!("/tmp/own-{i}")]).await;
-            drop(permit);
             (i, sb, out, rec, listing)
         }));
     }
@@ -352,16 +360,18 @@ async fn code_runs_unprivileged_unless_it_asks_for_root() {
 
     let (out, err, _) = run(&mut c, &a.id, &["/bin/sh", "-c", ESCAPES]).await;
     let lines: Vec<&str> = out.lines().collect();
+    // The sandbox allows root (the default): no capabilities, but the bounding set is kept and
+    // no_new_privs unset, so that sudo can make the user root when it asks.
+    assert_eq!(lines.len(), 11, "{out}\nstderr: {err}");
     assert_eq!(
-        lines,
+        [&lines[..5], &lines[6..]].concat(),
         [
             "1000",
             "1000",
             "/home/user",
             "/home/user",
             "CapEff: 0000000000000000",
-            "CapBnd: 0000000000000000",
-            "NoNewPrivs: 1",
+            "NoNewPrivs: 0",
             "cgroup-held",
             "mount-refused",
             "agent-private",
@@ -369,8 +379,11 @@ async fn code_runs_unprivileged_unless_it_asks_for_root() {
         ],
         "stderr: {err}"
     );
+    assert_ne!(lines[5], "CapBnd: 0000000000000000", "{out}");
     let (out, _, _) = run_as(&mut c, &a.id, "root", &["/bin/sh", "-c", "id -u; pwd"]).await;
     assert_eq!(out, "0\n/root\n");
+    let (out, err, rec) = run(&mut c, &a.id, &["sudo", "-n", "id", "-u"]).await;
+    assert_eq!((out.as_str(), rec.exit_code), ("0\n", 0), "sudo: {err}");
 
     // File calls act as the account too: what it writes is its own, what it may not read stays
     // closed.
@@ -430,6 +443,55 @@ async fn code_runs_unprivileged_unless_it_asks_for_root() {
         "{record:?}"
     );
     assert!(destroy(&mut c, &a.id).await);
+}
+
+/// A sandbox created with `no_root`: root is refused by name (executions and file calls), and
+/// the default user's processes are locked down (empty bounding set, no_new_privs), so that
+/// `sudo` says which policy refused and no setuid binary gives root back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn no_root_keeps_root_out_of_reach() {
+    let (_serial, s) = shared().await;
+    let mut c = s.client(None).await;
+    let sb = c
+        .create_sandbox(CreateSandboxRequest {
+            no_root: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("create: {e:?}\n{}", s.log_tail()))
+        .into_inner();
+    assert!(sb.no_root);
+    let script = "grep -E '^(CapBnd|NoNewPrivs):' /proc/self/status | tr -s '\\t ' ' '; \
+                  sudo -n id -u; echo \"sudo $?\"; /usr/bin/sudo -n id -u 2>/dev/null; \
+                  echo \"setuid $?\"";
+    let (out, err, _) = run(&mut c, &sb.id, &["/bin/sh", "-c", script]).await;
+    assert_eq!(
+        out, "CapBnd: 0000000000000000\nNoNewPrivs: 1\nsudo 1\nsetuid 1\n",
+        "stderr: {err}"
+    );
+    assert!(err.contains("its policy sets no_root"), "{err}");
+    let refused = c
+        .exec(ExecRequest {
+            user: "root".into(),
+            ..shell(&sb.id, "id -u", 60_000)
+        })
+        .await
+        .expect_err("exec as root");
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    assert_eq!(reason(&refused).0, "ROOT_NOT_ALLOWED");
+    let refused = match c
+        .read_file(ReadFileRequest {
+            sandbox_id: sb.id.clone(),
+            path: "/etc/shadow".into(),
+            user: "root".into(),
+        })
+        .await
+    {
+        Err(e) => e,
+        Ok(st) => st.into_inner().message().await.expect_err("read as root"),
+    };
+    assert_eq!(reason(&refused).0, "ROOT_NOT_ALLOWED", "{refused:?}");
+    assert!(destroy(&mut c, &sb.id).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -346,6 +346,11 @@ pub struct CreateArgs {
     /// the sandbox]
     #[arg(long, value_name = "S")]
     pub secret_ttl: Option<u32>,
+    /// Keep root out of reach: `exec --user root` and file calls as root are refused, and
+    /// `sudo` in the sandbox gives nothing [default: root allowed, passwordless sudo for the
+    /// default account]
+    #[arg(long)]
+    pub no_root: bool,
 }
 
 /// The package policy flags of `create` (`PackagePolicy`).

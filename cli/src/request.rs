@@ -135,6 +135,7 @@ pub fn create_request(args: &CreateArgs, read: Read) -> Result<CreateSandboxRequ
             })
             .collect(),
         packages: package_policy(&args.packages),
+        no_root: args.no_root,
     })
 }
 

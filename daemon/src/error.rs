@@ -82,6 +82,10 @@ pub enum ApiError {
     /// A package policy asks for a registry beyond the tenant's ceiling.
     #[error("package policy: {message} (tenant {tenant})")]
     PackagesNotAllowed { tenant: String, message: String },
+    /// The sandbox's policy keeps root out of reach (CreateSandboxRequest.no_root), and the call
+    /// asked for root.
+    #[error("sandbox {id} keeps root out of reach (its policy sets no_root): {what}")]
+    RootNotAllowed { id: String, what: String },
     /// SnapshotSandbox of a sandbox whose guest holds or held secret values.
     #[error("sandbox {id} cannot be snapshotted: {why}")]
     SecretsPresent { id: String, why: String },
@@ -105,6 +109,7 @@ impl ApiError {
             Self::InvalidArgument(_) => "INVALID_ARGUMENT",
             Self::NetworkNotAllowed { .. } => "NETWORK_NOT_ALLOWED",
             Self::PackagesNotAllowed { .. } => "PACKAGES_NOT_ALLOWED",
+            Self::RootNotAllowed { .. } => "ROOT_NOT_ALLOWED",
             Self::Unauthenticated(_) => "UNAUTHENTICATED",
             Self::SandboxNotFound(_) => "SANDBOX_NOT_FOUND",
             Self::ExecutionNotFound(_) => "EXECUTION_NOT_FOUND",
@@ -153,7 +158,8 @@ impl ApiError {
             | Self::ExportDenied { .. }
             | Self::GuestPermission { .. }
             | Self::NetworkNotAllowed { .. }
-            | Self::PackagesNotAllowed { .. } => Code::PermissionDenied,
+            | Self::PackagesNotAllowed { .. }
+            | Self::RootNotAllowed { .. } => Code::PermissionDenied,
             Self::Dead { .. }
             | Self::AgentUnavailable { .. }
             | Self::NodeLost { .. }
@@ -168,6 +174,7 @@ impl ApiError {
             Self::SandboxNotFound(id)
             | Self::SandboxNotRunning { id, .. }
             | Self::SecretsPresent { id, .. }
+            | Self::RootNotAllowed { id, .. }
             | Self::Dead { id, .. }
             | Self::AgentUnavailable { id, .. } => {
                 m.insert("sandbox_id".into(), id.clone());

@@ -118,12 +118,20 @@ pub struct FileTarget {
     pub user: String,
     /// Bytes ReadFile has exported from the sandbox so far (its export cap's count).
     pub exported: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Root is out of reach in the sandbox (its no_root policy).
+    pub no_root: bool,
 }
 
 impl FileTarget {
     /// The same, acting as the guest account `user` (checked; empty: the default).
     pub fn acting_as(self, user: String) -> ApiResult<Self> {
         limits::check_user(&user)?;
+        if self.no_root && user == "root" {
+            return Err(ApiError::RootNotAllowed {
+                id: self.sandbox_id,
+                what: "a file call as root".into(),
+            });
+        }
         Ok(Self { user, ..self })
     }
 

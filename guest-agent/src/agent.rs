@@ -93,7 +93,13 @@ impl Agent {
 
     /// Handles a Reseed request (see [`reseed::handle`]).
     pub fn reseed(&self, req: pb::Reseed) -> Result<Reseeded, ReqError> {
-        reseed::handle(self.pid1, self.state_dir.as_deref(), &self.identity, req)
+        let no_root = req.no_root;
+        let mut done = reseed::handle(self.pid1, self.state_dir.as_deref(), &self.identity, req)?;
+        if no_root {
+            self.users.forbid_root();
+        }
+        done.no_root = self.users.root_forbidden();
+        Ok(done)
     }
 
     /// Kills every execution, unmounts the volumes, syncs, and powers the VM off (PID 1) or

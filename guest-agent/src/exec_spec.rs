@@ -242,6 +242,7 @@ mod tests {
             gid: 1000,
             groups: vec![1000],
             home: "/".into(),
+            lock_down: false,
         };
         let mut req = argv(&["env"]);
         req.env.insert("USER".into(), "mine".into());

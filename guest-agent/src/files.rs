@@ -58,6 +58,7 @@ fn as_account(users: &Users, user: &str) -> Result<Option<sys::FsIds>, ReqError>
         uid: account.uid,
         gid: account.gid,
         groups: account.groups,
+        lock_down: account.lock_down,
     };
     sys::FsIds::assume(&creds)
         .map(Some)

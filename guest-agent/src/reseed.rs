@@ -240,6 +240,7 @@ mod tests {
             sandbox_id: sandbox_id.into(),
             disk_bytes: 0,
             mounts: Vec::new(),
+            no_root: false,
         }
     }
 

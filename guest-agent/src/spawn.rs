@@ -47,6 +47,7 @@ impl Spawner {
                 uid: a.uid,
                 gid: a.gid,
                 groups: a.groups.clone(),
+                lock_down: a.lock_down,
             });
         sys::prepare_child(
             &mut cmd,

@@ -334,9 +334,10 @@ pub fn killpg(pgid: i32, sig: i32) -> io::Result<()> {
 /// of files it creates are exactly those requested).
 ///
 /// With `drop_to`, the child then gives up root, in this order: it empties its capability
-/// bounding set, takes the account's groups, gid and uid (real, effective and saved: changing
-/// the uid from 0 clears its permitted, effective and ambient capabilities) and sets
-/// no_new_privs, so that neither a setuid binary nor file capabilities give anything back. It
+/// bounding set (locked down only), takes the account's groups, gid and uid (real, effective
+/// and saved: changing the uid from 0 clears its permitted, effective and ambient capabilities)
+/// and, locked down, sets no_new_privs, so that neither a setuid binary nor file capabilities
+/// give anything back (not locked down, the sandbox allows root: sudo may make it root). It
 /// joins its cgroup while still root, so it can never move itself (or be moved) out. Last, it
 /// changes into `cwd`, with the permissions it runs with.
 pub fn prepare_child(

@@ -2,10 +2,15 @@
 //!
 //! Names are looked up in the guest's `/etc/passwd` and `/etc/group` at every request (the
 //! files are small, and an image may add accounts). Any account but root gets no capabilities
-//! and no_new_privs when it runs (see `sys::prepare_child`); file requests take its file-system
-//! ids for their duration (see `sys::FsIds`).
+//! when it runs (see `sys::prepare_child`); file requests take its file-system ids for their
+//! duration (see `sys::FsIds`). Once the sandbox's policy keeps root out of reach
+//! ([`Users::forbid_root`], Reseed's `no_root`), accounts with uid 0 are refused and every other
+//! one is locked down (an empty bounding set and no_new_privs: setuid binaries such as sudo give
+//! nothing).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use airlock_proto::pb::ErrorCode;
 
@@ -27,6 +32,9 @@ pub struct Account {
     /// Supplementary groups (its primary group first).
     pub groups: Vec<u32>,
     pub home: String,
+    /// Its processes can never regain root: they empty their capability bounding set and set
+    /// no_new_privs (the sandbox's no_root). Otherwise a setuid binary (sudo) may make them root.
+    pub lock_down: bool,
 }
 
 impl Account {
@@ -37,12 +45,14 @@ impl Account {
 }
 
 /// Where accounts come from, and which one an empty `user` means.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Users {
     /// The account of an empty `user`; none: the agent's own (no switch).
     pub default: Option<String>,
     passwd: PathBuf,
     group: PathBuf,
+    /// Root is out of reach (set once, never cleared).
+    no_root: Arc<AtomicBool>,
 }
 
 impl Users {
@@ -56,13 +66,27 @@ impl Users {
             default,
             passwd: passwd.to_path_buf(),
             group: group.to_path_buf(),
+            no_root: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// Keeps root out of reach from now on: accounts with uid 0 (and the agent's own account,
+    /// for a request that names none) are refused, and every other account is locked down.
+    pub fn forbid_root(&self) {
+        self.no_root.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether root is out of reach.
+    pub fn root_forbidden(&self) -> bool {
+        self.no_root.load(Ordering::SeqCst)
     }
 
     /// The account a request with `user` acts as; `None`: the agent's own (an empty `user`
     /// without a default).
     pub fn resolve(&self, user: &str) -> Result<Option<Account>, ReqError> {
+        let no_root = self.root_forbidden();
         let name = match (user, &self.default) {
+            ("", None) if no_root => return Err(root_refused("the agent's own account")),
             ("", None) => return Ok(None),
             ("", Some(d)) => d.as_str(),
             (u, _) => u,
@@ -75,13 +99,27 @@ impl Users {
         let passwd = read(&self.passwd)?;
         // A missing /etc/group leaves only the primary group.
         let group = std::fs::read_to_string(&self.group).unwrap_or_default();
-        find(&passwd, &group, name).map(Some).ok_or_else(|| {
+        let mut account = find(&passwd, &group, name).ok_or_else(|| {
             ReqError::new(
                 ErrorCode::NotFound,
                 format!("no account {name:?} in the guest's /etc/passwd"),
             )
-        })
+        })?;
+        if no_root {
+            if account.is_root() {
+                return Err(root_refused(&format!("account {name:?} (uid 0)")));
+            }
+            account.lock_down = true;
+        }
+        Ok(Some(account))
     }
+}
+
+fn root_refused(what: &str) -> ReqError {
+    ReqError::new(
+        ErrorCode::PermissionDenied,
+        format!("{what}: root is out of reach in this sandbox (its policy sets no_root)"),
+    )
 }
 
 fn check_name(name: &str) -> Result<(), ReqError> {
@@ -125,6 +163,7 @@ pub fn find(passwd: &str, group: &str, name: &str) -> Option<Account> {
         gid,
         groups,
         home: home.to_owned(),
+        lock_down: false,
     })
 }
 
@@ -179,6 +218,26 @@ mod tests {
         assert_eq!(with.resolve("root").unwrap().unwrap().uid, 0);
         let (_d, without) = users(None);
         assert_eq!(without.resolve("").unwrap(), None);
+    }
+
+    #[test]
+    fn without_root_uid_0_is_refused_and_the_rest_locked_down() {
+        let (_d, u) = users(Some("user"));
+        assert!(!u.resolve("").unwrap().unwrap().lock_down);
+        let shared = u.clone();
+        u.forbid_root();
+        assert!(shared.root_forbidden(), "clones share the policy");
+        let user = shared.resolve("").unwrap().unwrap();
+        assert_eq!((user.uid, user.lock_down), (1000, true));
+        let refused = shared.resolve("root").unwrap_err();
+        assert_eq!(refused.code, ErrorCode::PermissionDenied);
+        assert!(refused.message.contains("no_root"), "{}", refused.message);
+        let (_d, own) = users(None);
+        own.forbid_root();
+        assert_eq!(
+            own.resolve("").unwrap_err().code,
+            ErrorCode::PermissionDenied
+        );
     }
 
     #[test]

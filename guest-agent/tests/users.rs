@@ -44,21 +44,54 @@ fn code<T: std::fmt::Debug>(r: Result<T, ClientError>) -> ErrorCode {
     }
 }
 
+/// Keeps root out of reach from now on (as the daemon does for a sandbox created with
+/// `no_root`); the agent confirms it.
+fn forbid_root(c: &mut impl Requests) {
+    let done = c
+        .reseed_with(pb::Reseed {
+            entropy: vec![7; 32],
+            no_root: true,
+            ..Default::default()
+        })
+        .expect("Reseed with no_root");
+    assert!(done.no_root, "{done:?}");
+}
+
 #[test]
-fn an_account_runs_with_its_ids_no_capabilities_and_no_new_privs() {
+fn an_account_runs_with_its_ids_and_no_capabilities_and_is_locked_down_without_root() {
     require_root();
     let agent = AgentProcess::start();
     let mut c = agent.client();
-    let out = run(&mut c, as_user(shell("cat /proc/self/status"), "nobody"));
+    let status = || as_user(shell("cat /proc/self/status"), "nobody");
+    let out = run(&mut c, status());
     assert_eq!(exit_code(&out.exit), Some(0), "{:?}", out.stderr);
-    let status = out.stdout_str();
-    let uids = status_field(&status, "Uid");
+    let before = out.stdout_str();
+    let uids = status_field(&before, "Uid");
     assert_eq!(uids.split_whitespace().collect::<Vec<_>>(), ["65534"; 4]);
-    assert_eq!(status_field(&status, "Groups"), "65534");
-    for caps in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
-        assert_eq!(status_field(&status, caps), "0000000000000000", "{caps}");
+    assert_eq!(status_field(&before, "Groups"), "65534");
+    for caps in ["CapInh", "CapPrm", "CapEff", "CapAmb"] {
+        assert_eq!(status_field(&before, caps), "0000000000000000", "{caps}");
     }
-    assert_eq!(status_field(&status, "NoNewPrivs"), "1");
+    // Root is allowed (the default): the bounding set stays, so that sudo can work.
+    assert_ne!(status_field(&before, "CapBnd"), "0000000000000000");
+    assert_eq!(status_field(&before, "NoNewPrivs"), "0");
+    forbid_root(&mut c);
+    let after = run(&mut c, status()).stdout_str();
+    for caps in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert_eq!(status_field(&after, caps), "0000000000000000", "{caps}");
+    }
+    assert_eq!(status_field(&after, "NoNewPrivs"), "1");
+    let root = as_user(argv(&["true"]), "root");
+    assert_eq!(code(c.start_exec(root)), ErrorCode::PermissionDenied);
+    let read = pb::ReadFile {
+        path: "/etc/hostname".into(),
+        user: "root".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(c.call(request::Kind::ReadFile(read))),
+        ErrorCode::PermissionDenied
+    );
 }
 
 #[test]
@@ -95,18 +128,19 @@ fn an_account_cannot_enter_a_cwd_it_may_not_and_root_can() {
 }
 
 #[test]
-fn a_setuid_binary_gives_an_account_nothing() {
+fn a_setuid_binary_makes_an_account_root_unless_root_is_forbidden() {
     require_root();
     let agent = AgentProcess::start();
-    // A setuid-root copy of `id`: without no_new_privs it would report euid 0.
+    // A setuid-root copy of `id` (as sudo is): it reports euid 0 where root is allowed.
     let id = agent.dir.join("id-setuid");
     std::fs::copy("/usr/bin/id", &id).unwrap();
     std::fs::set_permissions(&id, std::fs::Permissions::from_mode(0o4755)).unwrap();
     let mut c = agent.client();
-    let out = run(
-        &mut c,
-        as_user(argv(&[id.to_str().unwrap(), "-u"]), "nobody"),
-    );
+    let id_u = || as_user(argv(&[id.to_str().unwrap(), "-u"]), "nobody");
+    let out = run(&mut c, id_u());
+    assert_eq!(out.stdout_str(), "0\n", "{:?}", out.stderr);
+    forbid_root(&mut c);
+    let out = run(&mut c, id_u());
     assert_eq!(
         out.stdout_str(),
         format!("{NOBODY_UID}\n"),

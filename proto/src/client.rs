@@ -126,6 +126,7 @@ pub fn clone_identity(sandbox_id: &str, disk_bytes: u64) -> Result<pb::Reseed, C
         sandbox_id: sandbox_id.to_owned(),
         disk_bytes,
         mounts: Vec::new(),
+        no_root: false,
     })
 }
 
@@ -616,6 +617,7 @@ pub trait Requests {
             sandbox_id: sandbox_id.to_owned(),
             disk_bytes: 0,
             mounts: Vec::new(),
+            no_root: false,
         })
     }
 

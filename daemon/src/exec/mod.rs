@@ -48,6 +48,8 @@ pub struct ExecTarget {
     /// The sandbox's secrets (its variables go over its environment; every value is redacted
     /// from the execution's output and record).
     pub secrets: Arc<crate::secrets::SandboxSecrets>,
+    /// Root is out of reach in the sandbox (its no_root policy).
+    pub no_root: bool,
 }
 
 /// The executions.
@@ -122,6 +124,14 @@ impl Executions {
     /// Starts an execution in `target`; returns its id at once.
     pub fn start(&self, target: &ExecTarget, req: &ExecRequest) -> ApiResult<String> {
         let argv = command_of(req)?;
+        if target.no_root && req.user == "root" {
+            // The agent refuses any account with uid 0 too; this is the clear error for the
+            // common case, before anything is recorded.
+            return Err(ApiError::RootNotAllowed {
+                id: target.sandbox_id.clone(),
+                what: "an execution as root".into(),
+            });
+        }
         let timeout_ms = match req.timeout_ms {
             0 => self.limits.default_timeout_ms,
             t => t.min(self.limits.max_timeout_ms),

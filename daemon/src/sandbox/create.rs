@@ -131,6 +131,7 @@ impl Sandboxes {
             volumes: spec.volumes.clone(),
             packages: Some(crate::pkg::to_proto(pkg)),
             node: self.ledger().map(|l| l.node()).unwrap_or_default(),
+            no_root: spec.no_root,
             ..Default::default()
         };
         Ok(SandboxRt::new(
@@ -351,6 +352,7 @@ impl Sandboxes {
                     read_only: v.read_only,
                 })
                 .collect();
+            identity.no_root = spec.no_root;
             let reseed = airlock_proto::pb::request::Kind::Reseed(identity);
             let (mut client, reseed_id) = airlock_proto::vsock::wait_ready_pipelined(
                 &vmm.vsock,
@@ -365,9 +367,17 @@ impl Sandboxes {
             })?;
             let ready_ms = running.elapsed().as_secs_f64() * 1000.0;
             let t = Instant::now();
-            client
+            let done = client
                 .within(CALL_TIMEOUT, |c| c.reseeded(reseed_id))
                 .map_err(|e| from_agent(e, call))?;
+            if spec.no_root && !done.no_root {
+                // An agent from before no_root ignored it: root would still be in reach.
+                return Err(ApiError::InvalidArgument(format!(
+                    "no_root: the guest agent of template {} predates it (build the template \
+                     again for sandboxes without root)",
+                    rt.snapshot().template
+                )));
+            }
             // This connection serves the sandbox from now on (executions, files, control).
             let mux = vmm.agent.adopt(client).map_err(|e| from_agent(e, call))?;
             let mut client = mux.client(Some(Instant::now() + CALL_TIMEOUT));

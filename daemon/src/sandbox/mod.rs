@@ -154,26 +154,38 @@ impl SandboxRt {
 
     /// Where its executions run.
     pub fn exec_target(&self) -> ApiResult<ExecTarget> {
+        // One lock of the record (a second one in the same expression would wait for the
+        // first's temporary guard forever).
+        let (template_id, no_root) = {
+            let r = lock(&self.record);
+            (r.template_id.clone(), r.no_root)
+        };
         Ok(ExecTarget {
             sandbox_id: self.id.clone(),
             tenant: self.tenant.clone(),
-            template_id: lock(&self.record).template_id.clone(),
+            template_id,
             agent: self.vmm_or_err()?.agent,
             env: self.env.clone(),
             secrets: self.secrets.clone(),
+            no_root,
         })
     }
 
     /// Its files, for transfers of at most `max_file_bytes`.
     pub fn file_target(&self, max_file_bytes: u64) -> ApiResult<FileTarget> {
+        let (disk_mib, no_root) = {
+            let r = lock(&self.record);
+            (r.disk_mib, r.no_root)
+        };
         Ok(FileTarget {
             sandbox_id: self.id.clone(),
             agent: self.vmm_or_err()?.agent,
             policy: self.policy.clone(),
-            disk_limit: u64::from(lock(&self.record).disk_mib) << 20,
+            disk_limit: u64::from(disk_mib) << 20,
             max_file_bytes,
             user: String::new(),
             exported: self.exported.clone(),
+            no_root,
         })
     }
 }

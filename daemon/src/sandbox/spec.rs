@@ -29,6 +29,8 @@ pub struct SandboxSpec {
     pub volumes: Vec<VolumeAttachment>,
     /// Its package policy as asked (combined with the tenant's ceiling at create).
     pub packages: PackagePolicy,
+    /// Root out of reach (executions and file calls as root refused, sudo gives nothing).
+    pub no_root: bool,
 }
 
 impl SandboxSpec {
@@ -92,6 +94,7 @@ impl SandboxSpec {
             egress,
             volumes: req.volumes.clone(),
             packages: req.packages.clone().unwrap_or_default(),
+            no_root: req.no_root,
         })
     }
 
@@ -104,6 +107,7 @@ impl SandboxSpec {
             network: Some(self.network.clone()),
             volumes: self.volumes.clone(),
             packages: Some(self.packages.clone()),
+            no_root: self.no_root,
             ..Default::default()
         }
     }
@@ -280,6 +284,17 @@ mod tests {
         assert_eq!(placed.idle_ttl_s, 5);
         assert_eq!(placed.files.len(), 1);
         assert_eq!(placed.to_stored().file_policy.unwrap(), placed.policy);
+        assert!(!placed.no_root, "root is allowed by default");
+        let without_root = ok(CreateSandboxRequest {
+            no_root: true,
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(without_root.no_root);
+        assert!(
+            without_root.to_stored().no_root,
+            "a restarted daemon keeps refusing root"
+        );
     }
 
     #[test]

@@ -11,6 +11,9 @@ pub struct Credentials {
     pub uid: libc::uid_t,
     pub gid: libc::gid_t,
     pub groups: Vec<libc::gid_t>,
+    /// Also empty the bounding set and set no_new_privs, so that nothing gives root back (the
+    /// sandbox's no_root). Without it a setuid binary (sudo) may.
+    pub lock_down: bool,
 }
 
 /// Highest capability number tried when emptying the bounding set (EINVAL past the kernel's
@@ -20,15 +23,8 @@ const MAX_CAP: libc::c_ulong = 63;
 /// Runs in a forked child: see [`super::prepare_child`]. Raw system calls only: libc's set*id
 /// wrappers synchronise the ids of every thread, machinery a forked child must not rely on.
 pub(super) fn drop_privileges(c: &Credentials) -> io::Result<()> {
-    for cap in 0..=MAX_CAP {
-        // SAFETY: prctl(2) with PR_CAPBSET_DROP and an integer argument touches no memory.
-        if unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) } != 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EINVAL) {
-                break;
-            }
-            return Err(e);
-        }
+    if c.lock_down {
+        empty_bounding_set()?;
     }
     let syscall = |rc: libc::c_long| {
         if rc == 0 {
@@ -43,8 +39,26 @@ pub(super) fn drop_privileges(c: &Credentials) -> io::Result<()> {
     syscall(unsafe { libc::syscall(libc::SYS_setresgid, c.gid, c.gid, c.gid) })?;
     // SAFETY: as above.
     syscall(unsafe { libc::syscall(libc::SYS_setresuid, c.uid, c.uid, c.uid) })?;
+    if !c.lock_down {
+        return Ok(());
+    }
     // SAFETY: prctl(2) with PR_SET_NO_NEW_PRIVS and integer arguments touches no memory.
     check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }).map(drop)
+}
+
+/// Drops every capability from the calling process's bounding set (in a forked child).
+fn empty_bounding_set() -> io::Result<()> {
+    for cap in 0..=MAX_CAP {
+        // SAFETY: prctl(2) with PR_CAPBSET_DROP and an integer argument touches no memory.
+        if unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINVAL) {
+                break;
+            }
+            return Err(e);
+        }
+    }
+    Ok(())
 }
 
 /// The calling thread's file-system ids and groups, set to an account's for as long as this

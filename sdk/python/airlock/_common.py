@@ -1471,6 +1471,7 @@ def create_request(
     export: "Optional[ExportPolicy]" = None,
     packages: "Optional[Packages]" = None,
     secrets: "SecretsSpec" = None,
+    no_root: bool = False,
 ) -> "pb.CreateSandboxRequest":
     req = pb.CreateSandboxRequest(
         template=template,
@@ -1481,6 +1482,7 @@ def create_request(
         labels=dict(labels or {}),
         max_lifetime_s=_seconds(timeout),
         idle_ttl_s=_seconds(idle_timeout),
+        no_root=no_root,
     )
     for path, content in (files or {}).items():
         data = content.encode() if isinstance(content, str) else bytes(content)

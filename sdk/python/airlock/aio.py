@@ -229,11 +229,12 @@ class AsyncSandboxes:
         export: Optional[c.ExportPolicy] = None,
         packages: Optional[c.Packages] = None,
         secrets: c.SecretsSpec = None,
+        no_root: bool = False,
     ) -> "AsyncSandbox":
         """As :meth:`airlock.client.Sandboxes.create`."""
         req = c.create_request(
             template, vcpus, memory_mib, disk_mib, env, files, labels, timeout, idle_timeout,
-            writable, exportable, network, volumes, export, packages, secrets,
+            writable, exportable, network, volumes, export, packages, secrets, no_root,
         )
         return AsyncSandbox(self._c, await self._c._unary("CreateSandbox", req))
 

@@ -253,6 +253,7 @@ class Sandboxes:
         export: Optional[c.ExportPolicy] = None,
         packages: Optional[c.Packages] = None,
         secrets: c.SecretsSpec = None,
+        no_root: bool = False,
     ) -> "Sandbox":
         """Starts a sandbox from ``template`` and returns once its agent is ready.
 
@@ -285,10 +286,14 @@ class Sandboxes:
                 ``Secret.file(...)``, ``Secret.broker(...)``), or ``{name: value}`` for
                 environment variables. Their values stay in the daemon's memory, redacted from
                 every output as ``[REDACTED:NAME]``; :attr:`Sandbox.secrets` shows their names.
+            no_root: keep root out of reach: executions and file calls as ``"root"`` raise
+                :class:`~airlock.RootNotAllowed`, and ``sudo`` in the sandbox is refused. By
+                default root is allowed: ``user="root"``, and ``sudo`` for the default user
+                (passwordless, as in E2B's base image).
         """
         req = c.create_request(
             template, vcpus, memory_mib, disk_mib, env, files, labels, timeout, idle_timeout,
-            writable, exportable, network, volumes, export, packages, secrets,
+            writable, exportable, network, volumes, export, packages, secrets, no_root,
         )
         return Sandbox(self._c, self._c._unary("CreateSandbox", req))
 

@@ -45,6 +45,7 @@ __all__ = [
     "ExportDenied",
     "NetworkNotAllowed",
     "PackagesNotAllowed",
+    "RootNotAllowed",
     "SecretsPresent",
     "GuestPermissionDenied",
     "StartFailed",
@@ -237,6 +238,13 @@ class SecretsPresent(AirlockError):
     reason_codes = ("SECRETS_PRESENT",)
 
 
+class RootNotAllowed(AirlockError):
+    """The sandbox was created with ``no_root``, and the call asked for root (an execution or
+    file call as ``"root"``)."""
+
+    reason_codes = ("ROOT_NOT_ALLOWED",)
+
+
 class GuestPermissionDenied(AirlockError):
     """The guest account the call acted as (``user``) may not touch the path."""
 
@@ -328,6 +336,7 @@ _BY_REASON = {
         ExportDenied,
         NetworkNotAllowed,
         PackagesNotAllowed,
+        RootNotAllowed,
         SecretsPresent,
         GuestPermissionDenied,
         StartFailed,
