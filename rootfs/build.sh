@@ -62,9 +62,14 @@ check_host() {
 
 build_agent() {
   log "building airlock-agent (static, $RUST_TARGET)"
-  # The checkout's path is not part of the binary, so that the same sources give the same agent
-  # (and the cached image) wherever they are checked out.
-  (cd "$REPO_ROOT" && RUSTFLAGS="-C target-feature=+crt-static --remap-path-prefix=$REPO_ROOT=/airlock" \
+  # Neither the checkout's path nor cargo's target directory (build scripts' OUT_DIR, as in
+  # prost's generated code) is part of the binary, so that the same sources give the same agent
+  # (and the cached image) wherever they are checked out and built. (The last matching prefix
+  # wins: the target directory may lie inside the checkout.)
+  local target_dir
+  target_dir=$(realpath -m -- "${CARGO_TARGET_DIR:-$REPO_ROOT/target}")
+  (cd "$REPO_ROOT" && RUSTFLAGS="-C target-feature=+crt-static \
+--remap-path-prefix=$REPO_ROOT=/airlock --remap-path-prefix=$target_dir=/airlock-target" \
     cargo build --release -p airlock-agent --target "$RUST_TARGET")
   local kind
   kind=$(file -b -- "$AGENT_BIN")
