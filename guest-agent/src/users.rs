@@ -193,12 +193,14 @@ mod tests {
         assert_eq!(find(PASSWD, GROUP, "us"), None);
     }
 
-    /// Users reading PASSWD and GROUP from files in a directory of the test's own.
+    /// Users reading PASSWD and GROUP from files in a directory of the caller's own: tests run
+    /// in parallel, and one rewriting a file another reads makes the reader see it empty.
     fn users(default: Option<&str>) -> (PathBuf, Users) {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
             "airlock-agent-users-{}-{}",
             std::process::id(),
-            default.unwrap_or("none")
+            NEXT.fetch_add(1, Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("passwd"), PASSWD).unwrap();
