@@ -33,6 +33,8 @@ pub struct Settings {
     pub orphan_buffer_bytes: usize,
     /// The account of requests that name none; none: the agent's own.
     pub default_user: Option<String>,
+    /// The working directory of executions that name none (else the account's home).
+    pub workdir: Option<String>,
 }
 
 /// State shared by every connection and execution.
@@ -64,7 +66,7 @@ impl Agent {
             spawner: Arc::new(Spawner { reaper, cgroups }),
             execs: Arc::new(ExecTable::new(settings.orphan_buffer_bytes)),
             state_dir: settings.state_dir,
-            users: Users::new(settings.default_user),
+            users: Users::new(settings.default_user).with_workdir(settings.workdir),
             identity: Mutex::new(Identity::default()),
             ready,
         }

@@ -86,16 +86,22 @@ struct Options {
     state_dir: Option<PathBuf>,
     orphan_buffer_bytes: usize,
     default_user: Option<String>,
+    workdir: Option<String>,
 }
 
 impl Options {
-    fn pid1() -> Self {
+    /// PID 1's options. `boot_env` reads the environment the kernel gave init: an image
+    /// imported from a registry names its `User` and `WorkingDir` there (`AIRLOCK_USER`,
+    /// `AIRLOCK_WORKDIR` on the kernel command line).
+    fn pid1(boot_env: impl Fn(&str) -> Option<String>) -> Self {
+        let set = |k: &str| boot_env(k).filter(|v| !v.is_empty());
         Self {
             listen: ListenAddr::Vsock(airlock_proto::AGENT_VSOCK_PORT),
             cgroup_root: Some(PathBuf::from(init::CGROUP_ROOT)),
             state_dir: Some(PathBuf::from(init::STATE_DIR)),
             orphan_buffer_bytes: DEFAULT_ORPHAN_BUFFER_BYTES,
-            default_user: Some(users::DEFAULT_VM_USER.to_owned()),
+            default_user: Some(set("AIRLOCK_USER").unwrap_or(users::DEFAULT_VM_USER.to_owned())),
+            workdir: set("AIRLOCK_WORKDIR"),
         }
     }
 
@@ -129,6 +135,7 @@ impl Options {
             state_dir,
             orphan_buffer_bytes,
             default_user,
+            workdir: None,
         })
     }
 }
@@ -157,7 +164,7 @@ fn main() {
     }
     let options = if pid1 {
         // The kernel may pass command-line words to init; there are no options as PID 1.
-        Options::pid1()
+        Options::pid1(|k| std::env::var(k).ok())
     } else {
         Options::parse(&args).unwrap_or_else(|e| {
             eprintln!("airlock-agent: {e}\n{USAGE}");
@@ -223,6 +230,7 @@ fn run(pid1: bool, options: &Options) -> StartError {
         state_dir: options.state_dir.clone(),
         orphan_buffer_bytes: options.orphan_buffer_bytes,
         default_user: options.default_user.clone(),
+        workdir: options.workdir.clone(),
     };
     let agent = Arc::new(Agent::new(settings, reaper, cgroups, ready));
     // After the readiness line, so it costs the boot nothing.
@@ -301,11 +309,19 @@ mod tests {
 
     #[test]
     fn pid1_listens_on_vsock_52_with_cgroups_and_state_in_run() {
-        let o = Options::pid1();
+        let o = Options::pid1(|_| None);
         assert_eq!(o.listen, ListenAddr::Vsock(52));
         assert_eq!(o.cgroup_root, Some(PathBuf::from(init::CGROUP_ROOT)));
         assert_eq!(o.state_dir, Some(PathBuf::from("/run/airlock")));
         assert_eq!(o.default_user.as_deref(), Some("user"));
+        assert_eq!(o.workdir, None);
+        let image = Options::pid1(|k| match k {
+            "AIRLOCK_USER" => Some("1000:1000".into()),
+            "AIRLOCK_WORKDIR" => Some("/app".into()),
+            _ => None,
+        });
+        assert_eq!(image.default_user.as_deref(), Some("1000:1000"));
+        assert_eq!(image.workdir.as_deref(), Some("/app"));
     }
 
     #[test]

@@ -47,8 +47,12 @@ impl Account {
 /// Where accounts come from, and which one an empty `user` means.
 #[derive(Debug, Clone)]
 pub struct Users {
-    /// The account of an empty `user`; none: the agent's own (no switch).
+    /// The account of an empty `user`; none: the agent's own (no switch). As in an image's
+    /// `User`: a name or uid, optionally with `:GROUP` (a name or gid) as the primary group.
     pub default: Option<String>,
+    /// The working directory of executions that name none (an image's `WorkingDir`), where it
+    /// is a directory; none: the account's home.
+    pub workdir: Option<String>,
     passwd: PathBuf,
     group: PathBuf,
     /// Root is out of reach (set once, never cleared).
@@ -64,10 +68,17 @@ impl Users {
     pub fn with_files(default: Option<String>, passwd: &Path, group: &Path) -> Self {
         Self {
             default,
+            workdir: None,
             passwd: passwd.to_path_buf(),
             group: group.to_path_buf(),
             no_root: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// The same, with `workdir` as the default working directory.
+    pub fn with_workdir(mut self, workdir: Option<String>) -> Self {
+        self.workdir = workdir;
+        self
     }
 
     /// Keeps root out of reach from now on: accounts with uid 0 (and the agent's own account,
@@ -91,7 +102,14 @@ impl Users {
             ("", Some(d)) => d.as_str(),
             (u, _) => u,
         };
+        let (name, primary) = match name.split_once(':') {
+            Some((u, g)) => (u, Some(g)),
+            None => (name, None),
+        };
         check_name(name)?;
+        if let Some(g) = primary {
+            check_name(g)?;
+        }
         let read = |p: &Path| {
             std::fs::read_to_string(p)
                 .map_err(|e| ReqError::io(&format!("reading {}", p.display()), &e))
@@ -99,12 +117,28 @@ impl Users {
         let passwd = read(&self.passwd)?;
         // A missing /etc/group leaves only the primary group.
         let group = std::fs::read_to_string(&self.group).unwrap_or_default();
-        let mut account = find(&passwd, &group, name).ok_or_else(|| {
-            ReqError::new(
-                ErrorCode::NotFound,
-                format!("no account {name:?} in the guest's /etc/passwd"),
-            )
-        })?;
+        let mut account = find(&passwd, &group, name)
+            .or_else(|| by_uid(&passwd, &group, name))
+            .ok_or_else(|| {
+                ReqError::new(
+                    ErrorCode::NotFound,
+                    format!("no account {name:?} in the guest's /etc/passwd"),
+                )
+            })?;
+        if let Some(g) = primary {
+            let gid = g
+                .parse::<u32>()
+                .ok()
+                .or_else(|| group_id(&group, g))
+                .ok_or_else(|| {
+                    ReqError::new(
+                        ErrorCode::NotFound,
+                        format!("no group {g:?} in the guest's /etc/group"),
+                    )
+                })?;
+            account.gid = gid;
+            account.groups = vec![gid];
+        }
         if no_root {
             if account.is_root() {
                 return Err(root_refused(&format!("account {name:?} (uid 0)")));
@@ -113,6 +147,37 @@ impl Users {
         }
         Ok(Some(account))
     }
+}
+
+/// A numeric `user` (an image's `User: "1000"`): its /etc/passwd entry if one has that uid, else
+/// the bare uid with group 0 and `/` as home, as container runtimes run it.
+fn by_uid(passwd: &str, group: &str, user: &str) -> Option<Account> {
+    let uid: u32 = user.parse().ok()?;
+    let named = passwd.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        (f.len() >= 7 && f[2].parse() == Ok(uid)).then(|| f[0].to_owned())
+    });
+    if let Some(name) = named {
+        return find(passwd, group, &name);
+    }
+    Some(Account {
+        name: user.to_owned(),
+        uid,
+        gid: 0,
+        groups: vec![0],
+        home: "/".into(),
+        lock_down: false,
+    })
+}
+
+/// The gid of group `name` in the text of /etc/group.
+fn group_id(group: &str, name: &str) -> Option<u32> {
+    group.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        (f.len() >= 3 && f[0] == name)
+            .then(|| f[2].parse().ok())
+            .flatten()
+    })
 }
 
 fn root_refused(what: &str) -> ReqError {
@@ -243,9 +308,31 @@ mod tests {
     }
 
     #[test]
+    fn an_image_user_may_be_a_uid_and_name_its_primary_group() {
+        let (_d, u) = users(None);
+        let by_uid = u.resolve("1000").unwrap().unwrap();
+        assert_eq!(
+            (by_uid.name.as_str(), by_uid.home.as_str()),
+            ("user", "/home/user")
+        );
+        let bare = u.resolve("4321").unwrap().unwrap();
+        assert_eq!((bare.uid, bare.gid, bare.home.as_str()), (4321, 0, "/"));
+        let grouped = u.resolve("user:audio").unwrap().unwrap();
+        assert_eq!(
+            (grouped.uid, grouped.gid, grouped.groups.clone()),
+            (1000, 29, vec![29])
+        );
+        assert_eq!(u.resolve("4321:77").unwrap().unwrap().gid, 77);
+        assert_eq!(
+            u.resolve("user:nogroup").unwrap_err().code,
+            ErrorCode::NotFound
+        );
+    }
+
+    #[test]
     fn bad_names_are_invalid_and_unknown_ones_not_found() {
         let (_d, u) = users(None);
-        for bad in ["-x", "a:b", "a/b", "a b", &"x".repeat(33)] {
+        for bad in ["-x", "a::b", ":g", "a/b", "a b", &"x".repeat(33)] {
             assert_eq!(u.resolve(bad).unwrap_err().code, ErrorCode::InvalidArgument);
         }
         assert_eq!(u.resolve("ghost").unwrap_err().code, ErrorCode::NotFound);
