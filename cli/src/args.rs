@@ -172,9 +172,21 @@ pub struct TemplateCreateArgs {
     /// Guest memory of its sandboxes in MiB [daemon's default: 256]
     #[arg(long, value_name = "MIB")]
     pub memory_mib: Option<u32>,
+    /// An OCI image to import from its registry (as `docker pull` takes it:
+    /// [REGISTRY/]REPO[:TAG|@sha256:DIGEST]); its Env, WorkingDir and User become the
+    /// defaults of every execution
+    #[arg(long, value_name = "REF", conflicts_with_all = ["from", "kernel", "rootfs"])]
+    pub image: Option<String>,
+    /// The registry account for --image (its password from $AIRLOCK_REGISTRY_PASSWORD, or
+    /// stdin with --registry-password-stdin) [default: anonymous]
+    #[arg(long, value_name = "USER", requires = "image")]
+    pub registry_user: Option<String>,
+    /// Read the registry password for --registry-user from stdin
+    #[arg(long, requires = "registry_user")]
+    pub registry_password_stdin: bool,
     /// An image the operator registered (kernel and root filesystem) [default: default]
     #[arg(long, value_name = "NAME")]
-    pub image: Option<String>,
+    pub from: Option<String>,
     /// Guest kernel (vmlinux) on the daemon's host, for operators [default: the image's]
     #[arg(long, value_name = "PATH")]
     pub kernel: Option<String>,

@@ -290,6 +290,11 @@ pub fn template_json(t: &Template) -> Value {
         "memory_mib": t.memory_mib, "kernel_path": t.kernel_path, "kernel_version": t.kernel_version,
         "rootfs_path": t.rootfs_path, "rootfs_version": t.rootfs_version,
         "source_sandbox_id": t.source_sandbox_id, "created_unix_ms": t.created_unix_ms,
+        "image": t.image, "source": t.source,
+        "image_defaults": t.image_defaults.as_ref().map(|d| json!({
+            "env": d.env, "working_dir": d.working_dir, "user": d.user,
+            "entrypoint": d.entrypoint, "cmd": d.cmd,
+        })),
     })
 }
 
@@ -413,8 +418,8 @@ pub fn node_table(list: &[Node]) -> String {
 /// The table of `airlock template ls`.
 pub fn template_table(list: &[Template]) -> String {
     let mut out = format!(
-        "{:<16} {:<22} {:>5} {:>7} {:<8}\n",
-        "NAME", "ID", "VCPUS", "MEM_MIB", "OWNER"
+        "{:<16} {:<22} {:>5} {:>7} {:<8} {}\n",
+        "NAME", "ID", "VCPUS", "MEM_MIB", "OWNER", "SOURCE"
     );
     for t in list {
         let owner = if t.tenant.is_empty() {
@@ -424,8 +429,17 @@ pub fn template_table(list: &[Template]) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<16} {:<22} {:>5} {:>7} {:<8}",
-            t.name, t.id, t.vcpus, t.memory_mib, owner
+            "{:<16} {:<22} {:>5} {:>7} {:<8} {}",
+            t.name,
+            t.id,
+            t.vcpus,
+            t.memory_mib,
+            owner,
+            if t.source.is_empty() {
+                &t.image
+            } else {
+                &t.source
+            }
         );
     }
     out

@@ -6,9 +6,9 @@ use std::path::Path;
 
 use airlock_api::v1::{
     Argv, Code, CreateSandboxRequest, CreateTemplateRequest, EgressRule, ExecRequest,
-    ExposePortRequest, FilePolicy, FileToPlace, ListSandboxesRequest, NetworkPolicy, PackagePolicy,
-    SandboxState, Secret, SecretBroker, SecretEnv, SecretFile, SetNetworkPolicyRequest,
-    VolumeAttachment, egress_rule, exec_request, secret,
+    ExposePortRequest, FilePolicy, FileToPlace, ListSandboxesRequest, NetworkPolicy, OciImage,
+    PackagePolicy, SandboxState, Secret, SecretBroker, SecretEnv, SecretFile,
+    SetNetworkPolicyRequest, VolumeAttachment, egress_rule, exec_request, secret,
 };
 
 use crate::args::{
@@ -246,10 +246,21 @@ pub fn exec_request(args: &ExecArgs, read: Read) -> Result<ExecRequest, String> 
 }
 
 /// `CreateTemplateRequest` of `airlock template create`.
-pub fn template_request(args: &TemplateCreateArgs) -> CreateTemplateRequest {
+/// `CreateTemplateRequest` of `airlock template create`; `password` is the registry's for
+/// `--registry-user` (read by the caller from the environment or stdin).
+pub fn template_request(args: &TemplateCreateArgs, password: String) -> CreateTemplateRequest {
     CreateTemplateRequest {
         name: args.name.clone(),
-        image: args.image.clone().unwrap_or_default(),
+        oci: args.image.as_ref().map(|reference| OciImage {
+            reference: reference.clone(),
+            username: args.registry_user.clone().unwrap_or_default(),
+            password: if args.registry_user.is_some() {
+                password
+            } else {
+                String::new()
+            },
+        }),
+        image: args.from.clone().unwrap_or_default(),
         kernel_path: args.kernel.clone().unwrap_or_default(),
         rootfs_path: args.rootfs.clone().unwrap_or_default(),
         vcpus: args.vcpus.unwrap_or(0),

@@ -435,8 +435,9 @@ fn template_create_keeps_its_flags() {
     let Command::Template(TemplateCommand::Create(a)) = cli.command else {
         panic!("not template create")
     };
-    let req = template_request(&a);
+    let req = template_request(&a, String::new());
     assert_eq!(req.name, "py");
+    assert_eq!(req.oci, None);
     assert_eq!((req.vcpus, req.memory_mib), (2, 512));
     assert_eq!(req.kernel_path, "/k/vmlinux");
     assert_eq!(req.rootfs_path, "/r/rootfs.ext4");
@@ -447,9 +448,40 @@ fn template_create_keeps_its_flags() {
     let Command::Template(TemplateCommand::Create(a)) = cli.command else {
         panic!("not template create")
     };
-    let req = template_request(&a);
+    let req = template_request(&a, String::new());
     assert_eq!(req.name, "base");
     assert!(req.no_warmup && req.warmup.is_empty());
+
+    let cli = parse(&[
+        "template",
+        "create",
+        "app",
+        "--image",
+        "registry.example:5000/team/app:v1",
+        "--registry-user",
+        "bob",
+    ]);
+    let Command::Template(TemplateCommand::Create(a)) = cli.command else {
+        panic!("not template create")
+    };
+    let req = template_request(&a, "pw".into());
+    let oci = req.oci.expect("an image source");
+    assert_eq!(oci.reference, "registry.example:5000/team/app:v1");
+    assert_eq!(
+        (oci.username.as_str(), oci.password.as_str()),
+        ("bob", "pw")
+    );
+    assert!(req.image.is_empty());
+    let cli = parse(&["template", "create", "py", "--from", "py312"]);
+    let Command::Template(TemplateCommand::Create(a)) = cli.command else {
+        panic!("not template create")
+    };
+    let req = template_request(&a, "ignored".into());
+    assert_eq!((req.image.as_str(), req.oci.is_none()), ("py312", true));
+    assert_eq!(
+        parse_err(&["template", "create", "x", "--image", "a", "--from", "b"]),
+        ErrorKind::ArgumentConflict
+    );
 
     assert_eq!(
         parse_err(&["template", "create", "x", "--warmup", "true", "--no-warmup"]),

@@ -136,6 +136,9 @@ pub struct Config {
     /// Sandbox networks: the static host map, the default egress ceiling, DNS and proxy limits
     /// (see `net/mod.rs`).
     pub network: crate::net::NetworkConfig,
+    /// Templates from OCI images: plain-HTTP registries, caps, timeouts, the guest agent put
+    /// into them (`[oci]`, see `templates/oci/mod.rs`).
+    pub oci: crate::templates::oci::OciConfig,
     /// The package proxy: its registries, the default package ceiling, the cache, limits
     /// (see `pkg/mod.rs`).
     pub packages: crate::pkg::PackagesConfig,
@@ -303,6 +306,7 @@ impl Default for Config {
             adopt_on_restart: true,
             jail: crate::jail::JailConfig::default(),
             network: crate::net::NetworkConfig::default(),
+            oci: crate::templates::oci::OciConfig::default(),
             packages: crate::pkg::PackagesConfig::default(),
             audit: crate::audit::AuditConfig::default(),
             e2b: crate::e2b::E2bConfig::default(),

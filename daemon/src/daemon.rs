@@ -11,7 +11,7 @@ use tracing::{info, warn};
 
 use crate::cgroup::Cgroups;
 use crate::config::{CgroupMode, Config};
-use crate::error::ApiResult;
+use crate::error::{ApiError, ApiResult};
 use crate::exec::{ExecLimits, Executions};
 use crate::host::VmmHost;
 use crate::jail::Jailer;
@@ -262,6 +262,21 @@ impl Daemon {
         req: CreateTemplateRequest,
         progress: Sender<TemplateEvent>,
     ) -> ApiResult<TemplateRt> {
+        if let Some(oci) = &req.oci {
+            // An image pull is egress like a sandbox's: the registry must be within the
+            // tenant's ceiling.
+            let refused = |e: crate::templates::oci::pull::PullError| ApiError::ImageRefused {
+                image: oci.reference.clone(),
+                why: e.to_string(),
+            };
+            let rule = crate::templates::oci::pull::registry_rule(
+                &oci.reference,
+                &self.cfg.oci.insecure_registries,
+            )
+            .map_err(refused)?;
+            let policy = crate::net::policy_of(&rule)?;
+            self.sandboxes.egress.within_ceiling(tenant, &policy)?;
+        }
         let checked = self.builder.check(tenant, &req)?;
         // A build's VM counts against the host and the tenant like a sandbox while it runs.
         let _admitted = self.sandboxes.admit_build(tenant, checked.memory_mib())?;

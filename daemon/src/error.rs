@@ -98,6 +98,14 @@ pub enum ApiError {
     /// Cluster mode: etcd could not be reached for what the call needs (a quota count).
     #[error("the cluster's store is unavailable: {0}")]
     ClusterUnavailable(String),
+    /// An image (CreateTemplateRequest.oci) that cannot become a template: a hostile or
+    /// malformed entry, a wrong digest, a cap exceeded, another platform.
+    #[error("image {image}: {why}")]
+    ImageRefused { image: String, why: String },
+    /// The image's registry did not answer as it should (unreachable, timed out, refused the
+    /// credentials).
+    #[error("{why}")]
+    RegistryUnavailable { registry: String, why: String },
     #[error("{0}")]
     Internal(String),
 }
@@ -132,13 +140,15 @@ impl ApiError {
             Self::AgentUnavailable { .. } => "AGENT_UNAVAILABLE",
             Self::NodeLost { .. } => "NODE_LOST",
             Self::ClusterUnavailable(_) => "CLUSTER_UNAVAILABLE",
+            Self::ImageRefused { .. } => "IMAGE_REFUSED",
+            Self::RegistryUnavailable { .. } => "REGISTRY_UNAVAILABLE",
             Self::Internal(_) => "INTERNAL",
         }
     }
 
     pub fn code(&self) -> Code {
         match self {
-            Self::InvalidArgument(_) => Code::InvalidArgument,
+            Self::InvalidArgument(_) | Self::ImageRefused { .. } => Code::InvalidArgument,
             Self::Unauthenticated(_) => Code::Unauthenticated,
             Self::SandboxNotFound(_)
             | Self::ExecutionNotFound(_)
@@ -163,7 +173,8 @@ impl ApiError {
             Self::Dead { .. }
             | Self::AgentUnavailable { .. }
             | Self::NodeLost { .. }
-            | Self::ClusterUnavailable(_) => Code::Unavailable,
+            | Self::ClusterUnavailable(_)
+            | Self::RegistryUnavailable { .. } => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
         }
     }
@@ -181,6 +192,12 @@ impl ApiError {
             }
             Self::ExecutionNotFound(id) => {
                 m.insert("execution_id".into(), id.clone());
+            }
+            Self::ImageRefused { image, .. } => {
+                m.insert("image".into(), image.clone());
+            }
+            Self::RegistryUnavailable { registry, .. } => {
+                m.insert("registry".into(), registry.clone());
             }
             Self::TemplateNotFound(name) | Self::TemplateExists(name) => {
                 m.insert("template".into(), name.clone());

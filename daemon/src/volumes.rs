@@ -123,7 +123,7 @@ pub fn check_mount_path(path: &str) -> ApiResult<()> {
 }
 
 /// `mkfs.ext4` as configured, else on `$PATH` or in /sbin or /usr/sbin.
-fn find_mkfs(configured: Option<&Path>) -> Option<PathBuf> {
+pub(crate) fn find_mkfs(configured: Option<&Path>) -> Option<PathBuf> {
     if let Some(p) = configured {
         return Some(p.to_owned());
     }

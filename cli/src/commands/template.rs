@@ -27,9 +27,18 @@ fn print_template(ctx: &Ctx, t: &Template) {
 
 /// `template create`: the build's progress on stderr, the template on stdout.
 async fn create(ctx: &mut Ctx, args: &TemplateCreateArgs) -> Result<u8, String> {
+    let password = if args.registry_password_stdin {
+        let mut line = String::new();
+        std::io::stdin()
+            .read_line(&mut line)
+            .map_err(|e| format!("reading the registry password from stdin: {e}"))?;
+        line.trim_end_matches(['\r', '\n']).to_owned()
+    } else {
+        std::env::var("AIRLOCK_REGISTRY_PASSWORD").unwrap_or_default()
+    };
     let mut stream = ctx
         .client
-        .create_template(template_request(args))
+        .create_template(template_request(args, password))
         .await
         .map_err(fail)?
         .into_inner();

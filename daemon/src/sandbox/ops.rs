@@ -155,6 +155,9 @@ impl Sandboxes {
             memory_file_bytes: disk_bytes(&dir.join("memory")),
             image: src.map(|t| t.image.clone()).unwrap_or_default(),
             volume_slots: src.map_or(0, |t| t.volume_slots),
+            // Its root filesystem and its agent's boot defaults are its source template's.
+            source: src.map(|t| t.source.clone()).unwrap_or_default(),
+            image_defaults: src.and_then(|t| t.image_defaults.clone()),
         };
         self.templates.add(record, dir)
     }

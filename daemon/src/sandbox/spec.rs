@@ -87,7 +87,7 @@ impl SandboxSpec {
             max_lifetime_s: or_default(req.max_lifetime_s, cfg.default_max_lifetime_s)
                 .min(cfg.max_lifetime_s),
             policy,
-            env: req.env.clone(),
+            env: image_env(template, &req.env),
             labels: req.labels.clone(),
             files: req.files.clone(),
             network,
@@ -165,6 +165,21 @@ fn normalise_policy(p: Option<FilePolicy>, cfg: &Config) -> ApiResult<FilePolicy
         max_export_total_bytes: cap(p.max_export_total_bytes, cfg.export_max_total_bytes),
         export_denied: denied,
     })
+}
+
+/// A sandbox's environment: its template image's `Env` (an imported image's), then the
+/// request's own entries over it.
+fn image_env(template: &Template, asked: &HashMap<String, String>) -> HashMap<String, String> {
+    let mut env: HashMap<String, String> = template
+        .image_defaults
+        .iter()
+        .flat_map(|d| &d.env)
+        .filter_map(|kv| kv.split_once('='))
+        .filter(|(k, _)| !k.is_empty())
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+    env.extend(asked.iter().map(|(k, v)| (k.clone(), v.clone())));
+    env
 }
 
 /// Denied patterns a request may add.

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use airlock_api::v1::{CreateTemplateRequest, Template, TemplateEvent};
+use airlock_api::v1::{CreateTemplateRequest, ImageDefaults, OciImage, Template, TemplateEvent};
 use tokio::sync::mpsc::Sender;
 use tracing::{info, warn};
 
@@ -34,6 +34,12 @@ struct BuildSpec {
     vcpus: u32,
     memory_mib: u32,
     warmup: String,
+    /// The request named its warm-up (an imported image gets none otherwise).
+    explicit_warmup: bool,
+    /// An OCI image to import first (its root filesystem then replaces `rootfs`).
+    oci: Option<OciImage>,
+    /// Kernel arguments beyond the VMM's own (an imported image's init and defaults).
+    cmdline_extra: String,
 }
 
 /// A CreateTemplate request that passed its checks.
@@ -117,14 +123,44 @@ impl Builder {
         checked: Checked,
         progress: Sender<TemplateEvent>,
     ) -> ApiResult<TemplateRt> {
-        let Checked { name, owner, spec } = checked;
+        let Checked {
+            name,
+            owner,
+            mut spec,
+        } = checked;
         let id = ids::new_id(ids::TEMPLATE)?;
         let dir = self.templates.dir_of(&id);
         let progress = Progress {
             tx: progress,
             started: Instant::now(),
         };
-        let what = if spec.operator {
+        let mut source = String::new();
+        let mut image_defaults = None;
+        if let Some(oci) = spec.oci.take() {
+            let imported = self.import(&oci, &progress).await?;
+            spec.rootfs = imported.rootfs.clone();
+            spec.cmdline_extra = boot_args(&oci.reference, &imported.defaults)?;
+            if !spec.explicit_warmup {
+                spec.warmup.clear();
+            } else if !imported.has_shell {
+                return Err(ApiError::ImageRefused {
+                    image: oci.reference.clone(),
+                    why: "a warm-up runs in /bin/sh, and the image has none".into(),
+                });
+            }
+            source = format!("oci:{}@{}", oci.reference, imported.manifest_digest);
+            let d = imported.defaults;
+            image_defaults = Some(ImageDefaults {
+                env: d.env,
+                working_dir: d.working_dir,
+                user: d.user,
+                entrypoint: d.entrypoint,
+                cmd: d.cmd,
+            });
+        }
+        let what = if !source.is_empty() {
+            source.clone()
+        } else if spec.operator {
             format!("{} with {}", spec.kernel.display(), spec.rootfs.display())
         } else {
             format!("image {}", spec.image)
@@ -154,6 +190,8 @@ impl Builder {
             memory_file_bytes: disk_bytes(&dir.join("memory")),
             image: spec.image.clone(),
             volume_slots: self.cfg.volume_slots,
+            source,
+            image_defaults,
         };
         let t = self.templates.add(record, dir)?;
         let secs = progress.started.elapsed().as_secs();
@@ -180,6 +218,7 @@ impl Builder {
                 "vcpus must be 1..32 and memory_mib 64..1048576".into(),
             ));
         }
+        let explicit_warmup = !req.no_warmup && !req.warmup.is_empty();
         let warmup = if req.no_warmup {
             String::new()
         } else if req.warmup.is_empty() {
@@ -195,6 +234,9 @@ impl Builder {
             vcpus,
             memory_mib,
             warmup,
+            explicit_warmup,
+            oci: req.oci.clone(),
+            cmdline_extra: String::new(),
         })
     }
 
@@ -206,6 +248,32 @@ impl Builder {
         operator: bool,
     ) -> ApiResult<(PathBuf, PathBuf, String)> {
         let host_paths = !req.kernel_path.is_empty() || !req.rootfs_path.is_empty();
+        if let Some(oci) = &req.oci {
+            if host_paths || !req.image.is_empty() {
+                return Err(ApiError::InvalidArgument(
+                    "oci names the image to import: not together with image, kernel_path or \
+                     rootfs_path"
+                        .into(),
+                ));
+            }
+            super::oci::pull::parse(&oci.reference).map_err(|e| ApiError::ImageRefused {
+                image: oci.reference.clone(),
+                why: e.to_string(),
+            })?;
+            let kernel = self
+                .cfg
+                .default_kernel()
+                .and_then(|k| std::fs::canonicalize(k).ok())
+                .ok_or_else(|| {
+                    ApiError::Internal(
+                        "the default kernel is missing on the daemon's host \
+                         (kernel-config/build.sh)"
+                            .into(),
+                    )
+                })?;
+            // The root filesystem is the import's, made at build time.
+            return Ok((kernel, PathBuf::new(), String::new()));
+        }
         if host_paths && !operator {
             return Err(ApiError::InvalidArgument(
                 "kernel_path and rootfs_path name files on the daemon's host, which only an \
@@ -366,6 +434,9 @@ impl Builder {
             ]
             .map(OsString::from),
         );
+        if !spec.cmdline_extra.is_empty() {
+            args.extend(["--cmdline-extra".into(), spec.cmdline_extra.clone().into()]);
+        }
         // A writable root: the base image stays read-only, the build's writes (the warm-up's)
         // go into an overlay, and the snapshot keeps them as the template's layer, which
         // every sandbox of the template reads under an overlay of its own.
@@ -402,6 +473,93 @@ impl Builder {
             ApiError::Internal(format!("spawning {}: {e}", launcher.binary().display()))
         })
     }
+}
+
+impl Builder {
+    /// Pulls and unpacks `oci` into a root filesystem (or finds it made before).
+    async fn import(&self, oci: &OciImage, progress: &Progress) -> ApiResult<super::oci::Imported> {
+        let c = &self.cfg.oci;
+        progress
+            .send("pulling", format!("pulling {}", oci.reference), None)
+            .await;
+        let images = self.cfg.data_dir.join("images");
+        let default_rootfs = self.cfg.image("default").map(|(_, r)| r);
+        let agent = super::oci::guest_agent(c, default_rootfs.as_deref(), &images.join("agent"))?;
+        let mkfs = crate::volumes::find_mkfs(self.cfg.mkfs_ext4.as_deref()).ok_or_else(|| {
+            ApiError::Internal(
+                "images need e2fsprogs' mkfs.ext4 on the daemon's host (apt-get install \
+                 e2fsprogs)"
+                    .into(),
+            )
+        })?;
+        let spec = super::oci::pull::PullSpec {
+            reference: oci.reference.clone(),
+            username: oci.username.clone(),
+            password: oci.password.clone(),
+            insecure: c.insecure_registries.clone(),
+            max_layer_bytes: c.max_layer_mib << 20,
+            max_image_bytes: c.max_image_mib << 20,
+            read_timeout: Duration::from_secs(c.read_timeout_s.max(1)),
+        };
+        let disk_mib = u64::from(self.cfg.max_disk_mib);
+        let imported = tokio::time::timeout(
+            Duration::from_secs(c.pull_timeout_s.max(1)),
+            super::oci::import(c, &spec, &images, &agent, &mkfs, disk_mib),
+        )
+        .await
+        .map_err(|_| ApiError::RegistryUnavailable {
+            registry: oci.reference.clone(),
+            why: format!(
+                "pulling and unpacking {} took longer than {} s (oci.pull_timeout_s)",
+                oci.reference, c.pull_timeout_s
+            ),
+        })??;
+        let how = if imported.reused {
+            "its root filesystem was made before".to_owned()
+        } else {
+            format!(
+                "{} layers, {} KiB fetched, unpacked",
+                imported.layers,
+                imported.fetched_bytes >> 10
+            )
+        };
+        info!(image = %oci.reference, digest = %imported.manifest_digest, "{how}");
+        progress
+            .send(
+                "unpacking",
+                format!("{} is {}: {how}", oci.reference, imported.manifest_digest),
+                None,
+            )
+            .await;
+        Ok(imported)
+    }
+}
+
+/// The kernel arguments that boot an imported image: its init (the agent, from /.airlock) and
+/// its user and working directory as the agent's defaults (in init's environment). The kernel
+/// command line has no quoting for these, so they may hold only plain characters.
+fn boot_args(reference: &str, d: &super::oci::ImageDefaults) -> ApiResult<String> {
+    let plain = |v: &str| {
+        v.len() <= 256
+            && v.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-:/@+".contains(&b))
+    };
+    let user = if d.user.is_empty() { "root" } else { &d.user };
+    let mut args = format!("{} {}={user}", super::oci::INIT_ARG, super::oci::USER_ENV);
+    if !d.working_dir.is_empty() {
+        args.push_str(&format!(" {}={}", super::oci::WORKDIR_ENV, d.working_dir));
+    }
+    if !plain(user) || !plain(&d.working_dir) {
+        return Err(ApiError::ImageRefused {
+            image: reference.to_owned(),
+            why: format!(
+                "its User {:?} or WorkingDir {:?} has characters other than letters, digits and \
+                 ._-:/@+",
+                d.user, d.working_dir
+            ),
+        });
+    }
+    Ok(args)
 }
 
 /// Waits for the build VMM's exit, sending "still booting" every 5 s.

@@ -4,6 +4,7 @@
 
 pub mod build;
 pub mod import;
+pub mod oci;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -276,6 +277,13 @@ pub fn file_version(p: &Path) -> String {
     meta.as_ref().map(|m| m.len()).hash(&mut h);
     meta.and_then(|m| m.modified().ok()).hash(&mut h);
     format!("{:016x}", h.finish())
+}
+
+/// The version of some content: SHA-256, first 16 hex digits.
+pub fn content_version(data: &[u8]) -> String {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(data);
+    d[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Bytes a (sparse) file occupies on disk.

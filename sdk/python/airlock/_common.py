@@ -205,9 +205,15 @@ class Template:
     source_sandbox_id: str
     created_unix_ms: int
     memory_file_bytes: int
+    #: ``oci:REFERENCE@sha256:DIGEST`` for a template imported from an OCI image, else "".
+    source: str = ""
+    #: An imported image's defaults: ``env`` (KEY=VALUE list), ``working_dir``, ``user``,
+    #: ``entrypoint``, ``cmd``; ``None`` for other templates.
+    image_defaults: Optional[Dict[str, Any]] = None
 
     @classmethod
     def from_pb(cls, t: "pb.Template") -> "Template":
+        d = t.image_defaults if t.HasField("image_defaults") else None
         return cls(
             name=t.name,
             id=t.id,
@@ -219,7 +225,49 @@ class Template:
             source_sandbox_id=t.source_sandbox_id,
             created_unix_ms=t.created_unix_ms,
             memory_file_bytes=t.memory_file_bytes,
+            source=t.source,
+            image_defaults=None
+            if d is None
+            else {
+                "env": list(d.env),
+                "working_dir": d.working_dir,
+                "user": d.user,
+                "entrypoint": list(d.entrypoint),
+                "cmd": list(d.cmd),
+            },
         )
+
+
+def template_request(
+    name: str,
+    *,
+    image: str = "",
+    kernel_path: str = "",
+    rootfs_path: str = "",
+    vcpus: int = 0,
+    memory_mib: int = 0,
+    warmup: str = "",
+    no_warmup: bool = False,
+    oci_image: str = "",
+    registry_auth: Optional[Tuple[str, str]] = None,
+) -> "pb.CreateTemplateRequest":
+    """The CreateTemplate request of ``templates.create`` (sync and asyncio alike)."""
+    req = pb.CreateTemplateRequest(
+        name=name,
+        image=image,
+        kernel_path=kernel_path,
+        rootfs_path=rootfs_path,
+        vcpus=vcpus,
+        memory_mib=memory_mib,
+        warmup=warmup,
+        no_warmup=no_warmup,
+    )
+    if oci_image:
+        user, password = registry_auth if registry_auth is not None else ("", "")
+        req.oci.CopyFrom(pb.OciImage(reference=oci_image, username=user, password=password))
+    elif registry_auth is not None:
+        raise ValueError("registry_auth goes with oci_image")
+    return req
 
 
 @dataclass(frozen=True)

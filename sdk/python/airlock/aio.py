@@ -12,7 +12,17 @@ Example::
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Awaitable, Callable, List, Mapping, Optional, Sequence, Union
+from typing import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import grpc
 import grpc.aio
@@ -29,6 +39,7 @@ from ._common import (
     OutputChunk,
     Template,
     TemplateProgress,
+    template_request,
 )
 from ._proto import airlock_pb2 as pb
 from ._proto import airlock_pb2_grpc as pb_grpc
@@ -161,9 +172,11 @@ class AsyncTemplates:
         warmup: str = "",
         no_warmup: bool = False,
         on_progress: Optional[Callable[[TemplateProgress], None]] = None,
+        oci_image: str = "",
+        registry_auth: Optional[Tuple[str, str]] = None,
     ) -> Template:
-        req = pb.CreateTemplateRequest(
-            name=name,
+        req = template_request(
+            name,
             image=image,
             kernel_path=kernel_path,
             rootfs_path=rootfs_path,
@@ -171,6 +184,8 @@ class AsyncTemplates:
             memory_mib=memory_mib,
             warmup=warmup,
             no_warmup=no_warmup,
+            oci_image=oci_image,
+            registry_auth=registry_auth,
         )
         async for ev in self._c._server_stream("CreateTemplate", req):
             if on_progress is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 
@@ -19,6 +19,7 @@ from ._common import (
     OutputChunk,
     Template,
     TemplateProgress,
+    template_request,
     Volume,
 )
 from ._proto import airlock_pb2 as pb
@@ -174,15 +175,21 @@ class Templates:
         warmup: str = "",
         no_warmup: bool = False,
         on_progress: Optional[Callable[[TemplateProgress], None]] = None,
+        oci_image: str = "",
+        registry_auth: Optional[Tuple[str, str]] = None,
     ) -> Template:
         """Boots the kernel and image once, runs ``warmup`` (a shell command whose files end
         up in the snapshot's page cache; default: the daemon's, which loads Python;
         ``no_warmup`` skips it) and snapshots the VM (tens of seconds on nested KVM).
         ``on_progress`` sees each progress event. ``image`` names an image the operator
         registered (default: ``default``); ``kernel_path``/``rootfs_path`` name host files, which
-        only an operator may."""
-        req = pb.CreateTemplateRequest(
-            name=name,
+        only an operator may. ``oci_image`` imports an OCI image from its registry instead (a
+        reference as ``docker pull`` takes it; ``registry_auth=(user, password)`` for a private
+        one): its Env, WorkingDir and User become every execution's defaults, and there is no
+        warm-up unless ``warmup`` names one. Refusals raise :class:`~airlock.ImageRefused` or
+        :class:`~airlock.RegistryUnavailable`."""
+        req = template_request(
+            name,
             image=image,
             kernel_path=kernel_path,
             rootfs_path=rootfs_path,
@@ -190,6 +197,8 @@ class Templates:
             memory_mib=memory_mib,
             warmup=warmup,
             no_warmup=no_warmup,
+            oci_image=oci_image,
+            registry_auth=registry_auth,
         )
         for ev in self._c._server_stream("CreateTemplate", req):
             if on_progress is not None:

@@ -46,6 +46,8 @@ __all__ = [
     "NetworkNotAllowed",
     "PackagesNotAllowed",
     "RootNotAllowed",
+    "ImageRefused",
+    "RegistryUnavailable",
     "SecretsPresent",
     "GuestPermissionDenied",
     "StartFailed",
@@ -245,6 +247,14 @@ class RootNotAllowed(AirlockError):
     reason_codes = ("ROOT_NOT_ALLOWED",)
 
 
+class ImageRefused(InvalidArgument):
+    """An OCI image (``templates.create(oci_image=...)``) cannot become a template: a hostile
+    or malformed entry, a wrong digest, a cap exceeded, another platform.
+    ``metadata["image"]`` names it."""
+
+    reason_codes = ("IMAGE_REFUSED",)
+
+
 class GuestPermissionDenied(AirlockError):
     """The guest account the call acted as (``user``) may not touch the path."""
 
@@ -295,6 +305,13 @@ class Unavailable(AirlockError):
     reason_codes = ("AGENT_UNAVAILABLE",)
 
 
+class RegistryUnavailable(Unavailable):
+    """An image's registry did not answer as it should: unreachable, timed out, or it refused
+    the credentials. ``metadata["registry"]`` names it."""
+
+    reason_codes = ("REGISTRY_UNAVAILABLE",)
+
+
 class NodeLost(Unavailable):
     """Cluster mode: the node that ran the sandbox (or the execution) left the cluster; the
     sandbox is reported dead with end reason ``NODE_LOST``."""
@@ -337,6 +354,8 @@ _BY_REASON = {
         NetworkNotAllowed,
         PackagesNotAllowed,
         RootNotAllowed,
+        ImageRefused,
+        RegistryUnavailable,
         SecretsPresent,
         GuestPermissionDenied,
         StartFailed,
