@@ -27,6 +27,7 @@ test_pkgs=(
   iproute2          # tests/egress.rs, benches/run.sh net: namespaces and veths of their own
   etcd-server etcd-client  # tests/cluster.rs, benches/run.sh cluster: the nodes' etcd members
   git               # tests/egress.rs: the repository the guest's git clones
+  docker-registry skopeo  # tests/images.rs: a local OCI registry, and pushing layouts to it
 )
 
 tests=0 list=0
