@@ -479,6 +479,16 @@ def test_errors_a_client_can_tell_apart(daemon, client, tmp_path):
         client.templates.create("broken", kernel_path=str(bogus))
     assert e.value.reason == "INTERNAL"
     assert "broken" not in {t.name for t in client.templates.list()}
+    # OCI images: a malformed reference, and a registry beyond the tenant's egress ceiling
+    # (the default one: public addresses only), are refused before anything is fetched.
+    with pytest.raises(airlock.ImageRefused) as e:
+        client.templates.create("broken", oci_image="Not A Reference!")
+    assert e.value.reason == "IMAGE_REFUSED" and isinstance(e.value, airlock.InvalidArgument)
+    assert e.value.metadata["image"] == "Not A Reference!"
+    with pytest.raises(airlock.NetworkNotAllowed):
+        client.templates.create("broken", oci_image="127.0.0.1:9/team/app:v1")
+    with pytest.raises(ValueError):
+        client.templates.create("broken", registry_auth=("u", "p"))
 
 
 def test_tenants_quota_and_capacity(daemon, client):
