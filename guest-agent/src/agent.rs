@@ -96,6 +96,9 @@ impl Agent {
     /// Handles a Reseed request (see [`reseed::handle`]).
     pub fn reseed(&self, req: pb::Reseed) -> Result<Reseeded, ReqError> {
         let no_root = req.no_root;
+        let nonempty = |s: &str| (!s.is_empty()).then(|| s.to_owned());
+        self.users
+            .set_defaults(nonempty(&req.default_user), nonempty(&req.workdir));
         let mut done = reseed::handle(self.pid1, self.state_dir.as_deref(), &self.identity, req)?;
         if no_root {
             self.users.forbid_root();

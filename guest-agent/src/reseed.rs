@@ -241,6 +241,7 @@ mod tests {
             disk_bytes: 0,
             mounts: Vec::new(),
             no_root: false,
+            ..Default::default()
         }
     }
 

@@ -204,10 +204,10 @@ fn dispatch(agent: &Arc<Agent>, conn: &Arc<ConnWriter>, req: Request) -> Flow {
     let answer = match kind {
         request::Kind::Exec(mut e) => agent.users.resolve(&e.user).and_then(|account| {
             if e.cwd.is_empty()
-                && let Some(w) = agent.users.workdir.as_ref()
-                && std::path::Path::new(w).is_dir()
+                && let Some(w) = agent.users.workdir()
+                && std::path::Path::new(&w).is_dir()
             {
-                e.cwd = w.clone();
+                e.cwd = w;
             }
             let base_env = agent.base_env();
             exec::start(&agent.execs, &agent.spawner, base_env, account, conn, id, e).map(|()| None)

@@ -9,8 +9,8 @@
 //! nothing).
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
 
 use airlock_proto::pb::ErrorCode;
 
@@ -44,15 +44,21 @@ impl Account {
     }
 }
 
+/// The account of an empty `user` (none: the agent's own, no switch) — as in an image's `User`:
+/// a name or uid, optionally with `:GROUP` (a name or gid) as the primary group — and the
+/// working directory of executions that name none (an image's `WorkingDir`, where it is a
+/// directory; none: the account's home).
+#[derive(Debug, Default)]
+struct Defaults {
+    user: Option<String>,
+    workdir: Option<String>,
+}
+
 /// Where accounts come from, and which one an empty `user` means.
 #[derive(Debug, Clone)]
 pub struct Users {
-    /// The account of an empty `user`; none: the agent's own (no switch). As in an image's
-    /// `User`: a name or uid, optionally with `:GROUP` (a name or gid) as the primary group.
-    pub default: Option<String>,
-    /// The working directory of executions that name none (an image's `WorkingDir`), where it
-    /// is a directory; none: the account's home.
-    pub workdir: Option<String>,
+    /// The defaults, shared by clones (a Reseed may set them).
+    defaults: Arc<RwLock<Defaults>>,
     passwd: PathBuf,
     group: PathBuf,
     /// Root is out of reach (set once, never cleared).
@@ -67,8 +73,10 @@ impl Users {
 
     pub fn with_files(default: Option<String>, passwd: &Path, group: &Path) -> Self {
         Self {
-            default,
-            workdir: None,
+            defaults: Arc::new(RwLock::new(Defaults {
+                user: default,
+                workdir: None,
+            })),
             passwd: passwd.to_path_buf(),
             group: group.to_path_buf(),
             no_root: Arc::new(AtomicBool::new(false)),
@@ -76,9 +84,33 @@ impl Users {
     }
 
     /// The same, with `workdir` as the default working directory.
-    pub fn with_workdir(mut self, workdir: Option<String>) -> Self {
-        self.workdir = workdir;
+    pub fn with_workdir(self, workdir: Option<String>) -> Self {
+        self.set_defaults(None, workdir);
         self
+    }
+
+    /// Replaces the default account and working directory (each only where given): a
+    /// template's (its image's `User` and `WorkingDir`, a Dockerfile's `USER` and `WORKDIR`).
+    pub fn set_defaults(&self, user: Option<String>, workdir: Option<String>) {
+        let mut d = self.defaults.write().unwrap_or_else(|e| e.into_inner());
+        if user.is_some() {
+            d.user = user;
+        }
+        if workdir.is_some() {
+            d.workdir = workdir;
+        }
+    }
+
+    /// The working directory of executions that name none, if one is set.
+    pub fn workdir(&self) -> Option<String> {
+        let d = self.defaults.read().unwrap_or_else(|e| e.into_inner());
+        d.workdir.clone()
+    }
+
+    /// The account of an empty `user`, if one is set.
+    pub fn default_user(&self) -> Option<String> {
+        let d = self.defaults.read().unwrap_or_else(|e| e.into_inner());
+        d.user.clone()
     }
 
     /// Keeps root out of reach from now on: accounts with uid 0 (and the agent's own account,
@@ -96,7 +128,8 @@ impl Users {
     /// without a default).
     pub fn resolve(&self, user: &str) -> Result<Option<Account>, ReqError> {
         let no_root = self.root_forbidden();
-        let name = match (user, &self.default) {
+        let default = self.default_user();
+        let name = match (user, &default) {
             ("", None) if no_root => return Err(root_refused("the agent's own account")),
             ("", None) => return Ok(None),
             ("", Some(d)) => d.as_str(),
@@ -305,6 +338,17 @@ mod tests {
             own.resolve("").unwrap_err().code,
             ErrorCode::PermissionDenied
         );
+    }
+
+    #[test]
+    fn a_template_sets_the_defaults_for_every_clone_of_the_agent() {
+        let (_d, u) = users(Some("user"));
+        let shared = u.clone();
+        u.set_defaults(Some("root".into()), Some("/srv".into()));
+        assert_eq!(shared.resolve("").unwrap().unwrap().uid, 0, "clones share the defaults");
+        assert_eq!(shared.workdir().as_deref(), Some("/srv"));
+        u.set_defaults(None, None);
+        assert_eq!(u.default_user().as_deref(), Some("root"), "None leaves them as they are");
     }
 
     #[test]

@@ -127,6 +127,8 @@ pub fn clone_identity(sandbox_id: &str, disk_bytes: u64) -> Result<pb::Reseed, C
         disk_bytes,
         mounts: Vec::new(),
         no_root: false,
+        default_user: String::new(),
+        workdir: String::new(),
     })
 }
 
@@ -618,6 +620,8 @@ pub trait Requests {
             disk_bytes: 0,
             mounts: Vec::new(),
             no_root: false,
+            default_user: String::new(),
+            workdir: String::new(),
         })
     }
 
