@@ -155,6 +155,9 @@ pub enum TemplateCommand {
     /// Build a template: boot, warm up and snapshot a VM (progress on stderr); prints its name
     /// and id (--json: its record)
     Create(TemplateCreateArgs),
+    /// Build a template from a Dockerfile and a context directory (progress and RUN output on
+    /// stderr); prints its name
+    Build(Box<TemplateBuildArgs>),
     /// List the templates you can use: yours and the shared ones (--json: a list of records)
     Ls,
     /// Delete one of your templates (sandboxes made from it keep running)
@@ -200,6 +203,47 @@ pub struct TemplateCreateArgs {
     /// Snapshot as soon as the guest agent is ready, without a warm-up
     #[arg(long)]
     pub no_warmup: bool,
+}
+
+/// `template build`.
+#[derive(Debug, Args)]
+pub struct TemplateBuildArgs {
+    /// Name of the template: [a-z0-9][a-z0-9._-]{0,62}
+    pub name: String,
+    /// The build context: a directory whose files COPY and ADD name (at most 3 MiB)
+    #[arg(default_value = ".")]
+    pub context: std::path::PathBuf,
+    /// The Dockerfile [default: CONTEXT/Dockerfile]
+    #[arg(short = 'f', long = "file", value_name = "PATH")]
+    pub dockerfile: Option<std::path::PathBuf>,
+    /// A value for an ARG (repeatable)
+    #[arg(long = "build-arg", value_name = "K=V", value_parser = parse_kv)]
+    pub build_args: Vec<(String, String)>,
+    /// A command started before the snapshot and left running (a server)
+    #[arg(long, value_name = "SHELL COMMAND")]
+    pub start: Option<String>,
+    /// Wait before the snapshot until this command exits 0
+    #[arg(long, value_name = "SHELL COMMAND", conflicts_with = "ready_url")]
+    pub ready_command: Option<String>,
+    /// Wait before the snapshot until this URL answers 2xx inside the guest
+    #[arg(long, value_name = "URL")]
+    pub ready_url: Option<String>,
+    /// How long the ready check may take [default: 60]
+    #[arg(long, value_name = "SECS")]
+    pub ready_timeout: Option<u32>,
+    /// Run every step, using no cached one
+    #[arg(long)]
+    pub no_cache: bool,
+    /// The registry account for FROM's image (its password from $AIRLOCK_REGISTRY_PASSWORD)
+    #[arg(long, value_name = "USER")]
+    pub registry_user: Option<String>,
+    /// What RUN steps may reach over the network [default: nothing, deny-all]
+    #[command(flatten)]
+    pub network: NetworkArgs,
+    /// What RUN steps may install through the daemon's package proxy [default: what the
+    /// tenant's ceiling allows]
+    #[command(flatten)]
+    pub packages: PackageArgs,
 }
 
 /// `template rm`.

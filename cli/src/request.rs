@@ -5,15 +5,15 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use airlock_api::v1::{
-    Argv, Code, CreateSandboxRequest, CreateTemplateRequest, EgressRule, ExecRequest,
-    ExposePortRequest, FilePolicy, FileToPlace, ListSandboxesRequest, NetworkPolicy, OciImage,
-    PackagePolicy, SandboxState, Secret, SecretBroker, SecretEnv, SecretFile,
+    Argv, BuildTemplateRequest, Code, CreateSandboxRequest, CreateTemplateRequest, EgressRule,
+    ExecRequest, ExposePortRequest, FilePolicy, FileToPlace, ListSandboxesRequest, NetworkPolicy,
+    OciImage, PackagePolicy, SandboxState, Secret, SecretBroker, SecretEnv, SecretFile,
     SetNetworkPolicyRequest, VolumeAttachment, egress_rule, exec_request, secret,
 };
 
 use crate::args::{
     CreateArgs, ExecArgs, ExposeArgs, LsArgs, NetArgs, NetworkArgs, PackageArgs, StateArg,
-    TemplateCreateArgs,
+    TemplateBuildArgs, TemplateCreateArgs,
 };
 
 /// Reads a local file (`-`: our stdin, where a command allows it); the error names the file.
@@ -268,6 +268,104 @@ pub fn template_request(args: &TemplateCreateArgs, password: String) -> CreateTe
         warmup: args.warmup.clone().unwrap_or_default(),
         no_warmup: args.no_warmup,
     }
+}
+
+/// `BuildTemplateRequest` of `airlock template build`: the Dockerfile and the context
+/// directory as a tar (regular files and directories; other kinds are refused here, as the
+/// daemon would), `password` the registry's for `--registry-user`.
+pub fn build_request(
+    args: &TemplateBuildArgs,
+    password: String,
+) -> Result<BuildTemplateRequest, String> {
+    let dockerfile_path = args
+        .dockerfile
+        .clone()
+        .unwrap_or_else(|| args.context.join("Dockerfile"));
+    let dockerfile = std::fs::read_to_string(&dockerfile_path)
+        .map_err(|e| format!("{}: {e}", dockerfile_path.display()))?;
+    let context = context_tar(&args.context)?;
+    if context.len() > MAX_CONTEXT_BYTES {
+        return Err(format!(
+            "the build context {} is {} bytes as a tar, more than the {MAX_CONTEXT_BYTES} a \
+             build takes",
+            args.context.display(),
+            context.len()
+        ));
+    }
+    Ok(BuildTemplateRequest {
+        name: args.name.clone(),
+        dockerfile,
+        context,
+        build_args: map(&args.build_args),
+        network: network_policy(&args.network),
+        packages: package_policy(&args.packages),
+        registry_username: args.registry_user.clone().unwrap_or_default(),
+        registry_password: if args.registry_user.is_some() {
+            password
+        } else {
+            String::new()
+        },
+        start: args.start.clone().unwrap_or_default(),
+        ready_command: args.ready_command.clone().unwrap_or_default(),
+        ready_url: args.ready_url.clone().unwrap_or_default(),
+        ready_timeout_s: args.ready_timeout.unwrap_or(0),
+        no_cache: args.no_cache,
+    })
+}
+
+/// The largest build context the daemon takes.
+pub const MAX_CONTEXT_BYTES: usize = 3 << 20;
+
+/// `dir` as an uncompressed tar, names relative to it, sorted, owners and times zeroed.
+pub fn context_tar(dir: &Path) -> Result<Vec<u8>, String> {
+    fn walk(
+        dir: &Path,
+        rel: &Path,
+        out: &mut Vec<(std::path::PathBuf, bool)>,
+    ) -> Result<(), String> {
+        let mut entries: Vec<_> = std::fs::read_dir(dir.join(rel))
+            .map_err(|e| format!("{}: {e}", dir.join(rel).display()))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("{}: {e}", dir.display()))?;
+        entries.sort_by_key(|e| e.file_name());
+        for e in entries {
+            let r = rel.join(e.file_name());
+            let ty = e.file_type().map_err(|e| format!("{}: {e}", r.display()))?;
+            if ty.is_dir() {
+                out.push((r.clone(), true));
+                walk(dir, &r, out)?;
+            } else if ty.is_file() {
+                out.push((r, false));
+            } else {
+                return Err(format!(
+                    "{}: the build context holds regular files and directories only",
+                    dir.join(&r).display()
+                ));
+            }
+        }
+        Ok(())
+    }
+    let mut list = Vec::new();
+    walk(dir, Path::new(""), &mut list)?;
+    let mut b = tar::Builder::new(Vec::new());
+    for (rel, is_dir) in list {
+        let full = dir.join(&rel);
+        let meta = std::fs::metadata(&full).map_err(|e| format!("{}: {e}", full.display()))?;
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o7777);
+        h.set_mtime(0);
+        let data = if is_dir {
+            h.set_entry_type(tar::EntryType::Directory);
+            Vec::new()
+        } else {
+            std::fs::read(&full).map_err(|e| format!("{}: {e}", full.display()))?
+        };
+        h.set_size(data.len() as u64);
+        b.append_data(&mut h, &rel, data.as_slice())
+            .map_err(|e| format!("{}: {e}", full.display()))?;
+    }
+    b.into_inner()
+        .map_err(|e| format!("the build context's tar: {e}"))
 }
 
 /// `ListSandboxesRequest` of `airlock ls`.

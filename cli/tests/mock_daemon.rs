@@ -27,6 +27,7 @@ struct Seen {
     create: Option<CreateSandboxRequest>,
     exec: Option<ExecRequest>,
     template: Option<CreateTemplateRequest>,
+    build: Option<BuildTemplateRequest>,
     list: Option<ListSandboxesRequest>,
     files: HashMap<String, (u32, Vec<u8>)>,
     net: Option<SetNetworkPolicyRequest>,
@@ -162,6 +163,7 @@ fn install_event(
 #[tonic::async_trait]
 impl Airlock for Mock {
     type CreateTemplateStream = Events<TemplateEvent>;
+    type BuildTemplateStream = Events<TemplateEvent>;
     type StreamExecutionStream = Events<ExecutionEvent>;
     type ReadFileStream = Events<FileChunk>;
 
@@ -184,6 +186,25 @@ impl Airlock for Mock {
             template: Some(t),
         };
         Ok(Response::new(events(vec![booting, ready])))
+    }
+    async fn build_template(
+        &self,
+        r: Request<BuildTemplateRequest>,
+    ) -> Answer<Events<TemplateEvent>> {
+        let r = r.into_inner();
+        let t = template(&r.name);
+        self.0.lock().unwrap().build = Some(r);
+        let ev = |phase: &str, message: &str, template| TemplateEvent {
+            phase: phase.into(),
+            message: message.into(),
+            template,
+            ..Default::default()
+        };
+        Ok(Response::new(events(vec![
+            ev("step", "step 1/1, line 2: RUN make", None),
+            ev("output", "compiling\n", None),
+            ev("ready", "done", Some(t)),
+        ])))
     }
     async fn list_templates(
         &self,
@@ -979,6 +1000,53 @@ async fn template_create_shows_progress() {
     assert!(text(&p.stderr).contains("booting: cold boot"));
     let req = d.seen().template.clone().unwrap();
     assert!(req.no_warmup && req.vcpus == 2);
+}
+
+#[tokio::test]
+async fn template_build_sends_the_dockerfile_and_its_context() {
+    let d = Daemon::start();
+    let ctx = d.dir.join("ctx");
+    std::fs::create_dir_all(ctx.join("src")).unwrap();
+    std::fs::write(ctx.join("Dockerfile"), "FROM base\nRUN make\n").unwrap();
+    std::fs::write(ctx.join("src/main.c"), "int main;\n").unwrap();
+    let ctx_arg = ctx.display().to_string();
+    let p = d
+        .airlock(&[
+            "template",
+            "build",
+            "app",
+            &ctx_arg,
+            "--build-arg",
+            "V=1",
+            "--ready-url",
+            "http://localhost:8080/",
+            "--allow-domain",
+            "pypi.org",
+        ])
+        .await;
+    assert_eq!(p.status.code(), Some(0), "{}", text(&p.stderr));
+    assert_eq!(text(&p.stdout), "app (tpl-app)\n");
+    let err = text(&p.stderr);
+    assert!(
+        err.contains("step: step 1/1") && err.contains("compiling\n"),
+        "{err}"
+    );
+    let req = d.seen().build.clone().unwrap();
+    assert_eq!(req.dockerfile, "FROM base\nRUN make\n");
+    assert_eq!(req.build_args["V"], "1");
+    assert_eq!(req.ready_url, "http://localhost:8080/");
+    assert!(req.network.is_some());
+    let mut names = Vec::new();
+    let mut archive = tar::Archive::new(req.context.as_slice());
+    for e in archive.entries().unwrap() {
+        names.push(e.unwrap().path().unwrap().display().to_string());
+    }
+    assert_eq!(names, ["Dockerfile", "src", "src/main.c"]);
+    let p = d
+        .airlock(&["template", "build", "app", "/nonexistent"])
+        .await;
+    assert_eq!(p.status.code(), Some(1));
+    assert!(text(&p.stderr).contains("/nonexistent/Dockerfile"));
 }
 
 #[tokio::test]

@@ -263,19 +263,7 @@ impl Daemon {
         progress: Sender<TemplateEvent>,
     ) -> ApiResult<TemplateRt> {
         if let Some(oci) = &req.oci {
-            // An image pull is egress like a sandbox's: the registry must be within the
-            // tenant's ceiling.
-            let refused = |e: crate::templates::oci::pull::PullError| ApiError::ImageRefused {
-                image: oci.reference.clone(),
-                why: e.to_string(),
-            };
-            let rule = crate::templates::oci::pull::registry_rule(
-                &oci.reference,
-                &self.cfg.oci.insecure_registries,
-            )
-            .map_err(refused)?;
-            let policy = crate::net::policy_of(&rule)?;
-            self.sandboxes.egress.within_ceiling(tenant, &policy)?;
+            self.check_registry(tenant, &oci.reference)?;
         }
         let checked = self.builder.check(tenant, &req)?;
         // A build's VM counts against the host and the tenant like a sandbox while it runs.
@@ -283,6 +271,21 @@ impl Daemon {
         let t = self.builder.build(checked, progress).await?;
         self.pool.refill(&t);
         Ok(t)
+    }
+
+    /// An image pull is egress like a sandbox's: `reference`'s registry must be within the
+    /// tenant's ceiling.
+    pub fn check_registry(&self, tenant: &str, reference: &str) -> ApiResult<()> {
+        let rule = crate::templates::oci::pull::registry_rule(
+            reference,
+            &self.cfg.oci.insecure_registries,
+        )
+        .map_err(|e| ApiError::ImageRefused {
+            image: reference.to_owned(),
+            why: e.to_string(),
+        })?;
+        let policy = crate::net::policy_of(&rule)?;
+        self.sandboxes.egress.within_ceiling(tenant, &policy)
     }
 
     /// SnapshotSandbox; the new template's warm pool starts filling.

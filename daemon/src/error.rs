@@ -106,6 +106,13 @@ pub enum ApiError {
     /// credentials).
     #[error("{why}")]
     RegistryUnavailable { registry: String, why: String },
+    /// A Dockerfile build's step failed (its command exited non-zero, or could not start).
+    #[error("line {line}: {step}: {why}")]
+    BuildStepFailed {
+        line: usize,
+        step: String,
+        why: String,
+    },
     #[error("{0}")]
     Internal(String),
 }
@@ -142,6 +149,7 @@ impl ApiError {
             Self::ClusterUnavailable(_) => "CLUSTER_UNAVAILABLE",
             Self::ImageRefused { .. } => "IMAGE_REFUSED",
             Self::RegistryUnavailable { .. } => "REGISTRY_UNAVAILABLE",
+            Self::BuildStepFailed { .. } => "BUILD_STEP_FAILED",
             Self::Internal(_) => "INTERNAL",
         }
     }
@@ -158,7 +166,8 @@ impl ApiError {
             Self::TemplateExists(_) | Self::VolumeExists(_) => Code::AlreadyExists,
             Self::SandboxNotRunning { .. }
             | Self::VolumeInUse { .. }
-            | Self::SecretsPresent { .. } => Code::FailedPrecondition,
+            | Self::SecretsPresent { .. }
+            | Self::BuildStepFailed { .. } => Code::FailedPrecondition,
             Self::Capacity { .. }
             | Self::DataDirFull(_)
             | Self::Quota { .. }
@@ -198,6 +207,9 @@ impl ApiError {
             }
             Self::RegistryUnavailable { registry, .. } => {
                 m.insert("registry".into(), registry.clone());
+            }
+            Self::BuildStepFailed { line, .. } => {
+                m.insert("line".into(), line.to_string());
             }
             Self::TemplateNotFound(name) | Self::TemplateExists(name) => {
                 m.insert("template".into(), name.clone());

@@ -24,6 +24,7 @@ mod exec;
 mod files;
 mod host;
 mod ids;
+mod imagebuild;
 mod jail;
 mod janitor;
 mod limits;

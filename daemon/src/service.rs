@@ -187,6 +187,37 @@ impl Airlock for Service {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
+    type BuildTemplateStream = Stream<TemplateEvent>;
+
+    async fn build_template(
+        &self,
+        req: Request<BuildTemplateRequest>,
+    ) -> Result<Response<Self::BuildTemplateStream>, Status> {
+        let tenant = tenant(&req)?;
+        let req = req.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let (ptx, mut prx) = tokio::sync::mpsc::channel::<TemplateEvent>(16);
+        let d = self.daemon.clone();
+        let span =
+            tracing::info_span!("call", call = "BuildTemplate", tenant = %tenant, name = %req.name);
+        // The build goes on if the client leaves, as a template build does.
+        let build = tokio::spawn(
+            async move { crate::imagebuild::build(&d, &tenant, req, ptx).await }.instrument(span),
+        );
+        tokio::spawn(async move {
+            while let Some(ev) = prx.recv().await {
+                let _ = tx.send(Ok(ev)).await;
+            }
+            let end = match build.await {
+                Ok(Ok(_)) => return,
+                Ok(Err(e)) => e.into(),
+                Err(e) => Status::internal(format!("template build: {e}")),
+            };
+            let _ = tx.send(Err(end)).await;
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
     async fn list_templates(
         &self,
         req: Request<ListTemplatesRequest>,

@@ -4,14 +4,15 @@ use airlock_api::v1::{DeleteTemplateRequest, ListTemplatesRequest, Template};
 use serde_json::{Value, json};
 
 use super::{Ctx, fail};
-use crate::args::{TemplateCommand, TemplateCreateArgs};
+use crate::args::{TemplateBuildArgs, TemplateCommand, TemplateCreateArgs};
 use crate::output::{print_json, template_json, template_table};
-use crate::request::template_request;
+use crate::request::{build_request, template_request};
 
 /// Runs a `template` command.
 pub async fn run(ctx: &mut Ctx, command: TemplateCommand) -> Result<u8, String> {
     match command {
         TemplateCommand::Create(a) => create(ctx, &a).await,
+        TemplateCommand::Build(a) => build(ctx, &a).await,
         TemplateCommand::Ls => list(ctx).await,
         TemplateCommand::Rm(a) => remove(ctx, &a.name).await,
     }
@@ -49,6 +50,35 @@ async fn create(ctx: &mut Ctx, args: &TemplateCreateArgs) -> Result<u8, String> 
             ev.phase,
             ev.message
         );
+        if let Some(t) = ev.template {
+            print_template(ctx, &t);
+        }
+    }
+    Ok(0)
+}
+
+/// `template build`: steps and RUN output on stderr, the template on stdout.
+async fn build(ctx: &mut Ctx, args: &TemplateBuildArgs) -> Result<u8, String> {
+    let password = std::env::var("AIRLOCK_REGISTRY_PASSWORD").unwrap_or_default();
+    let req = build_request(args, password)?;
+    let mut stream = ctx
+        .client
+        .build_template(req)
+        .await
+        .map_err(fail)?
+        .into_inner();
+    while let Some(ev) = stream.message().await.map_err(fail)? {
+        if ev.phase == "output" {
+            // A RUN's output as it comes, unadorned.
+            eprint!("{}", ev.message);
+        } else {
+            eprintln!(
+                "[{:>6.1} s] {}: {}",
+                ev.elapsed_ms as f64 / 1000.0,
+                ev.phase,
+                ev.message
+            );
+        }
         if let Some(t) = ev.template {
             print_template(ctx, &t);
         }

@@ -353,6 +353,8 @@ impl Sandboxes {
                 })
                 .collect();
             identity.no_root = spec.no_root;
+            identity.default_user = spec.default_user.clone();
+            identity.workdir = spec.workdir.clone();
             let reseed = airlock_proto::pb::request::Kind::Reseed(identity);
             let (mut client, reseed_id) = airlock_proto::vsock::wait_ready_pipelined(
                 &vmm.vsock,

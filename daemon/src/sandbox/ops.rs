@@ -62,6 +62,18 @@ impl Sandboxes {
 
     /// SnapshotSandbox: a new template of `tenant` from a running or paused sandbox.
     pub async fn snapshot(&self, tenant: &str, id: &str, name: &str) -> ApiResult<TemplateRt> {
+        self.snapshot_with(tenant, id, name, None).await
+    }
+
+    /// [`snapshot`](Self::snapshot), recording `meta` (what it was made from and its defaults)
+    /// instead of its source template's: a Dockerfile build's result.
+    pub async fn snapshot_with(
+        &self,
+        tenant: &str,
+        id: &str,
+        name: &str,
+        meta: Option<(String, airlock_api::v1::ImageDefaults)>,
+    ) -> ApiResult<TemplateRt> {
         let rt = self
             .live(tenant, id)
             .ok_or_else(|| ApiError::SandboxNotFound(id.to_owned()))?;
@@ -155,9 +167,16 @@ impl Sandboxes {
             memory_file_bytes: disk_bytes(&dir.join("memory")),
             image: src.map(|t| t.image.clone()).unwrap_or_default(),
             volume_slots: src.map_or(0, |t| t.volume_slots),
-            // Its root filesystem and its agent's boot defaults are its source template's.
-            source: src.map(|t| t.source.clone()).unwrap_or_default(),
-            image_defaults: src.and_then(|t| t.image_defaults.clone()),
+            // Its root filesystem and its agent's boot defaults are its source template's,
+            // unless the caller says what it is (a build's).
+            source: match &meta {
+                Some((source, _)) => source.clone(),
+                None => src.map(|t| t.source.clone()).unwrap_or_default(),
+            },
+            image_defaults: match meta {
+                Some((_, defaults)) => Some(defaults),
+                None => src.and_then(|t| t.image_defaults.clone()),
+            },
         };
         self.templates.add(record, dir)
     }

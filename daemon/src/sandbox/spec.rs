@@ -31,6 +31,11 @@ pub struct SandboxSpec {
     pub packages: PackagePolicy,
     /// Root out of reach (executions and file calls as root refused, sudo gives nothing).
     pub no_root: bool,
+    /// The template's default account and working directory (its image's `User` and
+    /// `WorkingDir`, a Dockerfile's `USER` and `WORKDIR`), told to the agent at every restore;
+    /// empty: the agent's own.
+    pub default_user: String,
+    pub workdir: String,
 }
 
 impl SandboxSpec {
@@ -81,6 +86,7 @@ impl SandboxSpec {
         limits::check_labels(&req.labels)?;
         let network = req.network.clone().unwrap_or_default();
         let egress = crate::net::policy_of(&network)?;
+        let defaults = template.image_defaults.as_ref();
         Ok(Self {
             disk_mib,
             idle_ttl_s: or_default(req.idle_ttl_s, cfg.default_idle_ttl_s).min(cfg.max_idle_ttl_s),
@@ -95,6 +101,8 @@ impl SandboxSpec {
             volumes: req.volumes.clone(),
             packages: req.packages.clone().unwrap_or_default(),
             no_root: req.no_root,
+            default_user: defaults.map(|d| d.user.clone()).unwrap_or_default(),
+            workdir: defaults.map(|d| d.working_dir.clone()).unwrap_or_default(),
         })
     }
 

@@ -476,6 +476,16 @@ impl Builder {
 }
 
 impl Builder {
+    /// The manifest digest `oci` resolves to now (pulling and unpacking it as a build would,
+    /// or finding that done before), progress to `tx`.
+    pub async fn resolve(&self, oci: &OciImage, tx: Sender<TemplateEvent>) -> ApiResult<String> {
+        let progress = Progress {
+            tx,
+            started: Instant::now(),
+        };
+        Ok(self.import(oci, &progress).await?.manifest_digest)
+    }
+
     /// Pulls and unpacks `oci` into a root filesystem (or finds it made before).
     async fn import(&self, oci: &OciImage, progress: &Progress) -> ApiResult<super::oci::Imported> {
         let c = &self.cfg.oci;

@@ -3,6 +3,7 @@
 //! the operator made as the default tenant), and [`build`], which makes new ones.
 
 pub mod build;
+pub mod dockerfile;
 pub mod import;
 pub mod oci;
 

@@ -238,6 +238,85 @@ class Template:
         )
 
 
+#: The largest build context the daemon takes (an uncompressed tar).
+MAX_CONTEXT_BYTES = 3 << 20
+
+
+def context_tar(directory: Union[str, "os.PathLike[str]"]) -> bytes:
+    """``directory`` as an uncompressed tar (names relative to it, sorted; owners and times
+    zeroed): regular files and directories only."""
+    import io
+    import tarfile
+
+    root = os.fspath(directory)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            rel_dir = os.path.relpath(dirpath, root)
+            entries = [(d, True) for d in dirnames] + [(f, False) for f in sorted(filenames)]
+            for name, is_dir in sorted(entries):
+                full = os.path.join(dirpath, name)
+                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                if os.path.islink(full) or not (os.path.isdir(full) or os.path.isfile(full)):
+                    raise ValueError(f"{full}: the build context holds regular files and directories only")
+                info = tar.gettarinfo(full, arcname=rel)
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                info.mtime = 0
+                if is_dir:
+                    tar.addfile(info)
+                else:
+                    with open(full, "rb") as f:
+                        tar.addfile(info, f)
+    data = buf.getvalue()
+    if len(data) > MAX_CONTEXT_BYTES:
+        raise ValueError(f"the build context is {len(data)} bytes, more than {MAX_CONTEXT_BYTES}")
+    return data
+
+
+def build_request(
+    name: str,
+    dockerfile: str,
+    *,
+    context: Union[bytes, str, "os.PathLike[str]", None] = None,
+    build_args: Optional[Mapping[str, str]] = None,
+    network: "NetworkSpec" = None,
+    start: str = "",
+    ready_command: str = "",
+    ready_url: str = "",
+    ready_timeout: int = 0,
+    no_cache: bool = False,
+    registry_auth: Optional[Tuple[str, str]] = None,
+) -> "pb.BuildTemplateRequest":
+    """The BuildTemplate request of ``templates.build`` (sync and asyncio alike): ``context``
+    is a directory (sent as a tar) or the tar's bytes."""
+    if context is None:
+        ctx = b""
+    elif isinstance(context, bytes):
+        ctx = context
+    else:
+        ctx = context_tar(context)
+    user, password = registry_auth if registry_auth is not None else ("", "")
+    req = pb.BuildTemplateRequest(
+        name=name,
+        dockerfile=dockerfile,
+        context=ctx,
+        build_args=dict(build_args or {}),
+        start=start,
+        ready_command=ready_command,
+        ready_url=ready_url,
+        ready_timeout_s=ready_timeout,
+        no_cache=no_cache,
+        registry_username=user,
+        registry_password=password,
+    )
+    policy = network_policy(network)
+    if policy is not None:
+        req.network.CopyFrom(policy)
+    return req
+
+
 def template_request(
     name: str,
     *,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import time
 from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -201,6 +203,51 @@ class Templates:
             registry_auth=registry_auth,
         )
         for ev in self._c._server_stream("CreateTemplate", req):
+            if on_progress is not None:
+                on_progress(TemplateProgress(ev.phase, ev.elapsed_ms, ev.message))
+            if ev.HasField("template"):
+                return Template.from_pb(ev.template)
+        raise AirlockError("the template build ended without a template", "INTERNAL")
+
+    def build(
+        self,
+        name: str,
+        dockerfile: str,
+        *,
+        context: Union[bytes, str, "os.PathLike[str]", None] = None,
+        build_args: Optional[Mapping[str, str]] = None,
+        network: c.NetworkSpec = None,
+        start: str = "",
+        ready_command: str = "",
+        ready_url: str = "",
+        ready_timeout: int = 0,
+        no_cache: bool = False,
+        registry_auth: Optional[Tuple[str, str]] = None,
+        on_progress: Optional[Callable[[TemplateProgress], None]] = None,
+    ) -> Template:
+        """Builds a template from a Dockerfile (its text): FROM a template or an OCI image, each
+        RUN in a sandbox under ``network`` (deny-all by default) with its output to
+        ``on_progress`` (phase ``"output"``), COPY/ADD from ``context`` (a directory, sent as a
+        tar, or the tar's bytes; at most 3 MiB), ENV, ARG (``build_args``), WORKDIR, USER,
+        ENTRYPOINT, CMD; then ``start`` left running and the ready check (``ready_command`` or
+        ``ready_url``) before the snapshot. Steps are cached (templates ``cache-HEX``), so a
+        changed line re-runs from there on (``no_cache``: every step). Raises
+        :class:`~airlock.BuildStepFailed` naming a failed step's line, and
+        :class:`~airlock.InvalidArgument` for an unsupported instruction before anything runs."""
+        req = c.build_request(
+            name,
+            dockerfile,
+            context=context,
+            build_args=build_args,
+            network=network,
+            start=start,
+            ready_command=ready_command,
+            ready_url=ready_url,
+            ready_timeout=ready_timeout,
+            no_cache=no_cache,
+            registry_auth=registry_auth,
+        )
+        for ev in self._c._server_stream("BuildTemplate", req):
             if on_progress is not None:
                 on_progress(TemplateProgress(ev.phase, ev.elapsed_ms, ev.message))
             if ev.HasField("template"):

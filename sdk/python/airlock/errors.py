@@ -48,6 +48,7 @@ __all__ = [
     "RootNotAllowed",
     "ImageRefused",
     "RegistryUnavailable",
+    "BuildStepFailed",
     "SecretsPresent",
     "GuestPermissionDenied",
     "StartFailed",
@@ -255,6 +256,13 @@ class ImageRefused(InvalidArgument):
     reason_codes = ("IMAGE_REFUSED",)
 
 
+class BuildStepFailed(AirlockError):
+    """A Dockerfile build's step failed (``templates.build``): its command exited non-zero or
+    could not start. ``metadata["line"]`` is its line; the message has its last output."""
+
+    reason_codes = ("BUILD_STEP_FAILED",)
+
+
 class GuestPermissionDenied(AirlockError):
     """The guest account the call acted as (``user``) may not touch the path."""
 
@@ -356,6 +364,7 @@ _BY_REASON = {
         RootNotAllowed,
         ImageRefused,
         RegistryUnavailable,
+        BuildStepFailed,
         SecretsPresent,
         GuestPermissionDenied,
         StartFailed,

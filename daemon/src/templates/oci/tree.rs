@@ -147,9 +147,9 @@ impl<R: Read> Read for Capped<R> {
 type Entries = BTreeMap<Vec<u8>, Node>;
 
 /// A checked path: its components, none of them empty, `.` or `..`.
-type Components = Vec<Vec<u8>>;
+pub(crate) type Components = Vec<Vec<u8>>;
 
-fn split(raw: &[u8]) -> Result<Components, String> {
+pub(crate) fn split(raw: &[u8]) -> Result<Components, String> {
     if raw.is_empty() {
         return Err("an empty name".into());
     }
