@@ -489,6 +489,16 @@ def test_errors_a_client_can_tell_apart(daemon, client, tmp_path):
         client.templates.create("broken", oci_image="127.0.0.1:9/team/app:v1")
     with pytest.raises(ValueError):
         client.templates.create("broken", registry_auth=("u", "p"))
+    # Dockerfile builds: an unsupported instruction and a COPY source outside the context are
+    # refused before anything runs.
+    with pytest.raises(airlock.InvalidArgument) as e:
+        client.templates.build("broken", "FROM base\nEXPOSE 80\n")
+    assert "line 2: EXPOSE is not supported" in str(e.value)
+    (tmp_path / "ctx").mkdir()
+    (tmp_path / "ctx" / "here.txt").write_text("x")
+    with pytest.raises(airlock.InvalidArgument) as e:
+        client.templates.build("broken", "FROM base\nCOPY gone.txt /tmp/\n", context=tmp_path / "ctx")
+    assert "gone.txt is not in the build context" in str(e.value)
 
 
 def test_tenants_quota_and_capacity(daemon, client):
