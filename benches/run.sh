@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks. Usage: benches/run.sh boot|exec|restore|settle|net|create|jail|disk|cluster|soak|e2b|plot
+# Benchmarks. Usage: benches/run.sh boot|exec|restore|settle|net|create|jail|disk|cluster|image|soak|e2b|plot
 #   boot  time from process start to `airlock: userspace up`, airlock-vmm vs QEMU microvm
 #         (same kernel, image, vCPUs and memory, interleaved runs), and the VMM's resident
 #         memory outside guest RAM. RUNS (default 5), VCPUS (1), MEM_MIB (256).
@@ -50,6 +50,19 @@
 #         a), alternating, each over TCP with a tenant token; p50/p90/p99 of each, the ratios
 #         forwarded/local and the create's p50 difference. Needs etcd (scripts/install-deps.sh
 #         --tests).
+#   image  templates from OCI images: a local docker-registry (127.0.0.1, storage in a temporary
+#         directory) gets two images built by the bench without network (tests/images/layout.rs):
+#         IMAGE_MIB (default 200) MiB of host files (/usr/lib/x86_64-linux-gnu, /usr/share) in
+#         two gzip layers and one with busybox and /etc/passwd; and the same three layers under
+#         a small top layer. One airlockd (a tenant whose egress ceiling allows 127.0.0.1) then,
+#         RUNS (default 3) times, imports the first with its layer cache and root filesystems
+#         deleted (cold) and the second with the base layers cached (warm: the top layer fetched,
+#         its root filesystem made again): the time to "unpacking" (pull + unpack) and to
+#         "ready" (the whole build) of each; then create -> ready of sandboxes of the imported
+#         template and of `base`, alternating, CREATE_RUNS (10) each, and the ratio of their
+#         p50s (about 1: a restore does not depend on the image). One JSON line per measure,
+#         then the summary. Not measured (it does not exist yet): building from a Dockerfile.
+#         Needs docker-registry and skopeo (scripts/install-deps.sh --tests), busybox-static.
 #   e2b   the E2B gateway's cost: the same steps (create, a first command, 5 more, a 64 KiB
 #         file written and read, kill) through the unchanged `e2b` SDK and the gateway and
 #         through Airlock's Python SDK over gRPC, one live airlockd, alternating; RUNS (default
@@ -184,6 +197,22 @@ bench_cluster() {
     --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" --runs "${RUNS:-10}"
 }
 
+bench_image() {
+  local tool
+  for tool in /usr/bin/docker-registry skopeo /usr/bin/busybox; do
+    command -v "$tool" >/dev/null || {
+      echo "$tool is missing: scripts/install-deps.sh --tests" >&2
+      exit 1
+    }
+  done
+  artifacts
+  (cd "$root" && cargo build --release -q -p airlock-vmm -p airlockd -p airlock-bench >&2)
+  "$root/target/release/airlock-create-bench" --compare-image \
+    --daemon "$root/target/release/airlockd" --vmm "$root/target/release/airlock-vmm" \
+    --kernel "$AIRLOCK_KERNEL" --rootfs "$AIRLOCK_ROOTFS" --runs "${RUNS:-3}" \
+    --create-runs "${CREATE_RUNS:-10}" --image-mib "${IMAGE_MIB:-200}"
+}
+
 bench_soak() {
   artifacts
   local cycles=${CYCLES:-10000} log
@@ -238,10 +267,11 @@ main() {
     jail) bench_jail ;;
     disk) bench_disk ;;
     cluster) bench_cluster ;;
+    image) bench_image ;;
     soak) bench_soak ;;
     e2b) bench_e2b ;;
     *)
-      sed -n '2,62p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,75p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac

@@ -6,6 +6,11 @@
 //!        [--runs N] [--levels 1,10,50] [--idle N] [--compare-jail]
 //!        [--exec-runs N] [--exec-mib M] [--compare-disk [--dd-runs N] [--dd-mib M]]
 //!        [--compare-cluster --etcd PATH]
+//!        [--compare-image [--create-runs N] [--image-mib M]]
+//!
+//! `--compare-image`: templates from OCI images, cold and warm imports from a local registry
+//! and create → ready of sandboxes of an imported template against `base` (see
+//! `image_bench.rs`).
 //!
 //! `--compare-cluster`: cluster mode's routing hop, create → ready through the node that runs
 //! the sandbox and through another that forwards it (see `cluster_bench.rs`).
@@ -61,6 +66,11 @@ struct Args {
     /// (cluster_bench.rs), with the etcd binary `etcd`.
     compare_cluster: bool,
     etcd: PathBuf,
+    /// Instead of the levels: OCI image imports and their templates' creates (image_bench.rs),
+    /// `runs` imports, `create_runs` creates of each template, an image of `image_mib` MiB.
+    compare_image: bool,
+    create_runs: usize,
+    image_mib: usize,
     dd_runs: usize,
     dd_mib: usize,
     /// Executions, file reads and stdout through the daemon (0: none).
@@ -86,6 +96,9 @@ fn parse_args() -> Result<Args, String> {
         compare_disk: false,
         compare_cluster: false,
         etcd: PathBuf::new(),
+        compare_image: false,
+        create_runs: 10,
+        image_mib: 200,
         dd_runs: 3,
         dd_mib: 16,
         exec_runs: 10,
@@ -108,6 +121,10 @@ fn parse_args() -> Result<Args, String> {
         }
         if flag == "--compare-cluster" {
             a.compare_cluster = true;
+            continue;
+        }
+        if flag == "--compare-image" {
+            a.compare_image = true;
             continue;
         }
         if flag == "--net-run" {
@@ -135,6 +152,8 @@ fn parse_args() -> Result<Args, String> {
             "--dd-mib" => a.dd_mib = n(v)?,
             "--exec-runs" => a.exec_runs = n(v)?,
             "--exec-mib" => a.exec_mib = n(v)?,
+            "--create-runs" => a.create_runs = n(v)?,
+            "--image-mib" => a.image_mib = n(v)?,
             "--levels" => a.levels = v.split(',').map(n).collect::<Result<_, _>>()?,
             "--config-extra" => a.config_extra = v.clone(),
             "--allow-domain" => a.allow_domains.push(v.clone()),
@@ -271,14 +290,19 @@ struct Created {
     sandbox: Sandbox,
 }
 
-async fn create_batch(c: &Client, n: usize) -> (Vec<Created>, usize, f64) {
+/// `n` concurrent creates of sandboxes of `template` (empty: `base`).
+async fn create_batch(c: &Client, n: usize, template: &str) -> (Vec<Created>, usize, f64) {
     let t = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..n {
         let mut c = c.clone();
+        let req = CreateSandboxRequest {
+            template: template.to_owned(),
+            ..Default::default()
+        };
         tasks.push(tokio::spawn(async move {
             let t = Instant::now();
-            let r = c.create_sandbox(CreateSandboxRequest::default()).await;
+            let r = c.create_sandbox(req).await;
             (t.elapsed().as_secs_f64() * 1000.0, r)
         }));
     }
@@ -428,7 +452,7 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
         for b in 0..batches {
             wait_pool(&daemon, level).await?;
             tokio::time::sleep(Duration::from_millis(500)).await;
-            let (ok, failed, secs) = create_batch(&c, level).await;
+            let (ok, failed, secs) = create_batch(&c, level, "").await;
             failures += failed;
             log(&format!(
                 "c{level} batch {}/{batches}: {} ok, {failed} failed in {secs:.2} s",
@@ -479,7 +503,7 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
     while idle.len() < a.idle {
         let wave = (a.idle - idle.len()).min(max_level);
         wait_pool(&daemon, wave).await?;
-        let (ok, failed, _) = create_batch(&c, wave).await;
+        let (ok, failed, _) = create_batch(&c, wave, "").await;
         idle_failures += failed;
         idle.extend(ok.into_iter().map(|x| x.sandbox));
         log(&format!("idle sandboxes: {}", idle.len()));
@@ -540,6 +564,18 @@ async fn alternate(
     sides: &[(&str, &(Daemon, Client)); 2],
     out: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<[serde_json::Value; 2], String> {
+    alternate_templates(runs, sides, ["", ""], out).await
+}
+
+/// [`alternate`] with each side's sandboxes of its template in `templates` (empty: `base`).
+/// Both sides may be the same daemon with one template each and a pool size of 1: each create
+/// then waits until both templates' pools are full.
+async fn alternate_templates(
+    runs: usize,
+    sides: &[(&str, &(Daemon, Client)); 2],
+    templates: [&str; 2],
+    out: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<[serde_json::Value; 2], String> {
     let mut samples: [Vec<Sandbox>; 2] = [Vec::new(), Vec::new()];
     let mut walls: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
     let mut failures = [0usize; 2];
@@ -549,7 +585,7 @@ async fn alternate(
             let (_, (daemon, c)) = sides[i];
             wait_pool(daemon, 2).await?;
             tokio::time::sleep(Duration::from_millis(300)).await;
-            let (ok, failed, _) = create_batch(c, 1).await;
+            let (ok, failed, _) = create_batch(c, 1, templates[i]).await;
             failures[i] += failed;
             for x in ok {
                 walls[i].push(x.wall_ms);
@@ -632,6 +668,7 @@ async fn compare_jail(a: Args) -> Result<serde_json::Value, String> {
 mod cluster_bench;
 mod daemon_exec;
 mod disk_bench;
+mod image_bench;
 mod net_run;
 
 fn main() -> ExitCode {
@@ -667,6 +704,8 @@ fn main() -> ExitCode {
         rt.block_on(disk_bench::compare_disk(args))
     } else if args.compare_cluster {
         rt.block_on(cluster_bench::compare_cluster(args))
+    } else if args.compare_image {
+        rt.block_on(image_bench::compare_image(args))
     } else {
         rt.block_on(bench(args))
     };
