@@ -60,9 +60,12 @@
 #         its root filesystem made again): the time to "unpacking" (pull + unpack) and to
 #         "ready" (the whole build) of each; then create -> ready of sandboxes of the imported
 #         template and of `base`, alternating, CREATE_RUNS (10) each, and the ratio of their
-#         p50s (about 1: a restore does not depend on the image). One JSON line per measure,
-#         then the summary. Not measured (it does not exist yet): building from a Dockerfile.
-#         Needs docker-registry and skopeo (scripts/install-deps.sh --tests), busybox-static.
+#         p50s (about 1: a restore does not depend on the image). And RUNS times a Dockerfile
+#         build (BuildTemplate, FROM base, a COPY and three cheap RUNs, the step cache empty)
+#         and a rebuild with only the last line changed: the time to "ready" of each and the
+#         steps the rebuild took from the cache (3 of 4). One JSON line per measure, then the
+#         summary. Needs docker-registry and skopeo (scripts/install-deps.sh --tests),
+#         busybox-static.
 #   e2b   the E2B gateway's cost: the same steps (create, a first command, 5 more, a 64 KiB
 #         file written and read, kill) through the unchanged `e2b` SDK and the gateway and
 #         through Airlock's Python SDK over gRPC, one live airlockd, alternating; RUNS (default

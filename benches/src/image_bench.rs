@@ -18,6 +18,13 @@
 //! time, each template's warm pool (1) full. Restore does not depend on the image, so the
 //! ratio imported / base of the p50s should be about 1.
 //!
+//! Before those creates, `runs` times, a Dockerfile build (BuildTemplate): `FROM base` and
+//! four cheap steps (a COPY of `app.py` from a small context, three RUNs of `echo`/`mkdir`; an
+//! `ARG` right before the last RUN), its step cache (`cache-HEX` templates) empty; then the
+//! same Dockerfile with only the last line changed. The client time to "ready" of each, and
+//! how many steps the rebuild took from the cache (all but the last: 3). The run's templates
+//! and the cache templates it made are deleted after it.
+//!
 //! Prints one JSON line per measure (`{"bench":"image","measure":NAME,...percentiles}`) and
 //! returns the summary (the last line).
 
@@ -248,6 +255,76 @@ async fn delete_template(c: &Client, name: &str) -> Result<(), String> {
         .map_err(|e| format!("delete template {name}: {}", e.message()))
 }
 
+/// The Dockerfile of the build measure; `last` is what its last RUN echoes.
+fn dockerfile(last: &str) -> String {
+    format!(
+        "FROM base\n\
+         COPY app.py /home/user/app/\n\
+         RUN echo one > /tmp/one\n\
+         RUN mkdir -p /opt/x && echo two > /opt/x/two\n\
+         ARG V=1\n\
+         RUN echo \"$V {last}\" > /tmp/last\n"
+    )
+}
+
+/// One build's client time to "ready" (ms) and the steps it took from the cache.
+struct Built {
+    ready_ms: f64,
+    cached: usize,
+}
+
+/// BuildTemplate `name` from `dockerfile` and the context tar `context`, through to "ready".
+async fn build(c: &Client, name: &str, dockerfile: &str, context: &[u8]) -> Result<Built, String> {
+    let t = Instant::now();
+    let mut events = c
+        .clone()
+        .build_template(BuildTemplateRequest {
+            name: name.into(),
+            dockerfile: dockerfile.into(),
+            context: context.to_vec(),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| format!("build {name}: {}", e.message()))?
+        .into_inner();
+    let (mut ready_ms, mut cached) = (None, 0);
+    while let Some(ev) = events
+        .message()
+        .await
+        .map_err(|e| format!("build {name}: {}", e.message()))?
+    {
+        let ms = t.elapsed().as_secs_f64() * 1000.0;
+        if ev.phase == "step" {
+            // "line L: TEXT (cached)" for a step from the cache (not "FROM ...: ... (cached)").
+            if ev.message.starts_with("line ") && ev.message.ends_with("(cached)") {
+                cached += 1;
+            }
+            log(&format!("{name}: {} after {ms:.0} ms", ev.message));
+        }
+        if ev.template.is_some() {
+            ready_ms = Some(ms);
+        }
+    }
+    let ready_ms = ready_ms.ok_or_else(|| format!("build {name}: no ready event"))?;
+    Ok(Built { ready_ms, cached })
+}
+
+/// The names of the caller's step cache templates (`cache-HEX`).
+async fn cache_templates(c: &Client) -> Result<Vec<String>, String> {
+    let list = c
+        .clone()
+        .list_templates(ListTemplatesRequest {})
+        .await
+        .map_err(|e| format!("list templates: {}", e.message()))?
+        .into_inner();
+    Ok(list
+        .templates
+        .into_iter()
+        .map(|t| t.name)
+        .filter(|n| n.starts_with("cache-"))
+        .collect())
+}
+
 /// Removes `path` (a file or a directory), if there.
 fn remove(path: &std::path::Path) -> Result<(), String> {
     let r = if path.is_dir() {
@@ -340,6 +417,41 @@ pub async fn compare_image(a: Args) -> Result<serde_json::Value, String> {
         ));
     }
 
+    // Dockerfile builds: a full one (no cached step), then only the last line changed.
+    let ctx_dir = dir.join("context");
+    std::fs::create_dir_all(&ctx_dir).map_err(|e| e.to_string())?;
+    std::fs::write(ctx_dir.join("app.py"), "print('hello from the bench')\n")
+        .map_err(|e| e.to_string())?;
+    let context = {
+        let mut b = tar::Builder::new(Vec::new());
+        b.append_dir_all(".", &ctx_dir)
+            .and_then(|()| b.into_inner())
+            .map_err(|e| format!("context tar: {e}"))?
+    };
+    let (mut build_ready, mut rebuild_ready, mut rebuild_cached) =
+        (Vec::new(), Vec::new(), Vec::new());
+    for run in 0..a.runs {
+        let before = cache_templates(&c).await?;
+        let (full, changed) = (format!("built-{run}"), format!("rebuilt-{run}"));
+        let x = build(&c, &full, &dockerfile("first"), &context).await?;
+        if x.cached > 0 {
+            log(&format!("{full}: {} steps from the cache", x.cached));
+        }
+        build_ready.push(x.ready_ms);
+        let x = build(&c, &changed, &dockerfile("changed"), &context).await?;
+        rebuild_ready.push(x.ready_ms);
+        rebuild_cached.push(x.cached as f64);
+        for name in [&full, &changed] {
+            delete_template(&c, name).await?;
+        }
+        for name in cache_templates(&c).await? {
+            if !before.contains(&name) {
+                delete_template(&c, &name).await?;
+            }
+        }
+        log(&format!("build run {}/{}", run + 1, a.runs));
+    }
+
     let mut out = serde_json::Map::new();
     out.insert("bench".into(), "image".into());
     out.insert("runs".into(), a.runs.into());
@@ -356,6 +468,7 @@ pub async fn compare_image(a: Args) -> Result<serde_json::Value, String> {
         serde_json::json!(images.top_bytes >> 10),
     );
     out.insert("reused_rootfs".into(), reused.into());
+    out.insert("dockerfile_steps".into(), 4.into());
     for (name, v) in [
         ("cold_unpack_ms", &cold_unpack),
         ("cold_ready_ms", &cold_ready),
@@ -363,6 +476,9 @@ pub async fn compare_image(a: Args) -> Result<serde_json::Value, String> {
         ("warm_unpack_ms", &warm_unpack),
         ("warm_ready_ms", &warm_ready),
         ("warm_fetched_kib", &warm_kib),
+        ("dockerfile_build_ms", &build_ready),
+        ("dockerfile_rebuild_ms", &rebuild_ready),
+        ("dockerfile_rebuild_cached_steps", &rebuild_cached),
     ] {
         out.insert(format!("{name}_p50"), measure(name, summary(v)));
     }

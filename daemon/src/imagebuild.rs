@@ -164,6 +164,8 @@ fn step_key(parent: &str, text: &str, step: &Step, ctx: &Context) -> String {
 struct Build<'a> {
     d: &'a Arc<Daemon>,
     tenant: &'a str,
+    /// Who the build's templates belong to (see [`build`]).
+    owner: String,
     tx: Sender<TemplateEvent>,
     started: Instant,
 }
@@ -212,7 +214,9 @@ impl Build<'_> {
         let digest = self.d.builder.resolve(&oci, self.forwarded()).await?;
         let key = hex(&Sha256::digest(format!("oci:{digest}")));
         let name = cache_name(&key);
-        if let Ok(t) = self.d.templates.find(self.tenant, &name) {
+        if let Ok(t) = self.d.templates.find(self.tenant, &name)
+            && t.record.tenant == self.owner
+        {
             self.send("step", format!("FROM {reference}: {name} (cached)"))
                 .await;
             return Ok((name, key, t.record.image_defaults.clone()));
@@ -411,7 +415,10 @@ pub async fn build(
     req: BuildTemplateRequest,
     tx: Sender<TemplateEvent>,
 ) -> ApiResult<TemplateRt> {
-    d.templates.check_new(tenant, &req.name)?;
+    // The owner the build's templates get ("" for an operator's, which are shared): only
+    // caches of that same owner are used, never another tenant's (or a shared one, for a
+    // tenant).
+    let owner = d.templates.check_new(tenant, &req.name)?;
     let file = dockerfile::parse(&req.dockerfile, &req.build_args)
         .map_err(|e| ApiError::InvalidArgument(format!("Dockerfile: {e}")))?;
     let ctx = Context::read(&req.context)?;
@@ -429,6 +436,7 @@ pub async fn build(
     let b = Build {
         d,
         tenant,
+        owner: owner.clone(),
         tx,
         started: Instant::now(),
     };
@@ -444,7 +452,7 @@ pub async fn build(
     if !req.no_cache {
         for (i, k) in keys.iter().enumerate().rev() {
             let name = cache_name(k);
-            if d.templates.find(tenant, &name).is_ok() {
+            if d.templates.find(tenant, &name).is_ok_and(|t| t.record.tenant == owner) {
                 first = i + 1;
                 start = name;
                 break;
