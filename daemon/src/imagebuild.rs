@@ -601,8 +601,9 @@ async fn run(
         Some(req.ready_command.clone())
     } else if !req.ready_url.is_empty() {
         let url = req.ready_url.replace('\'', "'\\''");
+        // wget first: it starts in a fraction of curl's time in an emulated guest kernel.
         Some(format!(
-            "curl -fsS -o /dev/null '{url}' 2>/dev/null || wget -q -O /dev/null '{url}'"
+            "wget -q -O /dev/null '{url}' 2>/dev/null || curl -fsS -o /dev/null '{url}'"
         ))
     } else {
         None
