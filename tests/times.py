@@ -134,7 +134,7 @@ DEFAULT_SECONDS = {
     "tests/npm.rs": 700, "pytest:sdk/python/tests": 620, "tests/disk.rs": 400,
     "tests/agent.rs": 400, "tests/e2b.rs": 300, "tests/egress.rs": 300, "tests/daemon.rs": 300,
     "tests/snapshot.rs": 280, "tests/packages.rs": 260, "tests/jail.rs": 230, "tests/net.rs": 200,
-    "tests/broker.rs": 135, "tests/cluster.rs": 110, "tests/restart.rs": 110, "tests/tools.rs": 180, "tests/images.rs": 90,
+    "tests/broker.rs": 135, "tests/cluster.rs": 110, "tests/restart.rs": 110, "tests/tools.rs": 180, "tests/images.rs": 100, "tests/builds.rs": 320,
     "tests/faults.rs": 100, "tests/boot.rs": 90, "tests/secrets.rs": 70, "tests/exposure.rs": 4,
 }
 

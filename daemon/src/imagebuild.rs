@@ -452,7 +452,10 @@ pub async fn build(
     if !req.no_cache {
         for (i, k) in keys.iter().enumerate().rev() {
             let name = cache_name(k);
-            if d.templates.find(tenant, &name).is_ok_and(|t| t.record.tenant == owner) {
+            if d.templates
+                .find(tenant, &name)
+                .is_ok_and(|t| t.record.tenant == owner)
+            {
                 first = i + 1;
                 start = name;
                 break;

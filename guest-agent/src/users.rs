@@ -345,10 +345,18 @@ mod tests {
         let (_d, u) = users(Some("user"));
         let shared = u.clone();
         u.set_defaults(Some("root".into()), Some("/srv".into()));
-        assert_eq!(shared.resolve("").unwrap().unwrap().uid, 0, "clones share the defaults");
+        assert_eq!(
+            shared.resolve("").unwrap().unwrap().uid,
+            0,
+            "clones share the defaults"
+        );
         assert_eq!(shared.workdir().as_deref(), Some("/srv"));
         u.set_defaults(None, None);
-        assert_eq!(u.default_user().as_deref(), Some("root"), "None leaves them as they are");
+        assert_eq!(
+            u.default_user().as_deref(),
+            Some("root"),
+            "None leaves them as they are"
+        );
     }
 
     #[test]
