@@ -400,7 +400,7 @@ async fn hostile_and_broken_images_are_refused_before_anything_boots() {
     .await;
 
     // A registry that sends a 5 MiB manifest, and one that never answers.
-    let fake = FakeRegistry::start();
+    let fake = FakeRegistry::start("plain");
     refused(
         s,
         Some(TOKEN),
@@ -422,6 +422,25 @@ async fn hostile_and_broken_images_are_refused_before_anything_boots() {
         t0.elapsed() < std::time::Duration::from_secs(60),
         "read_timeout_s ends the wait"
     );
+    // A registry within the ceiling cannot send the daemon elsewhere: not by a redirect, not
+    // by its token realm (127.0.0.2 is outside the tenant's ceiling, 127.0.0.1/32).
+    refused(
+        s,
+        Some(TOKEN),
+        oci(&format!("127.0.0.1:{}/redirect/app:v1", fake.port), None),
+        "REGISTRY_UNAVAILABLE",
+        &["127.0.0.2:9/elsewhere", "refused"],
+    )
+    .await;
+    let realm = FakeRegistry::start("realm");
+    refused(
+        s,
+        Some(TOKEN),
+        oci(&format!("127.0.0.1:{}/app:v1", realm.port), None),
+        "REGISTRY_UNAVAILABLE",
+        &["token realm http://127.0.0.2:9/token is refused"],
+    )
+    .await;
     let mut c = s.client(Some(TOKEN)).await;
     let left = c
         .list_templates(airlock_api::v1::ListTemplatesRequest {})
@@ -446,8 +465,15 @@ const FAKE_REGISTRY: &str = r#"
 import http.server, sys, time
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.path == '/v2/' and sys.argv[2] == 'realm':
+            self.send_response(401)
+            self.send_header('WWW-Authenticate', 'Bearer realm="http://127.0.0.2:9/token",service="x"')
+            self.send_header('Content-Length', '0'); self.end_headers(); return
         if self.path == '/v2/':
             self.send_response(200); self.send_header('Content-Length', '0'); self.end_headers(); return
+        if '/redirect/' in self.path:
+            self.send_response(307); self.send_header('Location', 'http://127.0.0.2:9/elsewhere')
+            self.send_header('Content-Length', '0'); self.end_headers(); return
         if '/slow/' in self.path:
             time.sleep(3600); return
         body = b'{"schemaVersion": 2, "pad": "' + b'x' * (5 << 20) + b'"}'
@@ -461,13 +487,14 @@ http.server.ThreadingHTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_foreve
 "#;
 
 impl FakeRegistry {
-    fn start() -> Self {
+    /// `mode`: "plain", or "realm" (its `/v2/` asks for a token from a realm on 127.0.0.2).
+    fn start(mode: &str) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .unwrap()
             .port();
         let child = std::process::Command::new("python3")
-            .args(["-c", FAKE_REGISTRY, &port.to_string()])
+            .args(["-c", FAKE_REGISTRY, &port.to_string(), mode])
             .spawn()
             .unwrap();
         for _ in 0..200 {

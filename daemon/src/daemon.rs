@@ -265,7 +265,8 @@ impl Daemon {
         if let Some(oci) = &req.oci {
             self.check_registry(tenant, &oci.reference)?;
         }
-        let checked = self.builder.check(tenant, &req)?;
+        let mut checked = self.builder.check(tenant, &req)?;
+        checked.check_host = Some(self.host_check(tenant));
         // A build's VM counts against the host and the tenant like a sandbox while it runs.
         let _admitted = self.sandboxes.admit_build(tenant, checked.memory_mib())?;
         let t = self.builder.build(checked, progress).await?;
@@ -286,6 +287,19 @@ impl Daemon {
         })?;
         let policy = crate::net::policy_of(&rule)?;
         self.sandboxes.egress.within_ceiling(tenant, &policy)
+    }
+
+    /// The check of every other host an image pull of `tenant`'s is sent to (a redirect's, the
+    /// token realm's): within the tenant's egress ceiling, as the registry's own host.
+    pub fn host_check(&self, tenant: &str) -> crate::templates::oci::pull::HostCheck {
+        let (egress, tenant) = (self.sandboxes.egress.clone(), tenant.to_owned());
+        Arc::new(move |host: &str, port: u16| {
+            let rule = crate::templates::oci::pull::host_rule(host, port);
+            let policy = crate::net::policy_of(&rule).map_err(|e| e.to_string())?;
+            egress
+                .within_ceiling(&tenant, &policy)
+                .map_err(|e| e.to_string())
+        })
     }
 
     /// SnapshotSandbox; the new template's warm pool starts filling.

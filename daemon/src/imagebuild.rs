@@ -211,7 +211,11 @@ impl Build<'_> {
             password: req.registry_password.clone(),
         };
         self.d.check_registry(self.tenant, reference)?;
-        let digest = self.d.builder.resolve(&oci, self.forwarded()).await?;
+        let digest = self
+            .d
+            .builder
+            .resolve(&oci, self.forwarded(), self.d.host_check(self.tenant))
+            .await?;
         let key = hex(&Sha256::digest(format!("oci:{digest}")));
         let name = cache_name(&key);
         if let Ok(t) = self.d.templates.find(self.tenant, &name)

@@ -43,11 +43,22 @@ struct BuildSpec {
 }
 
 /// A CreateTemplate request that passed its checks.
-#[derive(Debug)]
 pub struct Checked {
     name: String,
     owner: String,
     spec: BuildSpec,
+    /// What an image pull may connect to besides its registry (the tenant's ceiling); none:
+    /// anything.
+    pub check_host: Option<super::oci::pull::HostCheck>,
+}
+
+impl std::fmt::Debug for Checked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checked")
+            .field("name", &self.name)
+            .field("owner", &self.owner)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Checked {
@@ -113,6 +124,7 @@ impl Builder {
             name: req.name.clone(),
             owner,
             spec,
+            check_host: None,
         })
     }
 
@@ -127,6 +139,7 @@ impl Builder {
             name,
             owner,
             mut spec,
+            check_host,
         } = checked;
         let id = ids::new_id(ids::TEMPLATE)?;
         let dir = self.templates.dir_of(&id);
@@ -137,7 +150,7 @@ impl Builder {
         let mut source = String::new();
         let mut image_defaults = None;
         if let Some(oci) = spec.oci.take() {
-            let imported = self.import(&oci, &progress).await?;
+            let imported = self.import(&oci, &progress, check_host).await?;
             spec.rootfs = imported.rootfs.clone();
             spec.cmdline_extra = boot_args(&oci.reference, &imported.defaults)?;
             if !spec.explicit_warmup {
@@ -478,16 +491,29 @@ impl Builder {
 impl Builder {
     /// The manifest digest `oci` resolves to now (pulling and unpacking it as a build would,
     /// or finding that done before), progress to `tx`.
-    pub async fn resolve(&self, oci: &OciImage, tx: Sender<TemplateEvent>) -> ApiResult<String> {
+    pub async fn resolve(
+        &self,
+        oci: &OciImage,
+        tx: Sender<TemplateEvent>,
+        check_host: super::oci::pull::HostCheck,
+    ) -> ApiResult<String> {
         let progress = Progress {
             tx,
             started: Instant::now(),
         };
-        Ok(self.import(oci, &progress).await?.manifest_digest)
+        Ok(self
+            .import(oci, &progress, Some(check_host))
+            .await?
+            .manifest_digest)
     }
 
     /// Pulls and unpacks `oci` into a root filesystem (or finds it made before).
-    async fn import(&self, oci: &OciImage, progress: &Progress) -> ApiResult<super::oci::Imported> {
+    async fn import(
+        &self,
+        oci: &OciImage,
+        progress: &Progress,
+        check_host: Option<super::oci::pull::HostCheck>,
+    ) -> ApiResult<super::oci::Imported> {
         let c = &self.cfg.oci;
         progress
             .send("pulling", format!("pulling {}", oci.reference), None)
@@ -510,6 +536,7 @@ impl Builder {
             max_layer_bytes: c.max_layer_mib << 20,
             max_image_bytes: c.max_image_mib << 20,
             read_timeout: Duration::from_secs(c.read_timeout_s.max(1)),
+            check_host: check_host.unwrap_or_else(|| Arc::new(|_: &str, _: u16| Ok(()))),
         };
         let disk_mib = u64::from(self.cfg.max_disk_mib);
         let imported = tokio::time::timeout(

@@ -12,6 +12,7 @@
 //! what differs.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -72,8 +73,12 @@ pub struct Pulled {
     pub fetched_bytes: u64,
 }
 
+/// Whether the daemon may connect to `host` port `port` for this pull (the tenant's egress
+/// ceiling): `Err` says why not.
+pub type HostCheck = Arc<dyn Fn(&str, u16) -> Result<(), String> + Send + Sync>;
+
 /// Where and how to pull.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct PullSpec {
     pub reference: String,
     pub username: String,
@@ -86,6 +91,24 @@ pub struct PullSpec {
     pub max_image_bytes: u64,
     /// Per-request inactivity limit.
     pub read_timeout: Duration,
+    /// Every host the pull is sent to besides the registry itself (a redirect's, the token
+    /// realm's) must pass this.
+    pub check_host: HostCheck,
+}
+
+impl std::fmt::Debug for PullSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // No credentials in any log line.
+        f.debug_struct("PullSpec")
+            .field("reference", &self.reference)
+            .field("username", &self.username)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `url`'s host and port (its scheme's default where it names none).
+fn host_port(url: &reqwest::Url) -> Option<(String, u16)> {
+    Some((url.host_str()?.to_owned(), url.port_or_known_default()?))
 }
 
 /// Why a pull failed.
@@ -127,7 +150,6 @@ pub fn registry_rule(
     reference: &str,
     insecure: &[String],
 ) -> Result<airlock_api::v1::NetworkPolicy, PullError> {
-    use airlock_api::v1::{EgressRule, NetworkPolicy, egress_rule::Target};
     let r = parse(reference)?;
     let registry = r.resolve_registry();
     let plain = plain_http(insecure, registry);
@@ -139,18 +161,45 @@ pub fn registry_rule(
         ),
         _ => (registry, if plain { 80 } else { 443 }),
     };
-    let target = match host.parse::<std::net::IpAddr>() {
+    Ok(host_rule(host, port))
+}
+
+/// The egress rule of one connection to `host` (a domain, or an address as a /32 or /128)
+/// port `port`.
+pub fn host_rule(host: &str, port: u16) -> airlock_api::v1::NetworkPolicy {
+    use airlock_api::v1::{EgressRule, NetworkPolicy, egress_rule::Target};
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let target = match bare.parse::<std::net::IpAddr>() {
         Ok(std::net::IpAddr::V4(a)) => Target::Cidr(format!("{a}/32")),
         Ok(std::net::IpAddr::V6(a)) => Target::Cidr(format!("{a}/128")),
         Err(_) => Target::Domain(host.to_owned()),
     };
-    Ok(NetworkPolicy {
+    NetworkPolicy {
         allow_internet: false,
         allow: vec![EgressRule {
             target: Some(target),
             ports: vec![u32::from(port)],
         }],
-    })
+    }
+}
+
+/// An error and its causes, as one line (reqwest's own text leaves out why a redirect failed).
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    text
+}
+
+/// The `realm` of a `Bearer` challenge (`Bearer realm="https://auth.example/token",...`).
+fn realm_of(challenge: &str) -> Option<String> {
+    let rest = challenge.trim().strip_prefix("Bearer")?.trim_start();
+    let start = rest.find("realm=\"")? + "realm=\"".len();
+    let end = rest[start..].find('"')?;
+    Some(rest[start..start + end].to_owned())
 }
 
 /// Whether `registry` (`HOST[:PORT]`) is spoken to over plain HTTP: `insecure` names it, or
@@ -196,6 +245,46 @@ impl Session {
             connect_timeout: Some(Duration::from_secs(10)),
             ..Default::default()
         });
+        let scheme = if insecure { "http" } else { "https" };
+        let check = spec.check_host.clone();
+        let redirects = reqwest::redirect::Policy::custom(move |attempt| {
+            if attempt.previous().len() >= 5 {
+                return attempt.error("more than 5 redirects");
+            }
+            let url = attempt.url().clone();
+            match host_port(&url).map(|(h, p)| check(&h, p)) {
+                Some(Ok(())) => attempt.follow(),
+                Some(Err(why)) => attempt.error(format!("a redirect to {url} is refused: {why}")),
+                None => attempt.error(format!("a redirect to {url} names no host")),
+            }
+        });
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .read_timeout(spec.read_timeout)
+            .redirect(redirects)
+            .build()
+            .map_err(|e| reg_err(format!("HTTP client: {e}")))?;
+        // The token realm the registry names is where oci-client would send the credentials:
+        // it must be within the ceiling too, checked before anything is sent there.
+        let probe = format!("{scheme}://{registry}/v2/");
+        let answer = http
+            .get(&probe)
+            .send()
+            .await
+            .map_err(|e| reg_err(format!("GET {probe}: {}", with_causes(&e))))?;
+        if let Some(realm) = answer
+            .headers()
+            .get(reqwest::header::WWW_AUTHENTICATE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(realm_of)
+        {
+            let url = reqwest::Url::parse(&realm)
+                .map_err(|e| reg_err(format!("its token realm {realm:?}: {e}")))?;
+            let (host, port) = host_port(&url)
+                .ok_or_else(|| reg_err(format!("its token realm {realm:?} names no host")))?;
+            (spec.check_host)(&host, port)
+                .map_err(|why| reg_err(format!("its token realm {realm} is refused: {why}")))?;
+        }
         let auth = if spec.username.is_empty() {
             RegistryAuth::Anonymous
         } else {
@@ -217,13 +306,6 @@ impl Session {
             }
             _ => None,
         };
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(10))
-            .read_timeout(spec.read_timeout)
-            .redirect(reqwest::redirect::Policy::limited(5))
-            .build()
-            .map_err(|e| reg_err(format!("HTTP client: {e}")))?;
-        let scheme = if insecure { "http" } else { "https" };
         Ok(Self {
             base: format!("{scheme}://{registry}/v2/{}", reference.repository()),
             reference,
@@ -252,7 +334,7 @@ impl Session {
         let res = req
             .send()
             .await
-            .map_err(|e| self.err(format!("GET {url}: {e}")))?;
+            .map_err(|e| self.err(format!("GET {url}: {}", with_causes(&e))))?;
         let status = res.status();
         if status == reqwest::StatusCode::UNAUTHORIZED || status == reqwest::StatusCode::FORBIDDEN {
             return Err(self.err(format!(
@@ -542,4 +624,20 @@ pub async fn pull(spec: &PullSpec, cache: &Path) -> Result<Pulled, PullError> {
         layers,
         fetched_bytes: fetched,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_realm_of_a_bearer_challenge() {
+        let c = r#"Bearer realm="https://auth.example.com/token",service="registry",scope="repository:a:pull""#;
+        assert_eq!(
+            realm_of(c).as_deref(),
+            Some("https://auth.example.com/token")
+        );
+        assert_eq!(realm_of(r#"Basic realm="x""#), None);
+        assert_eq!(realm_of("Bearer service=\"x\""), None);
+    }
 }
