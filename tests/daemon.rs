@@ -16,6 +16,8 @@ use airlock_system_tests::shared::{Shared, scenario};
 use tonic::Code;
 
 const TENANT_TOKEN: &str = "token-of-acme";
+/// A token of acme's that may run sandboxes but not make templates.
+const RUN_TOKEN: &str = "run-token-of-acme";
 /// Sandboxes alive at once, each running an execution.
 const CONCURRENT: usize = 20;
 const CAPACITY: usize = CONCURRENT + 1;
@@ -23,7 +25,8 @@ const CAPACITY: usize = CONCURRENT + 1;
 /// The shared daemon's settings (over the shared defaults).
 fn config() -> String {
     format!(
-        "pool_size = 2\nmax_sandboxes = {CAPACITY}\n[tenants.acme]\ntokens = [\"{TENANT_TOKEN}\"]\n"
+        "pool_size = 2\nmax_sandboxes = {CAPACITY}\n[tenants.acme]\ntokens = [\"{TENANT_TOKEN}\"]\n\
+         run_tokens = [\"{RUN_TOKEN}\"]\n"
     )
 }
 
@@ -581,30 +584,113 @@ async fn a_snapshot_becomes_a_template_whose_clones_have_its_files() {
     let snap = c
         .snapshot_sandbox(SnapshotSandboxRequest {
             sandbox_id: a.id.clone(),
-            template_name: "with-data".into(),
+            template_name: "with-data:v1".into(),
         })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(snap.source_sandbox_id, a.id);
+    assert_eq!((snap.name.as_str(), snap.tag.as_str()), ("with-data", "v1"));
+    assert!(snap.size_bytes > 0 && snap.snapshot_format > 0, "{snap:?}");
     let clone = c
         .create_sandbox(CreateSandboxRequest {
-            template: "with-data".into(),
+            template: "with-data:v1".into(),
             ..Default::default()
         })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(clone.template_id, snap.id);
+    assert_eq!(clone.template, "with-data:v1");
     let copy = read_all(&mut c, &clone.id, "/tmp/kept.txt").await;
     assert_eq!(copy, b"kept in the snapshot");
+    // A second version while the first one's sandbox runs; the bare name is the newest.
+    let v2 = c
+        .snapshot_sandbox(SnapshotSandboxRequest {
+            sandbox_id: a.id.clone(),
+            template_name: "with-data:v2".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let listed = c
+        .list_templates(ListTemplatesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .templates;
+    let versions: HashMap<_, _> = listed
+        .iter()
+        .filter(|t| t.name == "with-data")
+        .map(|t| (t.tag.as_str(), t.live_sandboxes))
+        .collect();
+    assert_eq!(versions, HashMap::from([("v1", 1), ("v2", 0)]));
+    // Deleting a version in use is refused, naming its sandbox; the bare name is ambiguous.
+    let busy = c
+        .delete_template(DeleteTemplateRequest {
+            name: "with-data:v1".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&busy).0, "TEMPLATE_IN_USE", "{busy:?}");
+    assert!(busy.message().contains(&clone.id), "{busy:?}");
+    let ambiguous = c
+        .delete_template(DeleteTemplateRequest {
+            name: "with-data".into(),
+        })
+        .await
+        .unwrap_err();
+    assert!(ambiguous.message().contains("v1"), "{ambiguous:?}");
+    // A run-only token of the same tenant may use templates but not make or delete them.
+    let mut runner = s.client(Some(RUN_TOKEN)).await;
+    let denied = runner
+        .delete_template(DeleteTemplateRequest {
+            name: "base".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&denied).0, "NOT_PERMITTED", "{denied:?}");
+    let denied = runner
+        .create_template(CreateTemplateRequest {
+            name: "mine".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&denied).0, "NOT_PERMITTED", "{denied:?}");
+    // A sandbox snapshot has no recipe to rebuild, and no build log.
+    let log = c
+        .get_template_log(GetTemplateLogRequest {
+            name: "with-data:v2".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(log.log.is_empty());
+    let norecipe = c
+        .rebuild_template(RebuildTemplateRequest {
+            name: "with-data:v2".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(norecipe.message().contains("no recipe"), "{norecipe:?}");
     assert!(destroy(&mut c, &clone.id).await);
     assert!(destroy(&mut c, &a.id).await);
-    c.delete_template(DeleteTemplateRequest {
-        name: "with-data".into(),
-    })
-    .await
-    .unwrap();
+    for v in ["with-data:v1", "with-data"] {
+        c.delete_template(DeleteTemplateRequest { name: v.into() })
+            .await
+            .unwrap();
+    }
+    assert!(
+        !c.list_templates(ListTemplatesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .templates
+            .iter()
+            .any(|t| t.id == v2.id || t.id == snap.id)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

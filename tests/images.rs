@@ -17,7 +17,10 @@ use airlock_system_tests::TempDir;
 use layout::*;
 use registry::{Auth, Registry};
 
-use airlock_api::v1::{CreateSandboxRequest, CreateTemplateRequest, OciImage, Template};
+use airlock_api::v1::{
+    CreateSandboxRequest, CreateTemplateRequest, DeleteTemplateRequest, GetTemplateLogRequest,
+    ListTemplatesRequest, OciImage, RebuildTemplateRequest, Template,
+};
 use airlock_system_tests::harness::{self, run_as};
 use airlock_system_tests::shared::{Shared, scenario};
 
@@ -227,7 +230,83 @@ async fn an_oci_image_becomes_a_template_whose_sandboxes_run_it() {
     // Root when asked; the image's WorkingDir holds for every account (as in a container).
     let (out, _, _) = run_as(&mut c, &sb.id, "root", &["sh", "-c", "id -u; pwd"]).await;
     assert_eq!(out, "0\n/home/app\n");
+
+    // Its build log is kept; a rebuild (the image pulled again with the rebuild's credentials)
+    // is a new version that takes the tag, while the old one stays, tagged with its id, for
+    // the sandbox that runs from it.
+    let log = c
+        .get_template_log(GetTemplateLogRequest { name: "app".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        log.log.contains("pulling") && log.log.contains("ready"),
+        "{}",
+        log.log
+    );
+    assert!(!log.log.contains("pull-pw"), "{}", log.log);
+    let mut events = c
+        .rebuild_template(RebuildTemplateRequest {
+            name: "app".into(),
+            registry_username: "puller".into(),
+            registry_password: "pull-pw".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("rebuild: {e:?}\n{}", s.log_tail()))
+        .into_inner();
+    let mut rebuilt = None;
+    while let Some(ev) = events
+        .message()
+        .await
+        .unwrap_or_else(|e| panic!("rebuild: {e:?}\n{}", s.log_tail()))
+    {
+        rebuilt = ev.template.or(rebuilt);
+    }
+    let rebuilt = rebuilt.expect("the rebuilt template");
+    assert_ne!(rebuilt.id, t.id);
+    assert_eq!(
+        (rebuilt.tag.as_str(), rebuilt.source.as_str()),
+        ("latest", t.source.as_str())
+    );
+    let listed = c
+        .list_templates(ListTemplatesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .templates;
+    let old = listed
+        .iter()
+        .find(|v| v.id == t.id)
+        .expect("the old version");
+    assert_eq!(
+        (old.name.as_str(), old.tag.as_str(), old.live_sandboxes),
+        ("app", t.id.as_str(), 1)
+    );
+    let busy = c
+        .delete_template(DeleteTemplateRequest {
+            name: format!("app:{}", t.id),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(harness::reason(&busy).0, "TEMPLATE_IN_USE", "{busy:?}");
+    let sb2 = c
+        .create_sandbox(CreateSandboxRequest {
+            template: "app".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("create from the rebuild: {e:?}\n{}", s.log_tail()))
+        .into_inner();
+    assert_eq!(sb2.template_id, rebuilt.id);
+    let (out, _, _) = run_as(&mut c, &sb2.id, "", &["sh", "-c", "echo \"$GREETING\""]).await;
+    assert_eq!(out, "hello from the image\n");
     s.clean(&[TOKEN]).await;
+    for v in [format!("app:{}", t.id), "app".into()] {
+        c.delete_template(DeleteTemplateRequest { name: v })
+            .await
+            .unwrap();
+    }
 }
 
 /// What must not become a template is refused before anything boots, with an error that

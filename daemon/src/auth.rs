@@ -38,10 +38,10 @@ pub fn same(a: &TokenDigest, b: &TokenDigest) -> bool {
     a.ct_eq(b).into()
 }
 
-/// The tenants' token digests.
+/// The tenants' token digests, each with whether it may make templates.
 #[derive(Clone, Debug)]
 pub struct Tokens {
-    entries: Vec<(String, TokenDigest)>,
+    entries: Vec<(String, TokenDigest, bool)>,
 }
 
 impl Tokens {
@@ -49,16 +49,21 @@ impl Tokens {
     pub fn from_config(cfg: &Config) -> Result<Self, String> {
         let mut entries = Vec::new();
         for (tenant, t) in &cfg.tenants {
-            for token in &t.tokens {
-                if token.is_empty() {
-                    return Err(format!("tenant {tenant}: an empty token"));
+            for (clear, hashed, templates) in [
+                (&t.tokens, &t.token_sha256, true),
+                (&t.run_tokens, &t.run_token_sha256, false),
+            ] {
+                for token in clear {
+                    if token.is_empty() {
+                        return Err(format!("tenant {tenant}: an empty token"));
+                    }
+                    entries.push((tenant.clone(), digest(token), templates));
                 }
-                entries.push((tenant.clone(), digest(token)));
-            }
-            for h in &t.token_sha256 {
-                let d = parse_hex(h)
-                    .ok_or_else(|| format!("tenant {tenant}: {h:?} is not a SHA-256 in hex"))?;
-                entries.push((tenant.clone(), d));
+                for h in hashed {
+                    let d = parse_hex(h)
+                        .ok_or_else(|| format!("tenant {tenant}: {h:?} is not a SHA-256 in hex"))?;
+                    entries.push((tenant.clone(), d, templates));
+                }
             }
         }
         Ok(Self { entries })
@@ -66,11 +71,17 @@ impl Tokens {
 
     /// The tenant `token` belongs to. Every known digest is compared (no early exit).
     pub fn tenant_of(&self, token: &str) -> Option<&str> {
+        self.caller_of(token).map(|(tenant, _)| tenant)
+    }
+
+    /// The tenant `token` belongs to and whether it may make templates. Every known digest is
+    /// compared (no early exit).
+    pub fn caller_of(&self, token: &str) -> Option<(&str, bool)> {
         let presented = digest(token);
         let mut found = None;
-        for (tenant, d) in &self.entries {
+        for (tenant, d, templates) in &self.entries {
             if same(&presented, d) && found.is_none() {
-                found = Some(tenant.as_str());
+                found = Some((tenant.as_str(), *templates));
             }
         }
         found
@@ -86,7 +97,7 @@ mod tests {
     fn tokens_are_kept_as_digests_and_found_in_either_form() {
         let h = hex(&digest("hashed-token"));
         let cfg: Config = toml::from_str(&format!(
-            "[tenants.acme]\ntokens = [\"clear-token\"]\n\
+            "[tenants.acme]\ntokens = [\"clear-token\"]\nrun_tokens = [\"run-token\"]\n\
              [tenants.zed]\ntoken_sha256 = [\"sha256:{h}\"]\n"
         ))
         .unwrap();
@@ -95,6 +106,8 @@ mod tests {
         assert_eq!(tokens.tenant_of("hashed-token"), Some("zed"));
         assert_eq!(tokens.tenant_of("clear-token "), None);
         assert_eq!(tokens.tenant_of(""), None);
+        assert_eq!(tokens.caller_of("clear-token"), Some(("acme", true)));
+        assert_eq!(tokens.caller_of("run-token"), Some(("acme", false)));
         assert!(
             !format!("{tokens:?}").contains("clear-token"),
             "no token in clear"

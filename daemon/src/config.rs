@@ -207,6 +207,11 @@ impl Default for Quota {
 pub struct TenantConfig {
     pub tokens: Vec<String>,
     pub token_sha256: Vec<String>,
+    /// Tokens (in clear, or as digests) that run sandboxes but lack the right to make
+    /// templates: CreateTemplate, BuildTemplate, RebuildTemplate, SnapshotSandbox and
+    /// DeleteTemplate are refused with NOT_PERMITTED.
+    pub run_tokens: Vec<String>,
+    pub run_token_sha256: Vec<String>,
     pub quota: Option<Quota>,
     /// The most a sandbox of this tenant may be allowed to reach (default:
     /// `[network] default_ceiling`, allow-internet: every public address, no internal range).

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use airlock_api::v1::{CreateTemplateRequest, TemplateEvent, Usage};
+use airlock_api::v1::{CreateTemplateRequest, SandboxState, TemplateEvent, Usage};
 use tokio::sync::mpsc::{Sender, UnboundedReceiver};
 use tracing::{info, warn};
 
@@ -314,13 +314,42 @@ impl Daemon {
         Ok(t)
     }
 
-    /// Deletes `tenant`'s template `name`: its warm pool goes; running sandboxes keep their
-    /// mappings (unlinked files stay mapped until the last one ends).
-    pub fn delete_template(&self, tenant: &str, name: &str) -> ApiResult<()> {
-        let t = self.templates.remove(tenant, name)?;
+    /// Deletes `tenant`'s template version `reference` (NAME:TAG, or NAME for its `latest` or
+    /// only version): refused while live sandboxes were restored from it; its warm pool goes.
+    pub fn delete_template(&self, tenant: &str, reference: &str) -> ApiResult<()> {
+        let t = self.templates.own(tenant, reference)?;
+        let users = self.template_users(&t.record.id);
+        if !users.is_empty() {
+            return Err(ApiError::TemplateInUse {
+                name: crate::templates::reference(&t.record),
+                count: users.len(),
+                by: users.iter().take(5).cloned().collect::<Vec<_>>().join(","),
+            });
+        }
+        let t = self.templates.remove_id(&t.record.id)?;
         self.pool.remove_template(&t.record.id);
         let _ = std::fs::remove_dir_all(&t.dir);
         Ok(())
+    }
+
+    /// The live sandboxes (starting, running or paused) restored from template `id`.
+    pub fn template_users(&self, id: &str) -> Vec<String> {
+        let mut users: Vec<String> = self
+            .sandboxes
+            .all()
+            .into_iter()
+            .map(|s| s.snapshot())
+            .filter(|s| {
+                s.template_id == id
+                    && matches!(
+                        SandboxState::try_from(s.state),
+                        Ok(SandboxState::Starting | SandboxState::Running | SandboxState::Paused)
+                    )
+            })
+            .map(|s| s.id)
+            .collect();
+        users.sort();
+        users
     }
 
     /// GetUsage: what `tenant` holds now against its quota, and the retention.

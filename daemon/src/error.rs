@@ -24,8 +24,23 @@ pub enum ApiError {
     ExecutionNotFound(String),
     #[error("template {0} not found")]
     TemplateNotFound(String),
-    #[error("template {0} exists; templates are immutable (delete it first)")]
+    #[error("template {0} exists; templates are immutable (delete it first, or replace it)")]
     TemplateExists(String),
+    /// DeleteTemplate of a version live sandboxes were restored from (`by`: some of them).
+    #[error("template {name} is in use by {count} live sandbox(es) ({by}); destroy them first")]
+    TemplateInUse {
+        name: String,
+        by: String,
+        count: usize,
+    },
+    /// The template was made by a VMM or guest agent this daemon cannot restore.
+    #[error(
+        "template {name} cannot be restored here: {why}; rebuild it: `airlock template rebuild {name}`"
+    )]
+    TemplateOutdated { name: String, why: String },
+    /// The caller's token lacks the right the call needs.
+    #[error("{0}")]
+    NotPermitted(String),
     #[error("volume {0} not found")]
     VolumeNotFound(String),
     #[error("volume {0} exists")]
@@ -130,6 +145,9 @@ impl ApiError {
             Self::ExecutionNotFound(_) => "EXECUTION_NOT_FOUND",
             Self::TemplateNotFound(_) => "TEMPLATE_NOT_FOUND",
             Self::TemplateExists(_) => "TEMPLATE_EXISTS",
+            Self::TemplateInUse { .. } => "TEMPLATE_IN_USE",
+            Self::TemplateOutdated { .. } => "TEMPLATE_OUTDATED",
+            Self::NotPermitted(_) => "NOT_PERMITTED",
             Self::VolumeNotFound(_) => "VOLUME_NOT_FOUND",
             Self::VolumeExists(_) => "VOLUME_EXISTS",
             Self::VolumeInUse { .. } => "VOLUME_IN_USE",
@@ -167,6 +185,8 @@ impl ApiError {
             Self::SandboxNotRunning { .. }
             | Self::VolumeInUse { .. }
             | Self::SecretsPresent { .. }
+            | Self::TemplateInUse { .. }
+            | Self::TemplateOutdated { .. }
             | Self::BuildStepFailed { .. } => Code::FailedPrecondition,
             Self::Capacity { .. }
             | Self::DataDirFull(_)
@@ -178,6 +198,7 @@ impl ApiError {
             | Self::GuestPermission { .. }
             | Self::NetworkNotAllowed { .. }
             | Self::PackagesNotAllowed { .. }
+            | Self::NotPermitted(_)
             | Self::RootNotAllowed { .. } => Code::PermissionDenied,
             Self::Dead { .. }
             | Self::AgentUnavailable { .. }
@@ -211,8 +232,15 @@ impl ApiError {
             Self::BuildStepFailed { line, .. } => {
                 m.insert("line".into(), line.to_string());
             }
-            Self::TemplateNotFound(name) | Self::TemplateExists(name) => {
+            Self::TemplateNotFound(name)
+            | Self::TemplateExists(name)
+            | Self::TemplateOutdated { name, .. } => {
                 m.insert("template".into(), name.clone());
+            }
+            Self::TemplateInUse { name, by, count } => {
+                m.insert("template".into(), name.clone());
+                m.insert("sandbox_id".into(), by.clone());
+                m.insert("count".into(), count.to_string());
             }
             Self::VolumeNotFound(name) | Self::VolumeExists(name) => {
                 m.insert("volume".into(), name.clone());
@@ -278,6 +306,7 @@ impl ApiError {
             }
             Self::InvalidArgument(_)
             | Self::Unauthenticated(_)
+            | Self::NotPermitted(_)
             | Self::Internal(_)
             | Self::ClusterUnavailable(_) => {}
         }

@@ -422,7 +422,7 @@ pub async fn build(
     // The owner the build's templates get ("" for an operator's, which are shared): only
     // caches of that same owner are used, never another tenant's (or a shared one, for a
     // tenant).
-    let owner = d.templates.check_new(tenant, &req.name)?;
+    let owner = d.templates.check_new(tenant, &req.name, req.replace)?;
     let file = dockerfile::parse(&req.dockerfile, &req.build_args)
         .map_err(|e| ApiError::InvalidArgument(format!("Dockerfile: {e}")))?;
     let ctx = Context::read(&req.context)?;
@@ -682,7 +682,13 @@ async fn run(
         .await;
     let t =
         b.d.sandboxes
-            .snapshot_with(b.tenant, sandbox, &req.name, Some((source, defaults)))
+            .snapshot_with(
+                b.tenant,
+                sandbox,
+                &req.name,
+                Some((source, defaults)),
+                req.replace,
+            )
             .await?;
     let secs = b.started.elapsed().as_secs();
     let shown = crate::templates::as_seen_by(t.record.clone(), b.d.cfg.is_operator(b.tenant));

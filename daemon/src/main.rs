@@ -44,6 +44,7 @@ mod stream;
 mod supervisor;
 mod templates;
 mod transfer;
+mod versions;
 mod vmm;
 mod volumes;
 

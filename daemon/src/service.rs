@@ -31,12 +31,18 @@ pub struct Auth {
     pub cluster_token: Option<crate::auth::TokenDigest>,
 }
 
+/// Whether the caller's token may make templates (a tenant's `run_tokens` may not).
+#[derive(Clone, Copy, Debug)]
+pub struct TemplateRight(pub bool);
+
 /// Who calls.
 #[derive(Clone, Debug)]
 pub struct Caller {
     pub tenant: String,
     /// Forwarded by another node of the cluster.
     pub forwarded: bool,
+    /// May make templates.
+    pub templates: bool,
 }
 
 impl Auth {
@@ -64,14 +70,18 @@ impl Auth {
             return Ok(Caller {
                 tenant: tenant.to_owned(),
                 forwarded: true,
+                templates: true,
             });
         }
-        let tenant = match authorization {
+        let (tenant, templates) = match authorization {
             Some(t) => {
                 let t = t.strip_prefix("Bearer ").unwrap_or(t).trim();
-                self.tokens.tenant_of(t).map(str::to_owned).ok_or_else(|| {
-                    Status::from(ApiError::Unauthenticated("unknown token".into()))
-                })?
+                self.tokens
+                    .caller_of(t)
+                    .map(|(tenant, right)| (tenant.to_owned(), right))
+                    .ok_or_else(|| {
+                        Status::from(ApiError::Unauthenticated("unknown token".into()))
+                    })?
             }
             None if self.token_required => {
                 return Err(ApiError::Unauthenticated(
@@ -79,11 +89,12 @@ impl Auth {
                 )
                 .into());
             }
-            None => self.default_tenant.clone(),
+            None => (self.default_tenant.clone(), true),
         };
         Ok(Caller {
             tenant,
             forwarded: false,
+            templates,
         })
     }
 }
@@ -100,6 +111,7 @@ impl tonic::service::Interceptor for Auth {
             .map(str::to_owned);
         let caller = self.caller(token.as_deref(), forwarded.as_deref())?;
         req.extensions_mut().insert(Tenant(caller.tenant));
+        req.extensions_mut().insert(TemplateRight(caller.templates));
         Ok(req)
     }
 }
@@ -111,6 +123,52 @@ pub struct Service {
 }
 
 impl Service {
+    /// Makes a template as `recipe` says (CreateTemplate, BuildTemplate or a rebuild), its
+    /// progress streamed; the build goes on if the client leaves (a template is worth
+    /// finishing), and its recipe and log are kept beside it.
+    fn template_stream(
+        &self,
+        call: &'static str,
+        tenant: String,
+        recipe: template_recipe::How,
+    ) -> Response<Stream<TemplateEvent>> {
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let (ptx, mut prx) = tokio::sync::mpsc::channel::<TemplateEvent>(16);
+        let d = self.daemon.clone();
+        let span = tracing::info_span!("call", call, tenant = %tenant);
+        let kept = crate::versions::keep_recipe(&recipe);
+        let build = tokio::spawn(
+            async move { crate::versions::make(&d, &tenant, recipe, ptx).await }.instrument(span),
+        );
+        tokio::spawn(async move {
+            let mut log = crate::versions::BuildLog::default();
+            // The event with the template goes last, once its recipe and log are kept: a
+            // client that asks for the log at once finds it.
+            let mut last = None;
+            while let Some(ev) = prx.recv().await {
+                log.push(&ev);
+                if ev.template.is_some() {
+                    last = Some(ev);
+                } else {
+                    let _ = tx.send(Ok(ev)).await;
+                }
+            }
+            let end = match build.await {
+                Ok(Ok(t)) => {
+                    crate::versions::save(&t, &kept, log);
+                    if let Some(ev) = last {
+                        let _ = tx.send(Ok(ev)).await;
+                    }
+                    return;
+                }
+                Ok(Err(e)) => e.into(),
+                Err(e) => Status::internal(format!("template build: {e}")),
+            };
+            let _ = tx.send(Err(end)).await;
+        });
+        Response::new(ReceiverStream::new(rx))
+    }
+
     /// The files of a running sandbox of `tenant`, acting as `user`.
     fn file_target(&self, tenant: &str, id: &str, user: String) -> ApiResult<files::FileTarget> {
         let sb = self.daemon.sandboxes.running(tenant, id)?;
@@ -124,6 +182,20 @@ fn tenant<T>(req: &Request<T>) -> Result<String, Status> {
         .get::<Tenant>()
         .map(|t| t.0.clone())
         .ok_or_else(|| Status::unauthenticated("no tenant"))
+}
+
+/// The caller's tenant, if its token may make templates (NOT_PERMITTED otherwise).
+fn template_maker<T>(req: &Request<T>, call: &str) -> Result<String, Status> {
+    let tenant = tenant(req)?;
+    if req.extensions().get::<TemplateRight>().is_some_and(|r| r.0) {
+        return Ok(tenant);
+    }
+    let e = ApiError::NotPermitted(format!(
+        "{call}: this token of tenant {tenant} may run sandboxes but not make or delete templates \
+         (it is one of its run_tokens)"
+    ));
+    crate::audit::denial(&tenant, "", call, &e);
+    Err(e.into())
 }
 
 type Stream<T> = ReceiverStream<Result<T, Status>>;
@@ -163,28 +235,9 @@ impl Airlock for Service {
         &self,
         req: Request<CreateTemplateRequest>,
     ) -> Result<Response<Self::CreateTemplateStream>, Status> {
-        let tenant = tenant(&req)?;
-        let req = req.into_inner();
-        let (tx, rx) = tokio::sync::mpsc::channel(16);
-        let (ptx, mut prx) = tokio::sync::mpsc::channel::<TemplateEvent>(16);
-        let d = self.daemon.clone();
-        let span = tracing::info_span!("call", call = "CreateTemplate", tenant = %tenant, name = %req.name);
-        // The build goes on if the client leaves (a template is worth finishing).
-        let build = tokio::spawn(
-            async move { d.create_template(&tenant, req, ptx).await }.instrument(span),
-        );
-        tokio::spawn(async move {
-            while let Some(ev) = prx.recv().await {
-                let _ = tx.send(Ok(ev)).await;
-            }
-            let end = match build.await {
-                Ok(Ok(_)) => return,
-                Ok(Err(e)) => e.into(),
-                Err(e) => Status::internal(format!("template build: {e}")),
-            };
-            let _ = tx.send(Err(end)).await;
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        let tenant = template_maker(&req, "CreateTemplate")?;
+        let recipe = template_recipe::How::Create(req.into_inner());
+        Ok(self.template_stream("CreateTemplate", tenant, recipe))
     }
 
     type BuildTemplateStream = Stream<TemplateEvent>;
@@ -193,29 +246,35 @@ impl Airlock for Service {
         &self,
         req: Request<BuildTemplateRequest>,
     ) -> Result<Response<Self::BuildTemplateStream>, Status> {
+        let tenant = template_maker(&req, "BuildTemplate")?;
+        let recipe = template_recipe::How::Build(req.into_inner());
+        Ok(self.template_stream("BuildTemplate", tenant, recipe))
+    }
+
+    type RebuildTemplateStream = Stream<TemplateEvent>;
+
+    async fn rebuild_template(
+        &self,
+        req: Request<RebuildTemplateRequest>,
+    ) -> Result<Response<Self::RebuildTemplateStream>, Status> {
+        let tenant = template_maker(&req, "RebuildTemplate")?;
+        let r = req.into_inner();
+        let recipe = crate::versions::rebuild_recipe(&self.daemon, &tenant, r)
+            .inspect_err(|e| crate::audit::denial(&tenant, "", "RebuildTemplate", e))?;
+        Ok(self.template_stream("RebuildTemplate", tenant, recipe))
+    }
+
+    async fn get_template_log(
+        &self,
+        req: Request<GetTemplateLogRequest>,
+    ) -> Result<Response<GetTemplateLogResponse>, Status> {
         let tenant = tenant(&req)?;
-        let req = req.into_inner();
-        let (tx, rx) = tokio::sync::mpsc::channel(16);
-        let (ptx, mut prx) = tokio::sync::mpsc::channel::<TemplateEvent>(16);
-        let d = self.daemon.clone();
-        let span =
-            tracing::info_span!("call", call = "BuildTemplate", tenant = %tenant, name = %req.name);
-        // The build goes on if the client leaves, as a template build does.
-        let build = tokio::spawn(
-            async move { crate::imagebuild::build(&d, &tenant, req, ptx).await }.instrument(span),
-        );
-        tokio::spawn(async move {
-            while let Some(ev) = prx.recv().await {
-                let _ = tx.send(Ok(ev)).await;
-            }
-            let end = match build.await {
-                Ok(Ok(_)) => return,
-                Ok(Err(e)) => e.into(),
-                Err(e) => Status::internal(format!("template build: {e}")),
-            };
-            let _ = tx.send(Err(end)).await;
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        let name = req.into_inner().name;
+        traced("GetTemplateLog", &tenant, async {
+            let t = self.daemon.templates.find(&tenant, &name)?;
+            Ok(crate::versions::log_of(&t))
+        })
+        .await
     }
 
     async fn list_templates(
@@ -229,7 +288,11 @@ impl Airlock for Service {
             .templates
             .for_tenant(&tenant)
             .into_iter()
-            .map(|t| crate::templates::as_seen_by(t.record, operator))
+            .map(|t| {
+                let mut r = crate::templates::as_seen_by(t.record, operator);
+                r.live_sandboxes = self.daemon.template_users(&r.id).len() as u32;
+                r
+            })
             .collect();
         Ok(Response::new(ListTemplatesResponse { templates }))
     }
@@ -238,7 +301,7 @@ impl Airlock for Service {
         &self,
         req: Request<DeleteTemplateRequest>,
     ) -> Result<Response<DeleteTemplateResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = template_maker(&req, "DeleteTemplate")?;
         let name = req.into_inner().name;
         traced("DeleteTemplate", &tenant, async {
             self.daemon.delete_template(&tenant, &name)?;
@@ -324,7 +387,7 @@ impl Airlock for Service {
         &self,
         req: Request<SnapshotSandboxRequest>,
     ) -> Result<Response<Template>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = template_maker(&req, "SnapshotSandbox")?;
         let r = req.into_inner();
         traced("SnapshotSandbox", &tenant, async {
             let t = self

@@ -43,6 +43,8 @@ pub struct NodeInfo {
 impl NodeInfo {
     /// Whether it holds template `name` as `tenant` sees it (its own or a shared one).
     pub fn template_for(&self, tenant_owner: &str, name: &str) -> Option<&TemplateEntry> {
+        // Entries name a version as users do: NAME for its `latest`, else NAME:TAG.
+        let name = name.strip_suffix(":latest").unwrap_or(name);
         let mine = |t: &&TemplateEntry| t.name == name && t.owner == tenant_owner;
         let shared = |t: &&TemplateEntry| t.name == name && t.owner.is_empty();
         self.templates
@@ -194,7 +196,7 @@ impl Cluster {
             .into_iter()
             .map(|t| TemplateEntry {
                 owner: t.record.tenant.clone(),
-                name: t.record.name.clone(),
+                name: crate::templates::reference(&t.record),
                 id: t.record.id.clone(),
                 // Empty while its manifest is being computed: placed here, not fetched yet.
                 hash: manifests

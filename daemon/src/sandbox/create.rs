@@ -61,6 +61,7 @@ impl Sandboxes {
             req.template.as_str()
         };
         let template = self.templates.find(tenant, name)?;
+        template.check_restorable()?;
         let spec = SandboxSpec::check(&req, &template.record, &self.cfg)?;
         self.egress.within_ceiling(tenant, &spec.egress)?;
         let pkg = self.egress.packages.policy_for(tenant, &spec.packages)?;
@@ -117,7 +118,7 @@ impl Sandboxes {
         let record = Sandbox {
             id: new_sandbox_id()?,
             tenant: tenant.to_owned(),
-            template: t.record.name.clone(),
+            template: crate::templates::reference(&t.record),
             template_id: t.record.id.clone(),
             state: SandboxState::Starting as i32,
             vcpus: t.record.vcpus,

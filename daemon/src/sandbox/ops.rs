@@ -62,7 +62,7 @@ impl Sandboxes {
 
     /// SnapshotSandbox: a new template of `tenant` from a running or paused sandbox.
     pub async fn snapshot(&self, tenant: &str, id: &str, name: &str) -> ApiResult<TemplateRt> {
-        self.snapshot_with(tenant, id, name, None).await
+        self.snapshot_with(tenant, id, name, None, false).await
     }
 
     /// [`snapshot`](Self::snapshot), recording `meta` (what it was made from and its defaults)
@@ -73,11 +73,12 @@ impl Sandboxes {
         id: &str,
         name: &str,
         meta: Option<(String, airlock_api::v1::ImageDefaults)>,
+        replace: bool,
     ) -> ApiResult<TemplateRt> {
         let rt = self
             .live(tenant, id)
             .ok_or_else(|| ApiError::SandboxNotFound(id.to_owned()))?;
-        let owner = self.templates.check_new(tenant, name)?;
+        let owner = self.templates.check_new(tenant, name, replace)?;
         let quota = self.cfg.quota_of(tenant);
         let worst = rt.memory_mib() << 20;
         self.templates.check_quota(tenant, &owner, &quota, worst)?;
@@ -177,7 +178,10 @@ impl Sandboxes {
                 Some((_, defaults)) => Some(defaults),
                 None => src.and_then(|t| t.image_defaults.clone()),
             },
+            snapshot_format: airlock_control::snapshot_dir::state_version(&dir).unwrap_or(0),
+            agent_protocol: src.map_or(0, |t| t.agent_protocol),
+            ..Default::default()
         };
-        self.templates.add(record, dir)
+        self.templates.add(record, dir, replace)
     }
 }

@@ -46,6 +46,8 @@ struct BuildSpec {
 pub struct Checked {
     name: String,
     owner: String,
+    /// The new version takes the tag of an existing one (CreateTemplateRequest.replace).
+    replace: bool,
     spec: BuildSpec,
     /// What an image pull may connect to besides its registry (the tenant's ceiling); none:
     /// anything.
@@ -107,7 +109,7 @@ impl Builder {
     /// CreateTemplate's checks, before anything runs: the name, the image or files, the
     /// shape (at most the settings' caps) and the tenant's template quota.
     pub fn check(&self, tenant: &str, req: &CreateTemplateRequest) -> ApiResult<Checked> {
-        let owner = self.templates.check_new(tenant, &req.name)?;
+        let owner = self.templates.check_new(tenant, &req.name, req.replace)?;
         let spec = self.spec(req, self.cfg.is_operator(tenant))?;
         if spec.vcpus > self.cfg.max_template_vcpus
             || spec.memory_mib > self.cfg.max_template_memory_mib
@@ -122,6 +124,7 @@ impl Builder {
         self.templates.check_quota(tenant, &owner, &quota, worst)?;
         Ok(Checked {
             name: req.name.clone(),
+            replace: req.replace,
             owner,
             spec,
             check_host: None,
@@ -138,6 +141,7 @@ impl Builder {
         let Checked {
             name,
             owner,
+            replace,
             mut spec,
             check_host,
         } = checked;
@@ -173,11 +177,19 @@ impl Builder {
         }
         let what = if !source.is_empty() {
             source.clone()
-        } else if spec.operator {
+        } else if spec.image.is_empty() {
             format!("{} with {}", spec.kernel.display(), spec.rootfs.display())
         } else {
             format!("image {}", spec.image)
         };
+        if source.is_empty() {
+            // What the next build of the same request would take anew: the registered image's
+            // (or the host's) root filesystem of now, recorded by its version.
+            source = match spec.image.as_str() {
+                "" => format!("rootfs:{}", file_version(&spec.rootfs)),
+                image => format!("image:{image}@{}", file_version(&spec.rootfs)),
+            };
+        }
         let message = format!(
             "cold boot of {what} ({} vCPU, {} MiB)",
             spec.vcpus, spec.memory_mib
@@ -205,8 +217,11 @@ impl Builder {
             volume_slots: self.cfg.volume_slots,
             source,
             image_defaults,
+            snapshot_format: airlock_control::snapshot_dir::state_version(&dir).unwrap_or(0),
+            agent_protocol: airlock_proto::PROTOCOL_VERSION,
+            ..Default::default()
         };
-        let t = self.templates.add(record, dir)?;
+        let t = self.templates.add(record, dir, replace)?;
         let secs = progress.started.elapsed().as_secs();
         info!(template = %t.record.name, id = %t.record.id, secs, "template ready");
         let shown = super::as_seen_by(t.record.clone(), spec.operator);

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use airlock_api::v1::Template;
+use airlock_control::snapshot_dir::{STATE_VERSION, state_version};
 
 use crate::config::Quota;
 use crate::error::{ApiError, ApiResult};
@@ -38,6 +39,31 @@ impl TemplateRt {
         }
     }
 
+    /// Refuses a template this daemon's VMM or agent client cannot restore: another snapshot
+    /// format, another agent protocol (TEMPLATE_OUTDATED, naming the rebuild).
+    pub fn check_restorable(&self) -> ApiResult<()> {
+        let r = &self.record;
+        // 0: a header that could not be read; the VMM's restore then says what is wrong.
+        let why = if r.snapshot_format != 0 && r.snapshot_format != STATE_VERSION {
+            format!(
+                "its snapshot has format {}, this VMM reads format {STATE_VERSION}",
+                r.snapshot_format
+            )
+        } else if r.agent_protocol != 0 && r.agent_protocol != airlock_proto::PROTOCOL_VERSION {
+            format!(
+                "its guest agent speaks protocol {}, this daemon {}",
+                r.agent_protocol,
+                airlock_proto::PROTOCOL_VERSION
+            )
+        } else {
+            return Ok(());
+        };
+        Err(ApiError::TemplateOutdated {
+            name: reference(r),
+            why,
+        })
+    }
+
     /// Whether its snapshot's root disk is copy-on-write: the snapshot has a layer map (a
     /// template built before writable roots has an empty one, or none).
     pub fn writable_root(&self) -> bool {
@@ -61,9 +87,13 @@ impl Templates {
         let all = store
             .templates()?
             .into_iter()
-            .map(|(record, dir)| TemplateRt {
-                record,
-                dir: PathBuf::from(dir),
+            .map(|(mut record, dir)| {
+                let dir = PathBuf::from(dir);
+                if record.snapshot_format == 0 {
+                    // A record from before the field: its snapshot's header tells.
+                    record.snapshot_format = state_version(&dir).unwrap_or(0);
+                }
+                TemplateRt { record, dir }
             })
             .collect();
         Ok(Self {
@@ -97,14 +127,18 @@ impl Templates {
             .collect()
     }
 
-    /// The template `name` as `tenant` sees it (its own first, then a shared one).
-    pub fn find(&self, tenant: &str, name: &str) -> ApiResult<TemplateRt> {
+    /// The template `reference` (NAME or NAME:TAG) as `tenant` sees it: its own first, then a
+    /// shared one; NAME alone is the version tagged `latest`, else the newest version.
+    pub fn find(&self, tenant: &str, reference: &str) -> ApiResult<TemplateRt> {
+        let r = TemplateRef::parse(reference)?;
         let all = self.for_tenant(tenant);
-        all.iter()
-            .find(|t| t.record.name == name && t.record.tenant == tenant)
-            .or_else(|| all.iter().find(|t| t.record.name == name))
-            .cloned()
-            .ok_or_else(|| ApiError::TemplateNotFound(name.to_owned()))
+        let owner = |o: &str| -> Option<TemplateRt> {
+            let mine: Vec<_> = all.iter().filter(|t| t.record.tenant == o).collect();
+            r.pick(&mine).map(|t| (*t).clone())
+        };
+        owner(tenant)
+            .or_else(|| owner(""))
+            .ok_or_else(|| ApiError::TemplateNotFound(reference.to_owned()))
     }
 
     /// The template with id `id`, if it still exists.
@@ -122,20 +156,18 @@ impl Templates {
         }
     }
 
-    /// Checks a new template's name for `tenant`; returns the owner it will have.
-    pub fn check_new(&self, tenant: &str, name: &str) -> ApiResult<String> {
-        if !ids::valid_name(name) {
-            return Err(ApiError::InvalidArgument(format!(
-                "template name {name:?}: use [a-z0-9][a-z0-9._-]{{0,62}}"
-            )));
-        }
+    /// Checks a new template's NAME[:TAG] for `tenant`; returns the owner it will have. With
+    /// `replace` an existing version of that tag is fine (the new one takes its tag).
+    pub fn check_new(&self, tenant: &str, reference: &str, replace: bool) -> ApiResult<String> {
+        let r = TemplateRef::parse(reference)?;
         let owner = self.owner_for(tenant);
-        if self
-            .all()
-            .iter()
-            .any(|t| t.record.name == name && t.record.tenant == owner)
+        if !replace
+            && self
+                .all()
+                .iter()
+                .any(|t| r.is(&t.record) && t.record.tenant == owner)
         {
-            return Err(ApiError::TemplateExists(name.to_owned()));
+            return Err(ApiError::TemplateExists(r.to_string()));
         }
         Ok(owner)
     }
@@ -172,15 +204,43 @@ impl Templates {
     }
 
     /// Adds a built template whose files are in `dir` (removed if the name was taken
-    /// meanwhile).
-    pub fn add(&self, record: Template, dir: PathBuf) -> ApiResult<TemplateRt> {
+    /// meanwhile). Its `name` may carry a tag (NAME:TAG): it is split into `name` and `tag`
+    /// (`latest` when none). With `replace`, a version holding that tag gives it up: it is
+    /// tagged with its id and stays until deleted.
+    pub fn add(&self, mut record: Template, dir: PathBuf, replace: bool) -> ApiResult<TemplateRt> {
+        let r = match TemplateRef::parse(&record.name) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        record.name = r.name.clone();
+        if let Some(tag) = &r.tag {
+            record.tag = tag.clone();
+        } else if record.tag.is_empty() {
+            record.tag = LATEST.into();
+        }
+        record.size_bytes = size_of(&record, &dir);
+        if record.snapshot_format == 0 {
+            record.snapshot_format = state_version(&dir).unwrap_or(0);
+        }
         let mut all = self.all();
-        if all
-            .iter()
-            .any(|t| t.record.name == record.name && t.record.tenant == record.tenant)
-        {
-            let _ = std::fs::remove_dir_all(&dir);
-            return Err(ApiError::TemplateExists(record.name));
+        let same = |t: &TemplateRt| {
+            t.record.name == record.name
+                && tag_of(&t.record) == record.tag
+                && t.record.tenant == record.tenant
+        };
+        if let Some(old) = all.iter_mut().find(|t| same(t)) {
+            if !replace {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(ApiError::TemplateExists(reference(&record)));
+            }
+            let mut moved = old.record.clone();
+            moved.tag = moved.id.clone();
+            self.store
+                .put_template(&moved, &old.dir.display().to_string())?;
+            old.record = moved;
         }
         self.store
             .put_template(&record, &dir.display().to_string())?;
@@ -189,20 +249,146 @@ impl Templates {
         Ok(t)
     }
 
-    /// Takes `tenant`'s template `name` out of the registry (the default tenant deletes shared
-    /// ones); the caller removes its pool and files.
-    pub fn remove(&self, tenant: &str, name: &str) -> ApiResult<TemplateRt> {
+    /// `tenant`'s own version `reference` (the default tenant's: a shared one): NAME:TAG, or
+    /// NAME for its `latest`, else its only version.
+    pub fn own(&self, tenant: &str, reference: &str) -> ApiResult<TemplateRt> {
+        let r = TemplateRef::parse(reference)?;
         let owner = self.owner_for(tenant);
+        let all = self.all();
+        let mine: Vec<_> = all
+            .iter()
+            .filter(|t| t.record.name == r.name && t.record.tenant == owner)
+            .collect();
+        if r.tag.is_none() && mine.len() > 1 && !mine.iter().any(|t| tag_of(&t.record) == LATEST) {
+            let tags: Vec<_> = mine.iter().map(|t| tag_of(&t.record)).collect();
+            return Err(ApiError::InvalidArgument(format!(
+                "template {} has the versions {}: name one as {}:TAG",
+                r.name,
+                tags.join(", "),
+                r.name
+            )));
+        }
+        r.pick(&mine)
+            .map(|t| (*t).clone())
+            .ok_or_else(|| ApiError::TemplateNotFound(reference.to_owned()))
+    }
+
+    /// Takes the template with id `id` out of the registry; the caller removes its pool and
+    /// files.
+    pub fn remove_id(&self, id: &str) -> ApiResult<TemplateRt> {
         let t = {
             let mut all = self.all();
             let i = all
                 .iter()
-                .position(|t| t.record.name == name && t.record.tenant == owner)
-                .ok_or_else(|| ApiError::TemplateNotFound(name.to_owned()))?;
+                .position(|t| t.record.id == id)
+                .ok_or_else(|| ApiError::TemplateNotFound(id.to_owned()))?;
             all.remove(i)
         };
         self.store.delete_template(&t.record.id)?;
         Ok(t)
+    }
+}
+
+/// The tag of a version named without one.
+pub const LATEST: &str = "latest";
+
+/// A version's tag (`latest` for a record from before tags).
+pub fn tag_of(r: &Template) -> &str {
+    if r.tag.is_empty() { LATEST } else { &r.tag }
+}
+
+/// How a version is named to users: NAME for its `latest`, else NAME:TAG.
+pub fn reference(r: &Template) -> String {
+    match tag_of(r) {
+        LATEST => r.name.clone(),
+        tag => format!("{}:{tag}", r.name),
+    }
+}
+
+/// Bytes a template's files take: its snapshot directory and, for an imported image, the root
+/// filesystem under the images directory that only imported images have.
+fn size_of(r: &Template, dir: &Path) -> u64 {
+    let snapshot: u64 = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| disk_bytes(&e.path()))
+                .sum()
+        })
+        .unwrap_or(0);
+    let rootfs = if r.source.starts_with("oci:") {
+        disk_bytes(Path::new(&r.rootfs_path))
+    } else {
+        0
+    };
+    snapshot + rootfs
+}
+
+/// A template as a call names it: NAME[:TAG].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TemplateRef {
+    pub name: String,
+    pub tag: Option<String>,
+}
+
+impl TemplateRef {
+    /// Parses NAME or NAME:TAG (NAME `[a-z0-9][a-z0-9._-]{0,62}`, TAG
+    /// `[A-Za-z0-9_][A-Za-z0-9._-]{0,127}`).
+    pub fn parse(s: &str) -> ApiResult<Self> {
+        let (name, tag) = match s.split_once(':') {
+            Some((n, t)) => (n, Some(t)),
+            None => (s, None),
+        };
+        if !ids::valid_name(name) {
+            return Err(ApiError::InvalidArgument(format!(
+                "template name {name:?}: use [a-z0-9][a-z0-9._-]{{0,62}}"
+            )));
+        }
+        if let Some(t) = tag {
+            let b = t.as_bytes();
+            let ok = !b.is_empty()
+                && b.len() <= 128
+                && (b[0].is_ascii_alphanumeric() || b[0] == b'_')
+                && b.iter()
+                    .all(|c| c.is_ascii_alphanumeric() || b"._-".contains(c));
+            if !ok {
+                return Err(ApiError::InvalidArgument(format!(
+                    "template tag {t:?}: use [A-Za-z0-9_][A-Za-z0-9._-]{{0,127}}"
+                )));
+            }
+        }
+        Ok(Self {
+            name: name.to_owned(),
+            tag: tag.map(str::to_owned),
+        })
+    }
+
+    /// Whether `r` is the version this names exactly (NAME alone: its `latest`).
+    pub fn is(&self, r: &Template) -> bool {
+        r.name == self.name && tag_of(r) == self.tag.as_deref().unwrap_or(LATEST)
+    }
+
+    /// The version this names among `versions` (one owner's): the tagged one; for NAME alone
+    /// `latest`, else the newest.
+    fn pick<'a, T: std::borrow::Borrow<TemplateRt>>(&self, versions: &'a [T]) -> Option<&'a T> {
+        let named = versions
+            .iter()
+            .filter(|t| t.borrow().record.name == self.name);
+        match &self.tag {
+            Some(_) => named.clone().find(|t| self.is(&t.borrow().record)),
+            None => named
+                .clone()
+                .find(|t| tag_of(&t.borrow().record) == LATEST)
+                .or_else(|| named.max_by_key(|t| t.borrow().record.created_unix_ms)),
+        }
+    }
+}
+
+impl std::fmt::Display for TemplateRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.tag {
+            Some(t) => write!(f, "{}:{t}", self.name),
+            None => f.write_str(&self.name),
+        }
     }
 }
 
@@ -223,11 +409,11 @@ impl Templates {
         if !ids::valid_name(&record.name) {
             return Err(format!("the name {:?} is not valid", record.name));
         }
-        if self
-            .all()
-            .iter()
-            .any(|t| t.record.name == record.name && t.record.tenant == record.tenant)
-        {
+        if self.all().iter().any(|t| {
+            t.record.name == record.name
+                && tag_of(&t.record) == tag_of(&record)
+                && t.record.tenant == record.tenant
+        }) {
             return Ok(None);
         }
         for (what, path, version) in [
@@ -250,7 +436,7 @@ impl Templates {
             return Err(format!("its files: {e}"));
         }
         record.memory_file_bytes = disk_bytes(&dir.join("memory"));
-        match self.add(record, dir) {
+        match self.add(record, dir, false) {
             Ok(t) => Ok(Some(t)),
             Err(ApiError::TemplateExists(_)) => Ok(None),
             Err(e) => Err(e.to_string()),
@@ -321,10 +507,11 @@ mod tests {
     #[test]
     fn tenants_see_their_own_and_the_shared_templates() {
         let (t, dir) = registry("see");
-        t.add(record("base", "", "tpl-1"), dir.join("1")).unwrap();
-        t.add(record("base", "acme", "tpl-2"), dir.join("2"))
+        t.add(record("base", "", "tpl-1"), dir.join("1"), false)
             .unwrap();
-        t.add(record("mine", "other", "tpl-3"), dir.join("3"))
+        t.add(record("base", "acme", "tpl-2"), dir.join("2"), false)
+            .unwrap();
+        t.add(record("mine", "other", "tpl-3"), dir.join("3"), false)
             .unwrap();
         assert_eq!(t.find("acme", "base").unwrap().record.id, "tpl-2");
         assert_eq!(t.find("zed", "base").unwrap().record.id, "tpl-1");
@@ -332,15 +519,103 @@ mod tests {
         assert_eq!(t.for_tenant("acme").len(), 2);
         assert_eq!(t.owner_for("default"), "");
         assert!(matches!(
-            t.check_new("default", "base"),
+            t.check_new("default", "base", false),
             Err(ApiError::TemplateExists(_))
         ));
-        assert_eq!(t.check_new("acme", "new").unwrap(), "acme");
-        assert!(t.check_new("acme", "Bad").is_err());
-        assert!(t.remove("acme", "mine").is_err(), "not acme's");
-        assert_eq!(t.remove("other", "mine").unwrap().record.id, "tpl-3");
+        assert_eq!(t.check_new("acme", "new", false).unwrap(), "acme");
+        assert!(t.check_new("acme", "Bad", false).is_err());
+        assert!(t.own("acme", "mine").is_err(), "not acme's");
+        let mine = t.own("other", "mine").unwrap();
+        assert_eq!(t.remove_id(&mine.record.id).unwrap().record.id, "tpl-3");
         assert!(t.by_id("tpl-3").is_none());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn at(mut r: Template, ms: i64) -> Template {
+        r.created_unix_ms = ms;
+        r
+    }
+
+    #[test]
+    fn versions_are_named_by_tag_and_a_bare_name_is_latest_or_the_newest() {
+        let (t, dir) = registry("tags");
+        let add = |r: Template, replace| t.add(r, dir.join("x"), replace);
+        add(at(record("py:v1", "acme", "tpl-1"), 1), false).unwrap();
+        add(at(record("py:v2", "acme", "tpl-2"), 2), false).unwrap();
+        // No `latest`: the bare name is the newest version, and cannot be deleted unnamed.
+        assert_eq!(t.find("acme", "py").unwrap().record.id, "tpl-2");
+        assert_eq!(t.find("acme", "py:v1").unwrap().record.id, "tpl-1");
+        assert_eq!(t.find("acme", "py:v1").unwrap().record.name, "py");
+        assert_eq!(reference(&t.find("acme", "py:v1").unwrap().record), "py:v1");
+        let err = t.own("acme", "py").unwrap_err().to_string();
+        assert!(err.contains("v1, v2") || err.contains("v2, v1"), "{err}");
+        assert!(matches!(
+            t.find("acme", "py:v3"),
+            Err(ApiError::TemplateNotFound(_))
+        ));
+        assert!(matches!(
+            t.check_new("acme", "py:v1", false),
+            Err(ApiError::TemplateExists(_))
+        ));
+        assert!(t.check_new("acme", "py:v1", true).is_ok());
+        for bad in ["py:", "py:-x", "py:a/b", "Py:v1", "py:v:1"] {
+            assert!(TemplateRef::parse(bad).is_err(), "{bad}");
+        }
+        // An untagged one is `latest`, and the bare name's from then on.
+        add(at(record("py", "acme", "tpl-3"), 0), false).unwrap();
+        assert_eq!(t.find("acme", "py").unwrap().record.id, "tpl-3");
+        assert_eq!(t.find("acme", "py:latest").unwrap().record.id, "tpl-3");
+        assert_eq!(t.own("acme", "py").unwrap().record.id, "tpl-3");
+        assert_eq!(reference(&t.find("acme", "py").unwrap().record), "py");
+        // Replacing moves the tag; the old version keeps its id as its tag.
+        assert!(matches!(
+            add(at(record("py:v1", "acme", "tpl-4"), 4), false),
+            Err(ApiError::TemplateExists(_))
+        ));
+        add(at(record("py:v1", "acme", "tpl-4"), 4), true).unwrap();
+        assert_eq!(t.find("acme", "py:v1").unwrap().record.id, "tpl-4");
+        assert_eq!(t.find("acme", "py:tpl-1").unwrap().record.id, "tpl-1");
+        // The store has the same after a reload.
+        let again = Templates::load(t.store.clone(), dir.join("t"), "default").unwrap();
+        assert_eq!(again.find("acme", "py:tpl-1").unwrap().record.id, "tpl-1");
+        assert_eq!(again.find("acme", "py:v1").unwrap().record.id, "tpl-4");
+        // Another tenant's versions are not seen; shared ones are, after one's own.
+        assert!(t.find("zed", "py").is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_template_of_another_snapshot_format_or_agent_protocol_is_outdated() {
+        let rt = |format, protocol| TemplateRt {
+            record: Template {
+                snapshot_format: format,
+                agent_protocol: protocol,
+                ..record("old", "", "tpl-1")
+            },
+            dir: PathBuf::from("/nonexistent"),
+        };
+        assert!(
+            rt(STATE_VERSION, airlock_proto::PROTOCOL_VERSION)
+                .check_restorable()
+                .is_ok()
+        );
+        assert!(rt(STATE_VERSION, 0).check_restorable().is_ok());
+        assert!(
+            rt(0, 0).check_restorable().is_ok(),
+            "unknown: the VMM decides"
+        );
+        for (f, p) in [
+            (STATE_VERSION - 1, 0),
+            (STATE_VERSION + 1, 0),
+            (STATE_VERSION, 99),
+        ] {
+            let err = rt(f, p).check_restorable().unwrap_err();
+            assert_eq!(err.reason(), "TEMPLATE_OUTDATED");
+            assert!(
+                err.to_string().contains("airlock template rebuild old"),
+                "{err}"
+            );
+        }
     }
 
     /// Exports `t` as an exporter (the system tests' harness) does.

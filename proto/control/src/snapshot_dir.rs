@@ -17,6 +17,11 @@ use std::path::Path;
 
 /// The VM's state (vCPUs, devices, memory layout), written last.
 pub const STATE_FILE: &str = "state";
+/// First bytes of a `state` file, then its format version (u32, little-endian).
+pub const STATE_MAGIC: &[u8; 8] = b"AIRLSNAP";
+/// The `state` format the VMM of this build writes and reads. Bump it on any change to the
+/// VMM's snapshot shape: the daemon then refuses older templates (TEMPLATE_OUTDATED).
+pub const STATE_VERSION: u32 = 2;
 /// The state file while it is written.
 pub const STATE_TMP_FILE: &str = "state.tmp";
 /// Guest memory, a sparse file.
@@ -102,6 +107,22 @@ pub fn open_prepared(dir: &Path, name: &str) -> io::Result<File> {
         })
 }
 
+/// The format version of the `state` file in `dir`, from its header; `None` when it has none
+/// (missing, short, another magic).
+pub fn state_version(dir: &Path) -> Option<u32> {
+    use std::io::Read as _;
+    let mut header = [0u8; 12];
+    File::open(dir.join(STATE_FILE))
+        .and_then(|mut f| f.read_exact(&mut header))
+        .ok()?;
+    if &header[..8] != STATE_MAGIC {
+        return None;
+    }
+    Some(u32::from_le_bytes([
+        header[8], header[9], header[10], header[11],
+    ]))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,6 +132,22 @@ mod tests {
         let d = std::env::temp_dir().join(format!("airlock-snapdir-{}-{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         d
+    }
+
+    #[test]
+    fn a_state_files_header_gives_its_format_version() {
+        let d = scratch("version");
+        std::fs::create_dir_all(&d).unwrap();
+        assert_eq!(state_version(&d), None, "no state file");
+        let mut header = STATE_MAGIC.to_vec();
+        header.extend_from_slice(&7u32.to_le_bytes());
+        std::fs::write(d.join(STATE_FILE), &header).unwrap();
+        assert_eq!(state_version(&d), Some(7));
+        std::fs::write(d.join(STATE_FILE), b"NOTSNAP!\x02\0\0\0").unwrap();
+        assert_eq!(state_version(&d), None, "another magic");
+        std::fs::write(d.join(STATE_FILE), &header[..10]).unwrap();
+        assert_eq!(state_version(&d), None, "short");
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]

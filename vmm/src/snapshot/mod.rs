@@ -28,9 +28,10 @@ use kvm::{KvmStateError, VcpuKvmState, VmKvmState};
 use memory::RegionLayout;
 
 /// First bytes of a `state` file.
-pub const MAGIC: &[u8; 8] = b"AIRLSNAP";
-/// The format this build writes and reads. Bump it on any change to [`Snapshot`]'s shape.
-pub const VERSION: u32 = 2;
+pub use airlock_control::snapshot_dir::STATE_MAGIC as MAGIC;
+/// The format this build writes and reads (bump it, in `airlock_control::snapshot_dir`, on
+/// any change to [`Snapshot`]'s shape): the daemon refuses older templates by it.
+pub use airlock_control::snapshot_dir::STATE_VERSION as VERSION;
 /// Largest payload a `state` file may announce.
 pub const MAX_STATE_BYTES: u64 = 16 << 20;
 /// Largest guest memory a snapshot may describe (1 TiB, the limit of `VmConfig`).
