@@ -158,17 +158,43 @@ pub enum TemplateCommand {
     /// Build a template from a Dockerfile and a context directory (progress and RUN output on
     /// stderr); prints its name
     Build(Box<TemplateBuildArgs>),
-    /// List the templates you can use: yours and the shared ones (--json: a list of records)
+    /// List the templates you can use, every version: yours and the shared ones (--json: a
+    /// list of records)
     Ls,
-    /// Delete one of your templates (sandboxes made from it keep running)
+    /// Delete one version of your templates: NAME:TAG, or NAME for its `latest` (refused while
+    /// live sandboxes run from it)
     Rm(TemplateRmArgs),
+    /// Print the log of a template's build
+    Log(TemplateRmArgs),
+    /// Build a template again the way it was made (its recipe), on the base image, kernel and
+    /// image tags of now, as a new version; its tag moves to the new version unless --tag
+    Rebuild(TemplateRebuildArgs),
+}
+
+/// `template rebuild`.
+#[derive(Debug, Args)]
+pub struct TemplateRebuildArgs {
+    /// The version to rebuild: NAME or NAME:TAG
+    pub name: String,
+    /// The new version's tag [default: the old version's, which moves to the new one; the
+    /// old version stays, tagged with its id]
+    #[arg(long, value_name = "TAG")]
+    pub tag: Option<String>,
+    /// The registry account for its image (its password from $AIRLOCK_REGISTRY_PASSWORD)
+    #[arg(long, value_name = "USER")]
+    pub registry_user: Option<String>,
 }
 
 /// `template create`.
 #[derive(Debug, Args)]
 pub struct TemplateCreateArgs {
-    /// Name of the template: [a-z0-9][a-z0-9._-]{0,62}
+    /// Name of the template, NAME or NAME:TAG (NAME [a-z0-9][a-z0-9._-]{0,62}; no tag:
+    /// `latest`)
     pub name: String,
+    /// If NAME:TAG exists, the new version takes its tag (the old one stays, tagged with its
+    /// id, for the sandboxes that run from it)
+    #[arg(long)]
+    pub replace: bool,
     /// vCPUs of its sandboxes [daemon's default: 1]
     #[arg(long, value_name = "N")]
     pub vcpus: Option<u32>,
@@ -208,8 +234,11 @@ pub struct TemplateCreateArgs {
 /// `template build`.
 #[derive(Debug, Args)]
 pub struct TemplateBuildArgs {
-    /// Name of the template: [a-z0-9][a-z0-9._-]{0,62}
+    /// Name of the template, NAME or NAME:TAG (no tag: `latest`)
     pub name: String,
+    /// If NAME:TAG exists, the new version takes its tag (as `template create --replace`)
+    #[arg(long)]
+    pub replace: bool,
     /// The build context: a directory whose files COPY and ADD name (at most 3 MiB)
     #[arg(default_value = ".")]
     pub context: std::path::PathBuf,
@@ -246,10 +275,10 @@ pub struct TemplateBuildArgs {
     pub packages: PackageArgs,
 }
 
-/// `template rm`.
+/// `template rm` and `template log`.
 #[derive(Debug, Args)]
 pub struct TemplateRmArgs {
-    /// The template's name
+    /// The template: NAME or NAME:TAG
     pub name: String,
 }
 

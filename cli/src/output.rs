@@ -290,7 +290,9 @@ pub fn template_json(t: &Template) -> Value {
         "memory_mib": t.memory_mib, "kernel_path": t.kernel_path, "kernel_version": t.kernel_version,
         "rootfs_path": t.rootfs_path, "rootfs_version": t.rootfs_version,
         "source_sandbox_id": t.source_sandbox_id, "created_unix_ms": t.created_unix_ms,
-        "image": t.image, "source": t.source,
+        "image": t.image, "source": t.source, "tag": t.tag, "size_bytes": t.size_bytes,
+        "snapshot_format": t.snapshot_format, "agent_protocol": t.agent_protocol,
+        "live_sandboxes": t.live_sandboxes,
         "image_defaults": t.image_defaults.as_ref().map(|d| json!({
             "env": d.env, "working_dir": d.working_dir, "user": d.user,
             "entrypoint": d.entrypoint, "cmd": d.cmd,
@@ -418,9 +420,13 @@ pub fn node_table(list: &[Node]) -> String {
 /// The table of `airlock template ls`.
 pub fn template_table(list: &[Template]) -> String {
     let mut out = format!(
-        "{:<16} {:<22} {:>5} {:>7} {:<8} {}\n",
-        "NAME", "ID", "VCPUS", "MEM_MIB", "OWNER", "SOURCE"
+        "{:<16} {:<12} {:<22} {:>5} {:>7} {:>8} {:>4} {:<8} {}\n",
+        "NAME", "TAG", "ID", "VCPUS", "MEM_MIB", "SIZE_MIB", "LIVE", "OWNER", "SOURCE"
     );
+    let mut list: Vec<&Template> = list.iter().collect();
+    list.sort_by(|a, b| {
+        (&a.tenant, &a.name, b.created_unix_ms).cmp(&(&b.tenant, &b.name, a.created_unix_ms))
+    });
     for t in list {
         let owner = if t.tenant.is_empty() {
             "shared"
@@ -429,11 +435,14 @@ pub fn template_table(list: &[Template]) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<16} {:<22} {:>5} {:>7} {:<8} {}",
+            "{:<16} {:<12} {:<22} {:>5} {:>7} {:>8} {:>4} {:<8} {}",
             t.name,
+            if t.tag.is_empty() { "latest" } else { &t.tag },
             t.id,
             t.vcpus,
             t.memory_mib,
+            t.size_bytes >> 20,
+            t.live_sandboxes,
             owner,
             if t.source.is_empty() {
                 &t.image

@@ -267,6 +267,7 @@ pub fn template_request(args: &TemplateCreateArgs, password: String) -> CreateTe
         memory_mib: args.memory_mib.unwrap_or(0),
         warmup: args.warmup.clone().unwrap_or_default(),
         no_warmup: args.no_warmup,
+        replace: args.replace,
     }
 }
 
@@ -310,6 +311,7 @@ pub fn build_request(
         ready_url: args.ready_url.clone().unwrap_or_default(),
         ready_timeout_s: args.ready_timeout.unwrap_or(0),
         no_cache: args.no_cache,
+        replace: args.replace,
     })
 }
 

@@ -28,6 +28,7 @@ struct Seen {
     exec: Option<ExecRequest>,
     template: Option<CreateTemplateRequest>,
     build: Option<BuildTemplateRequest>,
+    rebuild: Option<RebuildTemplateRequest>,
     list: Option<ListSandboxesRequest>,
     files: HashMap<String, (u32, Vec<u8>)>,
     net: Option<SetNetworkPolicyRequest>,
@@ -164,6 +165,7 @@ fn install_event(
 impl Airlock for Mock {
     type CreateTemplateStream = Events<TemplateEvent>;
     type BuildTemplateStream = Events<TemplateEvent>;
+    type RebuildTemplateStream = Events<TemplateEvent>;
     type StreamExecutionStream = Events<ExecutionEvent>;
     type ReadFileStream = Events<FileChunk>;
 
@@ -205,6 +207,33 @@ impl Airlock for Mock {
             ev("output", "compiling\n", None),
             ev("ready", "done", Some(t)),
         ])))
+    }
+    async fn rebuild_template(
+        &self,
+        r: Request<RebuildTemplateRequest>,
+    ) -> Answer<Events<TemplateEvent>> {
+        let r = r.into_inner();
+        let mut t = template(r.name.split(':').next().unwrap_or_default());
+        t.tag = r.tag.clone();
+        self.0.lock().unwrap().rebuild = Some(r);
+        Ok(Response::new(events(vec![TemplateEvent {
+            phase: "ready".into(),
+            message: "done".into(),
+            template: Some(t),
+            ..Default::default()
+        }])))
+    }
+    async fn get_template_log(
+        &self,
+        r: Request<GetTemplateLogRequest>,
+    ) -> Answer<GetTemplateLogResponse> {
+        if r.into_inner().name != "py:v1" {
+            return Err(Status::not_found("TEMPLATE_NOT_FOUND"));
+        }
+        Ok(Response::new(GetTemplateLogResponse {
+            log: "[     1.0s] booting: cold boot\n".into(),
+            truncated: false,
+        }))
     }
     async fn list_templates(
         &self,
@@ -1047,6 +1076,23 @@ async fn template_build_sends_the_dockerfile_and_its_context() {
         .await;
     assert_eq!(p.status.code(), Some(1));
     assert!(text(&p.stderr).contains("/nonexistent/Dockerfile"));
+}
+
+#[tokio::test]
+async fn template_rebuild_and_log_name_a_version() {
+    let d = Daemon::start();
+    let p = d
+        .airlock(&["template", "rebuild", "py:v1", "--tag", "v2"])
+        .await;
+    assert_eq!(p.status.code(), Some(0), "{}", text(&p.stderr));
+    assert_eq!(text(&p.stdout), "py:v2 (tpl-py)\n");
+    let req = d.seen().rebuild.clone().unwrap();
+    assert_eq!((req.name.as_str(), req.tag.as_str()), ("py:v1", "v2"));
+    let p = d.airlock(&["template", "log", "py:v1"]).await;
+    assert_eq!(p.status.code(), Some(0), "{}", text(&p.stderr));
+    assert_eq!(text(&p.stdout), "[     1.0s] booting: cold boot\n");
+    let p = d.airlock(&["template", "log", "py:v9"]).await;
+    assert_eq!(p.status.code(), Some(1));
 }
 
 #[tokio::test]
