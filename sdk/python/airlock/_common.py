@@ -205,11 +205,25 @@ class Template:
     source_sandbox_id: str
     created_unix_ms: int
     memory_file_bytes: int
-    #: ``oci:REFERENCE@sha256:DIGEST`` for a template imported from an OCI image, else "".
+    #: What it was made from: ``oci:REFERENCE@sha256:DIGEST`` (an OCI image),
+    #: ``dockerfile:sha256:HEX`` (a Dockerfile and its context), ``image:NAME@VERSION`` (a
+    #: registered image); a snapshot's is its source template's.
     source: str = ""
     #: An imported image's defaults: ``env`` (KEY=VALUE list), ``working_dir``, ``user``,
     #: ``entrypoint``, ``cmd``; ``None`` for other templates.
     image_defaults: Optional[Dict[str, Any]] = None
+    #: The version's tag (``latest`` unless its creator named one): sandboxes name it
+    #: ``name:tag``, ``name`` alone being ``latest`` (else the newest version).
+    tag: str = "latest"
+    #: Bytes its files take on the daemon's disk.
+    size_bytes: int = 0
+    #: Live sandboxes (running or paused) restored from it, when listed.
+    live_sandboxes: int = 0
+
+    @property
+    def reference(self) -> str:
+        """How sandboxes name this version: ``name`` for ``latest``, else ``name:tag``."""
+        return self.name if self.tag == "latest" else f"{self.name}:{self.tag}"
 
     @classmethod
     def from_pb(cls, t: "pb.Template") -> "Template":
@@ -226,6 +240,9 @@ class Template:
             created_unix_ms=t.created_unix_ms,
             memory_file_bytes=t.memory_file_bytes,
             source=t.source,
+            tag=t.tag or "latest",
+            size_bytes=t.size_bytes,
+            live_sandboxes=t.live_sandboxes,
             image_defaults=None
             if d is None
             else {
@@ -288,6 +305,7 @@ def build_request(
     ready_timeout: int = 0,
     no_cache: bool = False,
     registry_auth: Optional[Tuple[str, str]] = None,
+    replace: bool = False,
 ) -> "pb.BuildTemplateRequest":
     """The BuildTemplate request of ``templates.build`` (sync and asyncio alike): ``context``
     is a directory (sent as a tar) or the tar's bytes."""
@@ -310,6 +328,7 @@ def build_request(
         no_cache=no_cache,
         registry_username=user,
         registry_password=password,
+        replace=replace,
     )
     policy = network_policy(network)
     if policy is not None:
@@ -329,10 +348,12 @@ def template_request(
     no_warmup: bool = False,
     oci_image: str = "",
     registry_auth: Optional[Tuple[str, str]] = None,
+    replace: bool = False,
 ) -> "pb.CreateTemplateRequest":
     """The CreateTemplate request of ``templates.create`` (sync and asyncio alike)."""
     req = pb.CreateTemplateRequest(
         name=name,
+        replace=replace,
         image=image,
         kernel_path=kernel_path,
         rootfs_path=rootfs_path,
@@ -347,6 +368,25 @@ def template_request(
     elif registry_auth is not None:
         raise ValueError("registry_auth goes with oci_image")
     return req
+
+
+def rebuild_request(
+    name: str, tag: str = "", registry_auth: Optional[Tuple[str, str]] = None
+) -> "pb.RebuildTemplateRequest":
+    """The RebuildTemplate request of ``templates.rebuild`` (sync and asyncio alike)."""
+    user, password = registry_auth if registry_auth is not None else ("", "")
+    return pb.RebuildTemplateRequest(
+        name=name, tag=tag, registry_username=user, registry_password=password
+    )
+
+
+@dataclass(frozen=True)
+class TemplateLog:
+    """The kept log of a template's build (``truncated``: its beginning was dropped; the log
+    keeps its last MiB)."""
+
+    log: str
+    truncated: bool
 
 
 @dataclass(frozen=True)

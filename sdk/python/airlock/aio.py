@@ -176,6 +176,7 @@ class AsyncTemplates:
         on_progress: Optional[Callable[[TemplateProgress], None]] = None,
         oci_image: str = "",
         registry_auth: Optional[Tuple[str, str]] = None,
+        replace: bool = False,
     ) -> Template:
         req = template_request(
             name,
@@ -188,6 +189,7 @@ class AsyncTemplates:
             no_warmup=no_warmup,
             oci_image=oci_image,
             registry_auth=registry_auth,
+            replace=replace,
         )
         async for ev in self._c._server_stream("CreateTemplate", req):
             if on_progress is not None:
@@ -211,6 +213,7 @@ class AsyncTemplates:
         no_cache: bool = False,
         registry_auth: Optional[Tuple[str, str]] = None,
         on_progress: Optional[Callable[[TemplateProgress], None]] = None,
+        replace: bool = False,
     ) -> Template:
         """Builds a template from a Dockerfile (its text): FROM a template or an OCI image, each
         RUN in a sandbox under ``network`` (deny-all by default) with its output to
@@ -233,6 +236,7 @@ class AsyncTemplates:
             ready_timeout=ready_timeout,
             no_cache=no_cache,
             registry_auth=registry_auth,
+            replace=replace,
         )
         async for ev in self._c._server_stream("BuildTemplate", req):
             if on_progress is not None:
@@ -246,7 +250,35 @@ class AsyncTemplates:
         return [Template.from_pb(t) for t in resp.templates]
 
     async def delete(self, name: str) -> None:
+        """Deletes one version: ``name:tag``, or ``name`` for its ``latest`` (or only)
+        version. Raises :class:`~airlock.TemplateInUse` while live sandboxes run from it."""
         await self._c._unary("DeleteTemplate", pb.DeleteTemplateRequest(name=name))
+
+    async def log(self, name: str) -> c.TemplateLog:
+        """The kept log of the build of ``name`` (``name:tag``)."""
+        r = await self._c._unary("GetTemplateLog", pb.GetTemplateLogRequest(name=name))
+        return c.TemplateLog(log=r.log, truncated=r.truncated)
+
+    async def rebuild(
+        self,
+        name: str,
+        *,
+        tag: str = "",
+        registry_auth: Optional[Tuple[str, str]] = None,
+        on_progress: Optional[Callable[[TemplateProgress], None]] = None,
+    ) -> Template:
+        """Builds ``name`` (``name:tag``) again the way it was made, on the base image, kernel
+        and image tags of now, as a new version tagged ``tag`` (default: the old version's tag,
+        which moves to the new one; the old version stays, tagged with its id, for its
+        sandboxes). A template snapshotted from a sandbox has no recipe:
+        :class:`~airlock.InvalidArgument`."""
+        req = c.rebuild_request(name, tag, registry_auth)
+        async for ev in self._c._server_stream("RebuildTemplate", req):
+            if on_progress is not None:
+                on_progress(TemplateProgress(ev.phase, ev.elapsed_ms, ev.message))
+            if ev.HasField("template"):
+                return Template.from_pb(ev.template)
+        raise AirlockError("the template build ended without a template", "INTERNAL")
 
 
 class AsyncVolumes:

@@ -179,6 +179,7 @@ class Templates:
         on_progress: Optional[Callable[[TemplateProgress], None]] = None,
         oci_image: str = "",
         registry_auth: Optional[Tuple[str, str]] = None,
+        replace: bool = False,
     ) -> Template:
         """Boots the kernel and image once, runs ``warmup`` (a shell command whose files end
         up in the snapshot's page cache; default: the daemon's, which loads Python;
@@ -201,6 +202,7 @@ class Templates:
             no_warmup=no_warmup,
             oci_image=oci_image,
             registry_auth=registry_auth,
+            replace=replace,
         )
         for ev in self._c._server_stream("CreateTemplate", req):
             if on_progress is not None:
@@ -224,6 +226,7 @@ class Templates:
         no_cache: bool = False,
         registry_auth: Optional[Tuple[str, str]] = None,
         on_progress: Optional[Callable[[TemplateProgress], None]] = None,
+        replace: bool = False,
     ) -> Template:
         """Builds a template from a Dockerfile (its text): FROM a template or an OCI image, each
         RUN in a sandbox under ``network`` (deny-all by default) with its output to
@@ -246,6 +249,7 @@ class Templates:
             ready_timeout=ready_timeout,
             no_cache=no_cache,
             registry_auth=registry_auth,
+            replace=replace,
         )
         for ev in self._c._server_stream("BuildTemplate", req):
             if on_progress is not None:
@@ -259,7 +263,35 @@ class Templates:
         return [Template.from_pb(t) for t in resp.templates]
 
     def delete(self, name: str) -> None:
+        """Deletes one version: ``name:tag``, or ``name`` for its ``latest`` (or only)
+        version. Raises :class:`~airlock.TemplateInUse` while live sandboxes run from it."""
         self._c._unary("DeleteTemplate", pb.DeleteTemplateRequest(name=name))
+
+    def log(self, name: str) -> c.TemplateLog:
+        """The kept log of the build of ``name`` (``name:tag``)."""
+        r = self._c._unary("GetTemplateLog", pb.GetTemplateLogRequest(name=name))
+        return c.TemplateLog(log=r.log, truncated=r.truncated)
+
+    def rebuild(
+        self,
+        name: str,
+        *,
+        tag: str = "",
+        registry_auth: Optional[Tuple[str, str]] = None,
+        on_progress: Optional[Callable[[TemplateProgress], None]] = None,
+    ) -> Template:
+        """Builds ``name`` (``name:tag``) again the way it was made, on the base image, kernel
+        and image tags of now, as a new version tagged ``tag`` (default: the old version's tag,
+        which moves to the new one; the old version stays, tagged with its id, for its
+        sandboxes). A template snapshotted from a sandbox has no recipe:
+        :class:`~airlock.InvalidArgument`."""
+        req = c.rebuild_request(name, tag, registry_auth)
+        for ev in self._c._server_stream("RebuildTemplate", req):
+            if on_progress is not None:
+                on_progress(TemplateProgress(ev.phase, ev.elapsed_ms, ev.message))
+            if ev.HasField("template"):
+                return Template.from_pb(ev.template)
+        raise AirlockError("the template build ended without a template", "INTERNAL")
 
 
 class Volumes:

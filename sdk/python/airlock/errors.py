@@ -49,6 +49,9 @@ __all__ = [
     "ImageRefused",
     "RegistryUnavailable",
     "BuildStepFailed",
+    "TemplateInUse",
+    "TemplateOutdated",
+    "NotPermitted",
     "SecretsPresent",
     "GuestPermissionDenied",
     "StartFailed",
@@ -256,6 +259,27 @@ class ImageRefused(InvalidArgument):
     reason_codes = ("IMAGE_REFUSED",)
 
 
+class TemplateInUse(AirlockError):
+    """``templates.delete`` of a version live sandboxes run from. ``metadata["sandbox_id"]``
+    names some of them, ``metadata["count"]`` says how many."""
+
+    reason_codes = ("TEMPLATE_IN_USE",)
+
+
+class TemplateOutdated(AirlockError):
+    """The template was made by a VMM or guest agent this daemon cannot restore; rebuild it
+    (``templates.rebuild``)."""
+
+    reason_codes = ("TEMPLATE_OUTDATED",)
+
+
+class NotPermitted(AirlockError):
+    """The token lacks the right the call needs (a tenant's run-only token may not make or
+    delete templates)."""
+
+    reason_codes = ("NOT_PERMITTED",)
+
+
 class BuildStepFailed(AirlockError):
     """A Dockerfile build's step failed (``templates.build``): its command exited non-zero or
     could not start. ``metadata["line"]`` is its line; the message has its last output."""
@@ -365,6 +389,9 @@ _BY_REASON = {
         ImageRefused,
         RegistryUnavailable,
         BuildStepFailed,
+        TemplateInUse,
+        TemplateOutdated,
+        NotPermitted,
         SecretsPresent,
         GuestPermissionDenied,
         StartFailed,

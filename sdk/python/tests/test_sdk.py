@@ -32,6 +32,12 @@ def test_template_build_progress_and_listing(daemon, client):
     listed = {t.name: t for t in client.templates.list()}
     assert listed["base"].id == base.id
     assert listed["base"].kernel_version and listed["base"].rootfs_version
+    assert listed["base"].tag == "latest" and listed["base"].reference == "base"
+    assert listed["base"].size_bytes > 0
+    assert listed["base"].source.startswith("image:default@"), listed["base"].source
+    # Its build's progress is kept as its log.
+    log = client.templates.log("base")
+    assert "booting" in log.log and "ready" in log.log and not log.truncated
     # Templates are immutable.
     with pytest.raises(airlock.TemplateExists) as e:
         client.templates.create("base")
@@ -430,6 +436,10 @@ def test_pause_resume_snapshot_and_templates(client):
     with client.sandboxes.create(template="snap-test") as clone:
         assert clone.template == "snap-test"
         assert clone.files.read_text("/tmp/state.txt") == "saved"
+        # A version sandboxes run from is not deleted under them.
+        with pytest.raises(airlock.TemplateInUse) as e:
+            client.templates.delete("snap-test")
+        assert e.value.metadata["sandbox_id"] == clone.id
     client.templates.delete("snap-test")
     assert "snap-test" not in {t.name for t in client.templates.list()}
     with pytest.raises(airlock.TemplateNotFound):
