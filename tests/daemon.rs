@@ -693,6 +693,74 @@ async fn a_snapshot_becomes_a_template_whose_clones_have_its_files() {
     );
 }
 
+/// The base template's SBOM lists its Debian packages (git among them), its global npm
+/// packages and its kernel and agent, in CycloneDX and SPDX; the sandbox that read them is
+/// gone afterwards, and a second call gives what was kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_template_tells_what_it_is_made_of() {
+    let (_serial, s) = shared().await;
+    let mut c = s.client(Some(TENANT_TOKEN)).await;
+    let sbom = |format: &str| GetTemplateSbomRequest {
+        name: "base".into(),
+        format: format.into(),
+    };
+    let t0 = Instant::now();
+    let cdx = c
+        .get_template_sbom(sbom("cyclonedx"))
+        .await
+        .unwrap_or_else(|e| panic!("sbom: {e:?}\n{}", s.log_tail()))
+        .into_inner();
+    eprintln!(
+        "sbom: {} packages found in {:?}",
+        cdx.packages.len(),
+        t0.elapsed()
+    );
+    let has = |eco: &str, name: &str| {
+        cdx.packages
+            .iter()
+            .any(|p| p.ecosystem == eco && p.name == name && !p.version.is_empty())
+    };
+    for (eco, name) in [
+        ("deb", "git"),
+        ("deb", "curl"),
+        ("deb", "python3"),
+        ("npm", "npm"),
+        ("airlock", "guest-kernel"),
+        ("airlock", "airlock-agent"),
+    ] {
+        assert!(has(eco, name), "{eco} {name} missing: {:?}", cdx.packages);
+    }
+    let doc: serde_json::Value = serde_json::from_str(&cdx.document).unwrap();
+    assert_eq!(doc["bomFormat"], "CycloneDX");
+    assert_eq!(
+        doc["components"].as_array().unwrap().len(),
+        cdx.packages.len()
+    );
+    let git = cdx.packages.iter().find(|p| p.name == "git").unwrap();
+    assert!(git.purl.starts_with("pkg:deb/debian/git@"), "{git:?}");
+    let spdx = c
+        .get_template_sbom(sbom("spdx"))
+        .await
+        .unwrap()
+        .into_inner();
+    let doc: serde_json::Value = serde_json::from_str(&spdx.document).unwrap();
+    assert_eq!(doc["spdxVersion"], "SPDX-2.3");
+    assert_eq!(spdx.packages, cdx.packages, "the kept list");
+    let left = c
+        .list_sandboxes(ListSandboxesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .sandboxes;
+    assert!(
+        left.iter().all(|sb| !sb.labels.contains_key("airlock.sbom")
+            || sb.state == SandboxState::Destroyed as i32),
+        "{left:?}"
+    );
+    let bad = c.get_template_sbom(sbom("xml")).await.unwrap_err();
+    assert_eq!(reason(&bad).0, "INVALID_ARGUMENT");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn metrics_count_sandboxes_creates_and_executions() {
     let (_serial, s) = shared().await;

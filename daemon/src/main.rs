@@ -36,6 +36,7 @@ mod reason;
 mod recovery;
 mod retention;
 mod sandbox;
+mod sbom;
 mod secrets;
 mod server;
 mod service;

@@ -264,6 +264,21 @@ impl Airlock for Service {
         Ok(self.template_stream("RebuildTemplate", tenant, recipe))
     }
 
+    async fn get_template_sbom(
+        &self,
+        req: Request<GetTemplateSbomRequest>,
+    ) -> Result<Response<GetTemplateSbomResponse>, Status> {
+        let tenant = tenant(&req)?;
+        let r = req.into_inner();
+        let (d, t) = (self.daemon.clone(), tenant.clone());
+        traced(
+            "GetTemplateSbom",
+            &tenant,
+            detached(async move { crate::sbom::of_template(&d, &t, &r.name, &r.format).await }),
+        )
+        .await
+    }
+
     async fn get_template_log(
         &self,
         req: Request<GetTemplateLogRequest>,
