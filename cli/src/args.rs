@@ -166,9 +166,25 @@ pub enum TemplateCommand {
     Rm(TemplateRmArgs),
     /// Print the log of a template's build
     Log(TemplateRmArgs),
+    /// Print what a template is made of (its packages, kernel and agent) as an SBOM: CycloneDX
+    /// or SPDX JSON (--packages: one `ECOSYSTEM NAME VERSION` line each)
+    Sbom(TemplateSbomArgs),
     /// Build a template again the way it was made (its recipe), on the base image, kernel and
     /// image tags of now, as a new version; its tag moves to the new version unless --tag
     Rebuild(TemplateRebuildArgs),
+}
+
+/// `template sbom`.
+#[derive(Debug, Args)]
+pub struct TemplateSbomArgs {
+    /// The template: NAME or NAME:TAG
+    pub name: String,
+    /// The document's format
+    #[arg(long, value_name = "FORMAT", default_value = "cyclonedx", value_parser = ["cyclonedx", "spdx"])]
+    pub format: String,
+    /// Print the packages as lines instead of the document
+    #[arg(long)]
+    pub packages: bool,
 }
 
 /// `template rebuild`.

@@ -223,6 +223,21 @@ impl Airlock for Mock {
             ..Default::default()
         }])))
     }
+    async fn get_template_sbom(
+        &self,
+        r: Request<GetTemplateSbomRequest>,
+    ) -> Answer<GetTemplateSbomResponse> {
+        let r = r.into_inner();
+        Ok(Response::new(GetTemplateSbomResponse {
+            document: format!("{{\"format\":\"{}\"}}", r.format),
+            packages: vec![SbomPackage {
+                ecosystem: "deb".into(),
+                name: "git".into(),
+                version: "1:2.39".into(),
+                purl: String::new(),
+            }],
+        }))
+    }
     async fn get_template_log(
         &self,
         r: Request<GetTemplateLogRequest>,
@@ -1093,6 +1108,14 @@ async fn template_rebuild_and_log_name_a_version() {
     assert_eq!(text(&p.stdout), "[     1.0s] booting: cold boot\n");
     let p = d.airlock(&["template", "log", "py:v9"]).await;
     assert_eq!(p.status.code(), Some(1));
+    let p = d
+        .airlock(&["template", "sbom", "py:v1", "--format", "spdx"])
+        .await;
+    assert_eq!(text(&p.stdout), "{\"format\":\"spdx\"}\n");
+    let p = d
+        .airlock(&["template", "sbom", "py:v1", "--packages"])
+        .await;
+    assert_eq!(text(&p.stdout), "deb git 1:2.39\n");
 }
 
 #[tokio::test]

@@ -1,13 +1,15 @@
 //! `template create`, `build`, `rebuild`, `ls`, `log`, `rm`.
 
 use airlock_api::v1::{
-    DeleteTemplateRequest, GetTemplateLogRequest, ListTemplatesRequest, RebuildTemplateRequest,
-    Template, TemplateEvent,
+    DeleteTemplateRequest, GetTemplateLogRequest, GetTemplateSbomRequest, ListTemplatesRequest,
+    RebuildTemplateRequest, Template, TemplateEvent,
 };
 use serde_json::{Value, json};
 
 use super::{Ctx, fail};
-use crate::args::{TemplateBuildArgs, TemplateCommand, TemplateCreateArgs, TemplateRebuildArgs};
+use crate::args::{
+    TemplateBuildArgs, TemplateCommand, TemplateCreateArgs, TemplateRebuildArgs, TemplateSbomArgs,
+};
 use crate::output::{print_json, template_json, template_table};
 use crate::request::{build_request, template_request};
 
@@ -19,6 +21,7 @@ pub async fn run(ctx: &mut Ctx, command: TemplateCommand) -> Result<u8, String> 
         TemplateCommand::Ls => list(ctx).await,
         TemplateCommand::Rm(a) => remove(ctx, &a.name).await,
         TemplateCommand::Log(a) => log(ctx, &a.name).await,
+        TemplateCommand::Sbom(a) => sbom(ctx, a).await,
         TemplateCommand::Rebuild(a) => rebuild(ctx, a).await,
     }
 }
@@ -104,6 +107,27 @@ async fn rebuild(ctx: &mut Ctx, args: TemplateRebuildArgs) -> Result<u8, String>
         .map_err(fail)?
         .into_inner();
     follow(ctx, stream).await
+}
+
+/// `template sbom`: the document (or, with --packages, a line per package).
+async fn sbom(ctx: &mut Ctx, args: TemplateSbomArgs) -> Result<u8, String> {
+    let r = ctx
+        .client
+        .get_template_sbom(GetTemplateSbomRequest {
+            name: args.name,
+            format: args.format,
+        })
+        .await
+        .map_err(fail)?
+        .into_inner();
+    if args.packages {
+        for p in &r.packages {
+            println!("{} {} {}", p.ecosystem, p.name, p.version);
+        }
+    } else {
+        println!("{}", r.document);
+    }
+    Ok(0)
 }
 
 /// `template log`: the kept log as it was streamed (--json: `{log, truncated}`).
