@@ -15,9 +15,11 @@ import os
 
 import asyncio
 from typing import (
+    Any,
     AsyncIterator,
     Awaitable,
     Callable,
+    Dict,
     List,
     Mapping,
     Optional,
@@ -253,6 +255,17 @@ class AsyncTemplates:
         """Deletes one version: ``name:tag``, or ``name`` for its ``latest`` (or only)
         version. Raises :class:`~airlock.TemplateInUse` while live sandboxes run from it."""
         await self._c._unary("DeleteTemplate", pb.DeleteTemplateRequest(name=name))
+
+    async def sbom(self, name: str, format: str = "cyclonedx") -> Dict[str, Any]:
+        """What template ``name`` is made of (its Debian or Alpine, Python and global npm
+        packages with versions, its kernel and agent), as a CycloneDX 1.5 (``format=
+        "cyclonedx"``) or SPDX 2.3 (``"spdx"``) document, parsed. Found once in a sandbox of
+        the template (a few seconds), then kept."""
+        import json
+
+        req = pb.GetTemplateSbomRequest(name=name, format=format)
+        r = await self._c._unary("GetTemplateSbom", req)
+        return json.loads(r.document)
 
     async def log(self, name: str) -> c.TemplateLog:
         """The kept log of the build of ``name`` (``name:tag``)."""

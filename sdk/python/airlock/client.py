@@ -5,7 +5,18 @@ from __future__ import annotations
 import os
 
 import time
-from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import grpc
 
@@ -266,6 +277,17 @@ class Templates:
         """Deletes one version: ``name:tag``, or ``name`` for its ``latest`` (or only)
         version. Raises :class:`~airlock.TemplateInUse` while live sandboxes run from it."""
         self._c._unary("DeleteTemplate", pb.DeleteTemplateRequest(name=name))
+
+    def sbom(self, name: str, format: str = "cyclonedx") -> Dict[str, Any]:
+        """What template ``name`` is made of (its Debian or Alpine, Python and global npm
+        packages with versions, its kernel and agent), as a CycloneDX 1.5 (``format=
+        "cyclonedx"``) or SPDX 2.3 (``"spdx"``) document, parsed. Found once in a sandbox of
+        the template (a few seconds), then kept."""
+        import json
+
+        req = pb.GetTemplateSbomRequest(name=name, format=format)
+        r = self._c._unary("GetTemplateSbom", req)
+        return json.loads(r.document)
 
     def log(self, name: str) -> c.TemplateLog:
         """The kept log of the build of ``name`` (``name:tag``)."""

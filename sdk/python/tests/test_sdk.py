@@ -38,6 +38,10 @@ def test_template_build_progress_and_listing(daemon, client):
     # Its build's progress is kept as its log.
     log = client.templates.log("base")
     assert "booting" in log.log and "ready" in log.log and not log.truncated
+    # What it is made of, as an SPDX document.
+    spdx = client.templates.sbom("base", format="spdx")
+    assert spdx["spdxVersion"] == "SPDX-2.3"
+    assert "git" in {p["name"] for p in spdx["packages"]}
     # Templates are immutable.
     with pytest.raises(airlock.TemplateExists) as e:
         client.templates.create("base")
