@@ -301,11 +301,41 @@ async fn an_oci_image_becomes_a_template_whose_sandboxes_run_it() {
     assert_eq!(sb2.template_id, rebuilt.id);
     let (out, _, _) = run_as(&mut c, &sb2.id, "", &["sh", "-c", "echo \"$GREETING\""]).await;
     assert_eq!(out, "hello from the image\n");
+    // The rebuild's recipe is kept without the credentials.
+    let recipe = std::fs::read(
+        s.data_dir
+            .join("templates")
+            .join(&rebuilt.id)
+            .join("recipe.pb"),
+    )
+    .expect("the kept recipe");
+    assert!(
+        recipe.windows(8).any(|w| w == b"team/app"),
+        "the image's reference"
+    );
+    assert!(
+        !recipe.windows(7).any(|w| w == b"pull-pw"),
+        "a password in the recipe"
+    );
     s.clean(&[TOKEN]).await;
+    // The image's root filesystem goes with the last version booted from it.
+    let hex = amd64
+        .manifest
+        .digest
+        .trim_start_matches("sha256:")
+        .to_owned();
+    let rootfs_of_image = || {
+        std::fs::read_dir(s.data_dir.join("images").join("rootfs"))
+            .unwrap()
+            .filter_map(Result::ok)
+            .any(|e| e.file_name().to_string_lossy().starts_with(&hex))
+    };
+    assert!(rootfs_of_image());
     for v in [format!("app:{}", t.id), "app".into()] {
-        c.delete_template(DeleteTemplateRequest { name: v })
+        c.delete_template(DeleteTemplateRequest { name: v.clone() })
             .await
             .unwrap();
+        assert_eq!(rootfs_of_image(), v != "app", "after deleting {v}");
     }
 }
 

@@ -329,7 +329,32 @@ impl Daemon {
         let t = self.templates.remove_id(&t.record.id)?;
         self.pool.remove_template(&t.record.id);
         let _ = std::fs::remove_dir_all(&t.dir);
+        self.release_image_rootfs(&t.record.rootfs_path);
         Ok(())
+    }
+
+    /// Removes an imported image's root filesystem (under `DATA_DIR/images/rootfs`) once no
+    /// template is booted from it any more (the last version, step cache or build of it went);
+    /// a later import of the same image makes it again from the cached layers.
+    fn release_image_rootfs(&self, rootfs: &str) {
+        let images = self.cfg.data_dir.join("images").join("rootfs");
+        let path = Path::new(rootfs);
+        if !path.starts_with(&images)
+            || self
+                .templates
+                .list()
+                .iter()
+                .any(|t| t.record.rootfs_path == rootfs)
+        {
+            return;
+        }
+        // With its marker (`.shell`: the image has a /bin/sh).
+        let _ = std::fs::remove_file(path.with_extension("shell"));
+        match std::fs::remove_file(path) {
+            Ok(()) => info!(rootfs, "image root filesystem removed: no template uses it"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => warn!(rootfs, "removing an unused image root filesystem: {e}"),
+        }
     }
 
     /// The live sandboxes (starting, running or paused) restored from template `id`.
