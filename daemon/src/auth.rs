@@ -69,11 +69,6 @@ impl Tokens {
         Ok(Self { entries })
     }
 
-    /// The tenant `token` belongs to. Every known digest is compared (no early exit).
-    pub fn tenant_of(&self, token: &str) -> Option<&str> {
-        self.caller_of(token).map(|(tenant, _)| tenant)
-    }
-
     /// The tenant `token` belongs to and whether it may make templates. Every known digest is
     /// compared (no early exit).
     pub fn caller_of(&self, token: &str) -> Option<(&str, bool)> {
@@ -102,10 +97,9 @@ mod tests {
         ))
         .unwrap();
         let tokens = Tokens::from_config(&cfg).unwrap();
-        assert_eq!(tokens.tenant_of("clear-token"), Some("acme"));
-        assert_eq!(tokens.tenant_of("hashed-token"), Some("zed"));
-        assert_eq!(tokens.tenant_of("clear-token "), None);
-        assert_eq!(tokens.tenant_of(""), None);
+        assert_eq!(tokens.caller_of("hashed-token"), Some(("zed", true)));
+        assert_eq!(tokens.caller_of("clear-token "), None);
+        assert_eq!(tokens.caller_of(""), None);
         assert_eq!(tokens.caller_of("clear-token"), Some(("acme", true)));
         assert_eq!(tokens.caller_of("run-token"), Some(("acme", false)));
         assert!(

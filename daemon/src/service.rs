@@ -136,31 +136,14 @@ impl Service {
         let (ptx, mut prx) = tokio::sync::mpsc::channel::<TemplateEvent>(16);
         let d = self.daemon.clone();
         let span = tracing::info_span!("call", call, tenant = %tenant);
-        let kept = crate::versions::keep_recipe(&recipe);
-        let build = tokio::spawn(
-            async move { crate::versions::make(&d, &tenant, recipe, ptx).await }.instrument(span),
-        );
+        let build =
+            tokio::spawn(crate::versions::make_and_keep(d, tenant, recipe, ptx).instrument(span));
         tokio::spawn(async move {
-            let mut log = crate::versions::BuildLog::default();
-            // The event with the template goes last, once its recipe and log are kept: a
-            // client that asks for the log at once finds it.
-            let mut last = None;
             while let Some(ev) = prx.recv().await {
-                log.push(&ev);
-                if ev.template.is_some() {
-                    last = Some(ev);
-                } else {
-                    let _ = tx.send(Ok(ev)).await;
-                }
+                let _ = tx.send(Ok(ev)).await;
             }
             let end = match build.await {
-                Ok(Ok(t)) => {
-                    crate::versions::save(&t, &kept, log);
-                    if let Some(ev) = last {
-                        let _ = tx.send(Ok(ev)).await;
-                    }
-                    return;
-                }
+                Ok(Ok(_)) => return,
                 Ok(Err(e)) => e.into(),
                 Err(e) => Status::internal(format!("template build: {e}")),
             };

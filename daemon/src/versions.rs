@@ -39,6 +39,38 @@ pub async fn make(
     }
 }
 
+/// Makes the template `how` describes, its progress sent to `out` (the event with the
+/// template last, once its recipe and log are kept beside it: a client that asks for the log
+/// at once finds it).
+pub async fn make_and_keep(
+    d: Arc<Daemon>,
+    tenant: String,
+    how: How,
+    out: Sender<TemplateEvent>,
+) -> ApiResult<TemplateRt> {
+    let kept = keep_recipe(&how);
+    let (ptx, mut prx) = tokio::sync::mpsc::channel::<TemplateEvent>(16);
+    let build = tokio::spawn(async move { make(&d, &tenant, how, ptx).await });
+    let mut log = BuildLog::default();
+    let mut last = None;
+    while let Some(ev) = prx.recv().await {
+        log.push(&ev);
+        if ev.template.is_some() {
+            last = Some(ev);
+        } else {
+            let _ = out.send(ev).await;
+        }
+    }
+    let t = build
+        .await
+        .map_err(|e| ApiError::Internal(format!("template build: {e}")))??;
+    save(&t, &kept, log);
+    if let Some(ev) = last {
+        let _ = out.send(ev).await;
+    }
+    Ok(t)
+}
+
 /// What is kept of a request: everything but its credentials (and `replace`, which is the
 /// rebuild's own choice).
 pub fn keep_recipe(how: &How) -> TemplateRecipe {

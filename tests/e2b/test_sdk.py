@@ -305,3 +305,37 @@ def test_stream_input_and_close_stdin(sbx):
     sbx.commands.stream_input(h.pid, ["one ", "two ", b"three"])
     sbx.commands.close_stdin(h.pid)
     assert h.wait().stdout == "one two three"
+
+
+def test_a_template_built_with_the_sdk_builder_runs(tmp_path):
+    """E2B's `Template` builder and `Template.build`: files uploaded by hash, a COPY of a
+    directory, envs, a RUN as root and one as another user, a workdir; then a sandbox of it."""
+    from e2b import Template
+
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "hello.txt").write_text("hello from the context\n")
+    template = (
+        Template(file_context_path=str(tmp_path))
+        .from_template("base")
+        .copy("app", "/opt/app/")
+        .set_envs({"GREETING": "built by e2b"})
+        .run_cmd("echo ran > /opt/app/ran.txt && chmod 777 /opt/app")
+        .run_cmd("id -un > /opt/app/who.txt", user="user")
+        .set_workdir("/opt/app")
+    )
+    logs = []
+    info = Template.build(template, "e2b-built:v1", on_build_logs=logs.append)
+    assert info.template_id == "e2b-built"
+    messages = "\n".join(str(getattr(e, "message", e)) for e in logs)
+    assert "Uploaded 'app'" in messages, messages
+    sbx = Sandbox.create("e2b-built:v1")
+    try:
+        r = sbx.commands.run('cat hello.txt ran.txt who.txt; echo "$GREETING"; pwd', **RUN)
+        assert r.stdout == "hello from the context\nran\nuser\nbuilt by e2b\n/opt/app\n", r
+    finally:
+        sbx.kill()
+    # The same files again: already there, not uploaded twice.
+    logs.clear()
+    Template.build(template, "e2b-built:v1", on_build_logs=logs.append)
+    messages = "\n".join(str(getattr(e, "message", e)) for e in logs)
+    assert "already cached" in messages, messages

@@ -71,7 +71,7 @@ impl FromRequestParts<Arc<Gateway>> for Caller {
 
 /// A JSON body (an empty one is the default); one that is not JSON is a 400 in E2B's shape,
 /// not axum's text.
-struct JsonBody<T>(T);
+pub(super) struct JsonBody<T>(pub(super) T);
 
 impl<T: serde::de::DeserializeOwned + Default, S: Send + Sync> FromRequest<S> for JsonBody<T> {
     type Rejection = Response;

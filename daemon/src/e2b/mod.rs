@@ -21,6 +21,7 @@ mod control;
 mod files;
 mod filesystem;
 mod process;
+mod templates;
 
 use std::sync::Arc;
 
@@ -84,8 +85,10 @@ impl Default for E2bConfig {
 pub struct Gateway {
     pub daemon: Arc<Daemon>,
     tokens: Arc<Tokens>,
-    /// The key of sandboxes' access tokens.
+    /// The key of sandboxes' access tokens (and of template file upload links).
     key: [u8; 32],
+    /// Template builds and their uploaded files (`templates.rs`).
+    pub templates: templates::Builds,
 }
 
 /// The sandbox an envd request is for, authorised (put in the request by [`envd_auth`]).
@@ -132,6 +135,7 @@ impl Gateway {
             daemon,
             tokens,
             key: fixed,
+            templates: templates::Builds::default(),
         })
     }
 
@@ -146,14 +150,19 @@ impl Gateway {
 
     /// The tenant whose API key `headers` carry.
     pub fn tenant(&self, headers: &HeaderMap) -> Result<String, Response> {
+        self.caller(headers).map(|(tenant, _)| tenant)
+    }
+
+    /// The tenant whose API key `headers` carry, and whether the key may make templates.
+    pub fn caller(&self, headers: &HeaderMap) -> Result<(String, bool), Response> {
         let key = header_str(headers, "x-api-key")
             .or_else(|| {
                 header_str(headers, "authorization").map(|a| a.strip_prefix("Bearer ").unwrap_or(a))
             })
             .map(str::trim)
             .filter(|k| !k.is_empty());
-        match key.and_then(|k| self.tokens.tenant_of(k)) {
-            Some(t) => Ok(t.to_owned()),
+        match key.and_then(|k| self.tokens.caller_of(k)) {
+            Some((t, right)) => Ok((t.to_owned(), right)),
             None => Err(json_error(
                 StatusCode::UNAUTHORIZED,
                 "an API key (X-API-Key) of an Airlock tenant is needed",
@@ -223,6 +232,18 @@ fn mac(key: &[u8], id: &str) -> HmacSha256 {
     m.update(b"e2b-envd-access\0");
     m.update(id.as_bytes());
     m
+}
+
+impl Gateway {
+    /// The HMAC (hex) of `what` under the gateway's key: a capability in a URL.
+    pub fn sign(&self, what: &str) -> String {
+        access_token(&self.key, what)
+    }
+
+    /// Whether `token` is [`sign`](Self::sign)'s of `what` (constant time).
+    pub fn signed(&self, what: &str, token: &str) -> bool {
+        token_matches(&self.key, what, token)
+    }
 }
 
 /// Sandbox `id`'s access token under `key`: the hex of an HMAC-SHA256 of its id.
@@ -331,6 +352,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .layer(axum::middleware::from_fn_with_state(gw.clone(), envd_auth))
         .with_state(gw.clone());
     control::routes()
+        .merge(templates::routes())
         .with_state(gw)
         .fallback_service(envd)
         .layer(axum::extract::DefaultBodyLimit::disable())
