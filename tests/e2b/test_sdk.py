@@ -324,8 +324,10 @@ def test_a_template_built_with_the_sdk_builder_runs(tmp_path):
         .set_workdir("/opt/app")
     )
     logs = []
+    assert not Template.exists("e2b-built")
     info = Template.build(template, "e2b-built:v1", on_build_logs=logs.append)
     assert info.template_id == "e2b-built"
+    assert Template.exists("e2b-built")
     messages = "\n".join(str(getattr(e, "message", e)) for e in logs)
     assert "Uploaded 'app'" in messages, messages
     sbx = Sandbox.create("e2b-built:v1")
