@@ -1,7 +1,7 @@
 //! System test of templates from OCI images through a live daemon, against a real registry
 //! (docker-registry on loopback) serving images the test builds itself (`images/layout.rs`,
 //! pushed with skopeo by `images/registry.rs`; the harness's own host-side tests are in
-//! `images/selftest.rs`).
+//! `images/selftest.rs`); and a template's SBOM (the base template's packages).
 #![allow(clippy::unwrap_used)] // a failed step is a failed test
 
 #[path = "images/layout.rs"]
@@ -19,7 +19,8 @@ use registry::{Auth, Registry};
 
 use airlock_api::v1::{
     CreateSandboxRequest, CreateTemplateRequest, DeleteTemplateRequest, GetTemplateLogRequest,
-    ListTemplatesRequest, OciImage, RebuildTemplateRequest, Template,
+    GetTemplateSbomRequest, ListSandboxesRequest, ListTemplatesRequest, OciImage,
+    RebuildTemplateRequest, SandboxState, Template,
 };
 use airlock_system_tests::harness::{self, run_as};
 use airlock_system_tests::shared::{Shared, scenario};
@@ -621,4 +622,72 @@ impl Drop for FakeRegistry {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The base template's SBOM lists its Debian packages (git among them), its global npm
+/// packages and its kernel and agent, in CycloneDX and SPDX; the sandbox that read them is
+/// gone afterwards, and a second call gives what was kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_tells_what_it_is_made_of() {
+    let (_serial, s) = scenario(&config()).await;
+    let mut c = s.client(Some(TOKEN)).await;
+    let sbom = |format: &str| GetTemplateSbomRequest {
+        name: "base".into(),
+        format: format.into(),
+    };
+    let t0 = std::time::Instant::now();
+    let cdx = c
+        .get_template_sbom(sbom("cyclonedx"))
+        .await
+        .unwrap_or_else(|e| panic!("sbom: {e:?}\n{}", s.log_tail()))
+        .into_inner();
+    eprintln!(
+        "sbom: {} packages found in {:?}",
+        cdx.packages.len(),
+        t0.elapsed()
+    );
+    let has = |eco: &str, name: &str| {
+        cdx.packages
+            .iter()
+            .any(|p| p.ecosystem == eco && p.name == name && !p.version.is_empty())
+    };
+    for (eco, name) in [
+        ("deb", "git"),
+        ("deb", "curl"),
+        ("deb", "python3"),
+        ("npm", "npm"),
+        ("airlock", "guest-kernel"),
+        ("airlock", "airlock-agent"),
+    ] {
+        assert!(has(eco, name), "{eco} {name} missing: {:?}", cdx.packages);
+    }
+    let doc: serde_json::Value = serde_json::from_str(&cdx.document).unwrap();
+    assert_eq!(doc["bomFormat"], "CycloneDX");
+    assert_eq!(
+        doc["components"].as_array().unwrap().len(),
+        cdx.packages.len()
+    );
+    let git = cdx.packages.iter().find(|p| p.name == "git").unwrap();
+    assert!(git.purl.starts_with("pkg:deb/debian/git@"), "{git:?}");
+    let spdx = c
+        .get_template_sbom(sbom("spdx"))
+        .await
+        .unwrap()
+        .into_inner();
+    let doc: serde_json::Value = serde_json::from_str(&spdx.document).unwrap();
+    assert_eq!(doc["spdxVersion"], "SPDX-2.3");
+    assert_eq!(spdx.packages, cdx.packages, "the kept list");
+    let left = c
+        .list_sandboxes(ListSandboxesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .sandboxes;
+    assert!(
+        left.iter().all(|sb| !sb.labels.contains_key("airlock.sbom")
+            || sb.state == SandboxState::Destroyed as i32),
+        "{left:?}"
+    );
+    let bad = c.get_template_sbom(sbom("xml")).await.unwrap_err();
+    assert_eq!(harness::reason(&bad).0, "INVALID_ARGUMENT");
 }
