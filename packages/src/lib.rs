@@ -4,11 +4,13 @@
 //! - [`name`]: package names (PEP 503 normalisation) and the patterns of allow and deny lists;
 //! - [`policy`]: a tenant's ceiling and a sandbox's policy combined, and its verdicts;
 //! - [`pypi`]: the simple index, PEP 503 HTML and PEP 691 JSON, parsed and written;
-//! - [`npm`]: packuments (the registry's document of a package), parsed and rewritten.
+//! - [`npm`]: packuments (the registry's document of a package), parsed and rewritten;
+//! - [`debian`]: a Debian repository's Release (its verified file list) and Packages indexes.
 //!
 //! Every parser takes a body the caller already bounded in size, caps what it keeps (files per
 //! page, versions per package) and returns an error instead of panicking on any input.
 
+pub mod debian;
 pub mod name;
 pub mod npm;
 pub mod policy;

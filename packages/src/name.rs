@@ -74,10 +74,11 @@ impl Pattern {
             ));
         }
         if !t.bytes().all(|c| {
-            c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.' | b'~' | b'@' | b'/' | b'*')
+            c.is_ascii_alphanumeric()
+                || matches!(c, b'-' | b'_' | b'.' | b'~' | b'@' | b'/' | b'*' | b'+')
         }) {
             return Err(format!(
-                "package pattern {text:?}: only letters, digits, `-_.~@/` and `*` may appear"
+                "package pattern {text:?}: only letters, digits, `-_.~@/+` and `*` may appear"
             ));
         }
         let text = if pypi {
@@ -166,6 +167,12 @@ mod tests {
         assert!(Pattern::new("a*b*c", false).unwrap().matches("axxbyyc"));
         assert!(!Pattern::new("a*b*c", false).unwrap().matches("axxbyy"));
         assert!(Pattern::new("bad pattern", true).is_err());
+        // Debian names have `+` (`g++`, `libstdc++6`).
+        assert!(
+            Pattern::new("libstdc++*", false)
+                .unwrap()
+                .matches("libstdc++6")
+        );
         assert!(Pattern::new("", true).is_err());
         // Many stars against a long name stay linear.
         let many = Pattern::new(&"a*".repeat(50), false).unwrap();
