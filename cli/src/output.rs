@@ -135,7 +135,7 @@ pub fn packages_text(p: Option<&PackagePolicy>) -> String {
 }
 
 /// The lowercase name of an `InstallOutcome`: `cached`, `fetched`, `denied`, `hash_mismatch`,
-/// `over_cap`, `upstream_error` (`unknown` for anything else).
+/// `over_cap`, `upstream_error`, `bad_signature` (`unknown` for anything else).
 pub fn install_outcome_name(o: i32) -> &'static str {
     match InstallOutcome::try_from(o) {
         Ok(InstallOutcome::Cached) => "cached",
@@ -144,6 +144,7 @@ pub fn install_outcome_name(o: i32) -> &'static str {
         Ok(InstallOutcome::HashMismatch) => "hash_mismatch",
         Ok(InstallOutcome::OverCap) => "over_cap",
         Ok(InstallOutcome::UpstreamError) => "upstream_error",
+        Ok(InstallOutcome::BadSignature) => "bad_signature",
         _ => "unknown",
     }
 }

@@ -78,7 +78,40 @@ pub async fn get_bounded(
     Ok((body, ctype))
 }
 
-/// Fetches `r` into the cache as `key` unless it is there: at most `limit` bytes, verified
+/// The size and SHA-256 (hex) of the cached file of digest `key`, if it is cached.
+pub fn cached(pkgs: &Packages, key: &str) -> Option<(u64, String)> {
+    let blob = pkgs.blob_path(key)?;
+    let size = std::fs::metadata(&blob).ok()?.len();
+    let sha = match key.strip_prefix("sha256-") {
+        Some(h) => h.to_owned(),
+        None => std::fs::read_to_string(blob.with_extension("sha256")).ok()?,
+    };
+    Some((size, sha))
+}
+
+/// The cached file of digest `key`, fetched first (one fetch per digest at a time) if it is
+/// not there. Returns its size and SHA-256, and whether it was fetched now.
+pub async fn cached_or_fetch(
+    pkgs: &Packages,
+    key: &str,
+    r: &FileRef,
+    limit: u64,
+    limit_is_cap: bool,
+) -> Result<((u64, String), bool), FetchError> {
+    if let Some(f) = cached(pkgs, key) {
+        return Ok((f, false));
+    }
+    let lock = pkgs.fetch_lock(key);
+    let _held = lock.lock().await;
+    if let Some(f) = cached(pkgs, key) {
+        return Ok((f, false));
+    }
+    fetch_into_cache(pkgs, key, r, limit, limit_is_cap)
+        .await
+        .map(|f| (f, true))
+}
+
+/// Fetches `r` into the cache as `key` (the caller knows it is not there): at most `limit` bytes, verified
 /// against the digest `key` names. Returns the blob's size and SHA-256 (hex).
 pub async fn fetch_into_cache(
     pkgs: &Packages,

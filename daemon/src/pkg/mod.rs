@@ -2,9 +2,10 @@
 //!
 //! Every sandbox's guest reaches it at the gateway, `100.96.0.1:3141` (the namespace's ruleset
 //! sends the guest's TCP to the daemon's transparent proxy, which hands connections for that
-//! address here instead of deciding them by the egress policy). The base image's pip and npm
-//! are configured to use it (`/etc/pip.conf`, `/etc/npmrc`). It speaks PyPI's simple index
-//! (PEP 503 HTML and PEP 691 JSON) and the npm registry protocol, as a pull-through cache of
+//! address here instead of deciding them by the egress policy). The base image's pip, npm and
+//! apt are configured to use it (`/etc/pip.conf`, `/etc/npmrc`, `/etc/apt/sources.list`). It
+//! speaks PyPI's simple index (PEP 503 HTML and PEP 691 JSON), the npm registry protocol and
+//! Debian's repository layout (`debian`: signatures checked here), as a pull-through cache of
 //! the operator's registries (`[packages.registries]`): index pages and packuments are fetched
 //! for each request and rewritten so that every file URL points here, under the digest the
 //! registry states for it (`/f/sha256-HEX/NAME`, `/f/sha512-HEX/NAME`); files are fetched once,
@@ -16,6 +17,7 @@
 //! and logs every file it asks for (and every refused page) with the outcome (the install log,
 //! `GetInstallLog`).
 
+mod debian;
 mod http;
 mod serve;
 
@@ -46,6 +48,7 @@ pub const PKG_PORT: u16 = 3141;
 pub enum Kind {
     Pypi,
     Npm,
+    Debian,
 }
 
 impl Kind {
@@ -53,17 +56,23 @@ impl Kind {
         match self {
             Kind::Pypi => "pypi",
             Kind::Npm => "npm",
+            Kind::Debian => "debian",
         }
     }
 }
 
 /// `[packages.registries.NAME]`: `kind = "pypi"`, `url = "https://pypi.org/simple/"` (a PyPI
-/// registry's simple index; an npm registry's root).
+/// registry's simple index; an npm registry's root; a Debian repository's root, the directory
+/// with `dists/` and `pool/`).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RegistryConfig {
     pub kind: Kind,
     pub url: String,
+    /// `debian` only, and required there: the OpenPGP keyring (binary, as `gpg --export`
+    /// writes it) whose keys may sign the repository's `InRelease` files.
+    #[serde(default)]
+    pub keyring: Option<PathBuf>,
 }
 
 /// A package policy in the settings: `[packages.default_ceiling]`, `[tenants.NAME.packages]`.
@@ -94,9 +103,11 @@ impl CeilingConfig {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PackagesConfig {
-    /// The registries by name. Default: `pypi` (https://pypi.org/simple/) and `npm`
-    /// (https://registry.npmjs.org/). Giving any replaces both; name an internal PyPI mirror
-    /// `pypi` (and an npm one `npm`) to make it what the base image's pip (npm) uses.
+    /// The registries by name. Default: `pypi` (https://pypi.org/simple/), `npm`
+    /// (https://registry.npmjs.org/) and `debian` (https://deb.debian.org/debian/, signed by
+    /// the keys in the host's `/usr/share/keyrings/debian-archive-keyring.gpg`). Giving any
+    /// replaces all three; name an internal PyPI mirror `pypi` (an npm one `npm`, a Debian one
+    /// `debian`) to make it what the base image's pip (npm, apt) uses.
     pub registries: BTreeMap<String, RegistryConfig>,
     /// The ceiling of tenants without one of their own: every registry, any package, no cap.
     pub default_ceiling: CeilingConfig,
@@ -117,6 +128,7 @@ impl Default for PackagesConfig {
         let reg = |kind, url: &str| RegistryConfig {
             kind,
             url: url.to_owned(),
+            keyring: None,
         };
         Self {
             registries: BTreeMap::from([
@@ -127,6 +139,13 @@ impl Default for PackagesConfig {
                 (
                     "npm".to_owned(),
                     reg(Kind::Npm, "https://registry.npmjs.org/"),
+                ),
+                (
+                    "debian".to_owned(),
+                    RegistryConfig {
+                        keyring: Some(PathBuf::from(DEBIAN_KEYRING)),
+                        ..reg(Kind::Debian, "https://deb.debian.org/debian/")
+                    },
                 ),
             ]),
             default_ceiling: CeilingConfig::default(),
@@ -140,12 +159,18 @@ impl Default for PackagesConfig {
     }
 }
 
+/// The keyring of the default `debian` registry: Debian's archive keys as the host's
+/// `debian-archive-keyring` package installs them.
+pub const DEBIAN_KEYRING: &str = "/usr/share/keyrings/debian-archive-keyring.gpg";
+
 /// A registry, parsed.
 #[derive(Clone, Debug)]
 pub struct Registry {
     pub kind: Kind,
     /// Ends with `/`.
     pub url: Url,
+    /// `debian`: the keyring its InRelease files are verified against.
+    pub keyring: Option<PathBuf>,
 }
 
 /// A file some index page listed: where it is and what it is. Keyed by its digest.
@@ -161,7 +186,7 @@ pub struct FileRef {
 
 /// Files remembered from index pages; past this the memory is cleared (clients fetch their
 /// index page again before a file, as pip and npm do).
-const MAX_REFS: usize = 200_000;
+pub(crate) const MAX_REFS: usize = 200_000;
 
 /// The daemon-wide part: registries, ceilings, the cache and its index of listed files.
 #[derive(Debug)]
@@ -176,6 +201,8 @@ pub struct Packages {
     refs: Mutex<HashMap<String, FileRef>>,
     /// One fetch per digest at a time (others wait for it and then find it cached).
     fetching: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// What the Debian registries' verified indexes list.
+    debian: Mutex<debian::State>,
     store: Arc<Store>,
     metrics: Arc<Metrics>,
 }
@@ -207,7 +234,35 @@ impl Packages {
             if !url.path().ends_with('/') {
                 url.set_path(&format!("{}/", url.path()));
             }
-            registries.insert(name.clone(), Registry { kind: r.kind, url });
+            match (r.kind, &r.keyring) {
+                (Kind::Debian, None) => {
+                    return Err(format!(
+                        "[packages.registries.{name}] a debian registry needs `keyring`, the \
+                         keys that sign its InRelease files"
+                    ));
+                }
+                (Kind::Debian, Some(k)) => {
+                    if let Err(e) = debian::check_keyring(k) {
+                        // Not fatal: a host without Debian's keyring still serves pip and npm;
+                        // apt's requests are then refused, naming this.
+                        warn!("[packages.registries.{name}] {e}");
+                    }
+                }
+                (_, Some(_)) => {
+                    return Err(format!(
+                        "[packages.registries.{name}] `keyring` is for debian registries"
+                    ));
+                }
+                (_, None) => {}
+            }
+            registries.insert(
+                name.clone(),
+                Registry {
+                    kind: r.kind,
+                    url,
+                    keyring: r.keyring.clone(),
+                },
+            );
         }
         let names: Vec<String> = registries.keys().cloned().collect();
         let check = |what: &str, p: &Parts| {
@@ -227,9 +282,16 @@ impl Packages {
             .cache_dir
             .clone()
             .unwrap_or_else(|| data_dir.join("packages"));
-        for sub in ["sha256", "sha512", "tmp"] {
+        for sub in ["sha256", "sha512", "tmp", "gnupg"] {
             std::fs::create_dir_all(cache.join(sub))
                 .map_err(|e| format!("{}: {e}", cache.join(sub).display()))?;
+        }
+        // gpgv's home (it keeps nothing there, but wants it private).
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            let home = cache.join("gnupg");
+            std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| format!("{}: {e}", home.display()))?;
         }
         // Partial downloads of a previous daemon.
         if let Ok(rd) = std::fs::read_dir(cache.join("tmp")) {
@@ -257,6 +319,7 @@ impl Packages {
             client,
             refs: Mutex::new(HashMap::new()),
             fetching: Mutex::new(HashMap::new()),
+            debian: Mutex::new(debian::State::default()),
             store,
             metrics,
         })
@@ -457,6 +520,7 @@ pub fn outcome_label(o: InstallOutcome) -> &'static str {
         InstallOutcome::HashMismatch => "hash_mismatch",
         InstallOutcome::OverCap => "over_cap",
         InstallOutcome::UpstreamError => "upstream_error",
+        InstallOutcome::BadSignature => "bad_signature",
         InstallOutcome::Unspecified => "unspecified",
     }
 }

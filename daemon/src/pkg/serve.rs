@@ -20,10 +20,10 @@ use hyper::{Method, Request, Response, StatusCode};
 use tokio::io::AsyncReadExt as _;
 use tokio::net::TcpStream;
 
-use super::http::{FetchError, fetch_into_cache, get_bounded};
+use super::http::{FetchError, cached_or_fetch, get_bounded};
 use super::{FileRef, Kind, Session};
 
-type Body = BoxBody<Bytes, std::io::Error>;
+pub(super) type Body = BoxBody<Bytes, std::io::Error>;
 
 /// Serves one guest connection until it closes.
 pub async fn serve(session: Arc<Session>, stream: TcpStream) {
@@ -38,12 +38,12 @@ pub async fn serve(session: Arc<Session>, stream: TcpStream) {
         .await;
 }
 
-fn full(b: impl Into<Bytes>) -> Body {
+pub(super) fn full(b: impl Into<Bytes>) -> Body {
     Full::new(b.into()).map_err(|never| match never {}).boxed()
 }
 
 /// A response with status, content type and body.
-fn respond(status: StatusCode, ctype: &str, body: impl Into<Bytes>) -> Response<Body> {
+pub(super) fn respond(status: StatusCode, ctype: &str, body: impl Into<Bytes>) -> Response<Body> {
     let mut r = Response::new(full(body));
     *r.status_mut() = status;
     if let Ok(v) = ctype.parse() {
@@ -68,7 +68,7 @@ fn header_text(s: &str) -> String {
 }
 
 /// A refusal or failure: the message as reason phrase and body.
-fn fail(status: StatusCode, message: &str, npm_client: bool) -> Response<Body> {
+pub(super) fn fail(status: StatusCode, message: &str, npm_client: bool) -> Response<Body> {
     let text = header_text(message);
     let mut r = if npm_client {
         respond(
@@ -111,7 +111,7 @@ fn refuse_index(message: &str, pip: bool) -> Response<Body> {
     }
 }
 
-fn event(reg: &str, kind: Kind, package: &str) -> InstallEvent {
+pub(super) fn event(reg: &str, kind: Kind, package: &str) -> InstallEvent {
     InstallEvent {
         registry: reg.to_owned(),
         kind: kind.as_str().to_owned(),
@@ -141,6 +141,11 @@ async fn handle(s: &Session, req: Request<Incoming>) -> Response<Body> {
         .to_owned();
     let path = req.uri().path().to_owned();
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    if let ["r", reg, rest @ ..] = parts.as_slice()
+        && s.pkgs.registry(reg).is_some_and(|r| r.kind == Kind::Debian)
+    {
+        return super::debian::handle(s, reg, rest).await;
+    }
     match parts.as_slice() {
         ["r", reg, "simple", project] | ["r", reg, "simple", project, ""] => {
             pypi_index(s, reg, project, pip, &accept).await
@@ -154,7 +159,7 @@ async fn handle(s: &Session, req: Request<Incoming>) -> Response<Body> {
             StatusCode::NOT_FOUND,
             &format!(
                 "nothing at {path}: PyPI indexes are at /r/REGISTRY/simple/PROJECT/, npm at \
-                 /r/REGISTRY/NAME (registries: {})",
+                 /r/REGISTRY/NAME, Debian repositories at /r/REGISTRY/ (registries: {})",
                 s.pkgs.registry_names().join(", ")
             ),
             false,
@@ -349,7 +354,12 @@ async fn npm_packument(s: &Session, reg: &str, name: &str) -> Response<Body> {
     respond(StatusCode::OK, "application/json", doc)
 }
 
-fn upstream_failed(s: &Session, mut ev: InstallEvent, e: &FetchError, npm: bool) -> Response<Body> {
+pub(super) fn upstream_failed(
+    s: &Session,
+    mut ev: InstallEvent,
+    e: &FetchError,
+    npm: bool,
+) -> Response<Body> {
     let msg = match e {
         FetchError::Upstream(m) => format!("the registry failed: {m}"),
         FetchError::NotFound => "the registry has no such file".to_owned(),
@@ -366,7 +376,7 @@ fn upstream_failed(s: &Session, mut ev: InstallEvent, e: &FetchError, npm: bool)
     fail(StatusCode::BAD_GATEWAY, &msg, npm)
 }
 
-async fn file(s: &Session, key: &str, npm_client: bool) -> Response<Body> {
+pub(super) async fn file(s: &Session, key: &str, npm_client: bool) -> Response<Body> {
     let Some(r) = s.pkgs.file_ref(key) else {
         return fail(
             StatusCode::NOT_FOUND,
@@ -392,62 +402,39 @@ async fn file(s: &Session, key: &str, npm_client: bool) -> Response<Body> {
         s.record(ev);
         return fail(StatusCode::FORBIDDEN, &msg, npm_client);
     }
-    let cached_sha = |blob: &std::path::Path| -> Option<(u64, String)> {
-        let size = std::fs::metadata(blob).ok()?.len();
-        let sha = match key.strip_prefix("sha256-") {
-            Some(h) => h.to_owned(),
-            None => std::fs::read_to_string(blob.with_extension("sha256")).ok()?,
-        };
-        Some((size, sha))
+    let left = s.left();
+    let max_file = s.pkgs.cfg.max_file_mib << 20;
+    let (limit, is_cap) = if left < max_file {
+        (left, true)
+    } else {
+        (max_file, false)
     };
-    let mut outcome = InstallOutcome::Cached;
-    let found = match cached_sha(&blob) {
-        Some(f) => f,
-        None => {
-            let lock = s.pkgs.fetch_lock(key);
-            let _held = lock.lock().await;
-            match cached_sha(&blob) {
-                Some(f) => f,
-                None => {
-                    let left = s.left();
-                    let max_file = s.pkgs.cfg.max_file_mib << 20;
-                    let (limit, is_cap) = if left < max_file {
-                        (left, true)
-                    } else {
-                        (max_file, false)
-                    };
-                    match fetch_into_cache(&s.pkgs, key, &r, limit, is_cap).await {
-                        Ok(f) => {
-                            outcome = InstallOutcome::Fetched;
-                            f
-                        }
-                        Err(FetchError::TooLarge { limit, cap: true }) => {
-                            let msg = format!(
-                                "{} is larger than the {limit} bytes left of the sandbox's \
-                                 download cap of {} bytes",
-                                r.filename, s.policy.max_download_bytes
-                            );
-                            ev.outcome = InstallOutcome::OverCap as i32;
-                            ev.message = msg.clone();
-                            s.record(ev);
-                            return fail(StatusCode::FORBIDDEN, &msg, npm_client);
-                        }
-                        Err(FetchError::Mismatch { expected, got }) => {
-                            let msg = format!(
-                                "{} from registry {} does not match its index: the index \
-                                 states {expected}, the file has {got}; refused, not cached",
-                                r.filename, r.registry
-                            );
-                            ev.outcome = InstallOutcome::HashMismatch as i32;
-                            ev.message = msg.clone();
-                            s.record(ev);
-                            return fail(StatusCode::BAD_GATEWAY, &msg, npm_client);
-                        }
-                        Err(e) => return upstream_failed(s, ev, &e, npm_client),
-                    }
-                }
-            }
+    let (found, outcome) = match cached_or_fetch(&s.pkgs, key, &r, limit, is_cap).await {
+        Ok((f, true)) => (f, InstallOutcome::Fetched),
+        Ok((f, false)) => (f, InstallOutcome::Cached),
+        Err(FetchError::TooLarge { limit, cap: true }) => {
+            let msg = format!(
+                "{} is larger than the {limit} bytes left of the sandbox's download cap of {} \
+                 bytes",
+                r.filename, s.policy.max_download_bytes
+            );
+            ev.outcome = InstallOutcome::OverCap as i32;
+            ev.message = msg.clone();
+            s.record(ev);
+            return fail(StatusCode::FORBIDDEN, &msg, npm_client);
         }
+        Err(FetchError::Mismatch { expected, got }) => {
+            let msg = format!(
+                "{} from registry {} does not match its index: the index states {expected}, \
+                 the file has {got}; refused, not cached",
+                r.filename, r.registry
+            );
+            ev.outcome = InstallOutcome::HashMismatch as i32;
+            ev.message = msg.clone();
+            s.record(ev);
+            return fail(StatusCode::BAD_GATEWAY, &msg, npm_client);
+        }
+        Err(e) => return upstream_failed(s, ev, &e, npm_client),
     };
     let (size, sha256) = found;
     ev.bytes = size;
@@ -479,6 +466,11 @@ async fn file(s: &Session, key: &str, npm_client: bool) -> Response<Body> {
         _ => "from the cache".to_owned(),
     };
     s.record(ev);
+    stream(f, size)
+}
+
+/// A cached file's response: its bytes streamed as they are read.
+pub(super) fn stream(f: tokio::fs::File, size: u64) -> Response<Body> {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(4);
     tokio::spawn(async move {
         let mut f = f;

@@ -129,3 +129,58 @@ fn events_are_logged_in_order_and_counted() {
         "{text}"
     );
 }
+
+#[test]
+fn a_debian_registry_needs_a_binary_keyring_and_only_it_takes_one() {
+    let dir = std::env::temp_dir().join(format!("airlock-pkg-deb-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let new = |registries: &str| {
+        let cfg: PackagesConfig = toml::from_str(registries).unwrap();
+        Packages::new(
+            cfg,
+            &dir,
+            &BTreeMap::new(),
+            Arc::new(Store::open(&dir.join("db")).unwrap()),
+            Arc::new(Metrics::default()),
+        )
+    };
+    let e = new("[registries.d]\nkind = \"debian\"\nurl = \"https://deb.example/debian/\"\n")
+        .unwrap_err();
+    assert!(e.contains("needs `keyring`"), "{e}");
+    let e = new(
+        "[registries.p]\nkind = \"pypi\"\nurl = \"https://pypi.example/simple/\"\n\
+         keyring = \"/k.gpg\"\n",
+    )
+    .unwrap_err();
+    assert!(e.contains("`keyring` is for debian registries"), "{e}");
+    // A missing keyring does not stop the daemon (pip and npm still work); it is named when
+    // apt asks.
+    let p = new(
+        "[registries.d]\nkind = \"debian\"\nurl = \"https://deb.example/debian\"\n\
+         keyring = \"/nonexistent/k.gpg\"\n",
+    )
+    .unwrap();
+    assert_eq!(p.registry("d").unwrap().kind, Kind::Debian);
+    assert_eq!(
+        p.registry("d").unwrap().url.as_str(),
+        "https://deb.example/debian/"
+    );
+    let armored = dir.join("k.asc");
+    std::fs::write(&armored, "-----BEGIN PGP PUBLIC KEY BLOCK-----\n").unwrap();
+    let e = debian::check_keyring(&armored).unwrap_err();
+    assert!(
+        e.contains("ASCII-armored") && e.contains("gpg --dearmor"),
+        "{e}"
+    );
+    assert!(debian::check_keyring(Path::new("/nonexistent/k.gpg")).is_err());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_default_registries_include_debian_with_the_hosts_archive_keyring() {
+    let d = PackagesConfig::default();
+    let deb = &d.registries["debian"];
+    assert_eq!(deb.kind, Kind::Debian);
+    assert_eq!(deb.keyring.as_deref(), Some(Path::new(DEBIAN_KEYRING)));
+}

@@ -876,6 +876,7 @@ _INSTALL_OUTCOMES = {
     pb.INSTALL_OUTCOME_HASH_MISMATCH: "hash_mismatch",
     pb.INSTALL_OUTCOME_OVER_CAP: "over_cap",
     pb.INSTALL_OUTCOME_UPSTREAM_ERROR: "upstream_error",
+    pb.INSTALL_OUTCOME_BAD_SIGNATURE: "bad_signature",
 }
 
 

@@ -1,0 +1,448 @@
+//! Debian repositories through the proxy (`kind = "debian"`): apt in the guest reads
+//! `/r/REGISTRY/dists/SUITE/Release`, the index files it lists and `/r/REGISTRY/pool/...`.
+//!
+//! The trust anchor is the registry's keyring on the host. A suite's upstream `InRelease` is
+//! fetched for each request for its Release and verified by `gpgv` against that keyring (one
+//! clearsigned message, a good signature with SHA-224 or stronger, signed for the suite asked
+//! for); only what gpgv verified is parsed, and that verified text is what the guest gets as
+//! the suite's `Release` (its `InRelease` and `Release.gpg` are not served: the guest has no key
+//! to check them with, and its apt would start `apt-key` and `gpgv` for nothing, which costs
+//! minutes in an emulated guest kernel). Every index file served must be listed in that verified Release (by path or by
+//! apt's `by-hash`) and is cached under, and checked against, the digest listed there; every
+//! `.deb` served must be listed in a `Packages` index read that way and is checked against the
+//! digest the index states. A `.deb` is a package like pip's and npm's files: the sandbox's
+//! policy decides by its Debian package name, its bytes count against the download cap, and it
+//! goes into the install log. The guest's apt therefore trusts the proxy (the base image's
+//! source is `[trusted=yes]`): the signature check that matters happens here, against keys
+//! the operator chose, and the guest cannot reach another source.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use airlock_api::v1::InstallOutcome;
+use airlock_packages::debian::{self as deb, Release};
+use hyper::{Response, StatusCode};
+use sha2::{Digest as _, Sha256};
+use tokio::io::AsyncWriteExt as _;
+
+use super::http::{FetchError, cached_or_fetch, get_bounded};
+use super::serve::{Body, event, fail, file, respond, stream, upstream_failed};
+use super::{FileRef, Kind, MAX_REFS, Packages, Registry, Session};
+
+/// What the Debian registries' verified indexes list (all registries, all sandboxes).
+#[derive(Debug, Default)]
+pub(super) struct State {
+    /// The last verified Release of each (registry, suite).
+    releases: HashMap<(String, String), Arc<Release>>,
+    /// Verified InRelease bodies by (registry, SHA-256), with their signed text: not verified
+    /// twice.
+    verified: HashMap<(String, String), (Arc<Release>, Arc<str>)>,
+    /// Packages indexes read, by (registry, digest key).
+    read: HashSet<(String, String)>,
+    /// `pool/...` paths by (registry, path): the digest key their index states.
+    pool: HashMap<(String, String), String>,
+}
+
+/// How long gpgv may take over one InRelease.
+const GPGV_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Checks that `path` is a keyring gpgv reads: a readable, binary OpenPGP keyring.
+pub(super) fn check_keyring(path: &Path) -> Result<(), String> {
+    let head = std::fs::read(path)
+        .map(|b| b.get(..32).unwrap_or(&b).to_vec())
+        .map_err(|e| format!("keyring {}: {e}", path.display()))?;
+    if head.starts_with(b"-----BEGIN PGP") {
+        return Err(format!(
+            "keyring {} is ASCII-armored; gpgv reads binary keyrings (`gpg --dearmor`)",
+            path.display()
+        ));
+    }
+    if head.is_empty() {
+        return Err(format!("keyring {} is empty", path.display()));
+    }
+    Ok(())
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+impl Packages {
+    fn debian(&self) -> std::sync::MutexGuard<'_, State> {
+        self.debian.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A request under `/r/REG/` of a Debian registry.
+pub(super) async fn handle(s: &Session, reg: &str, rest: &[&str]) -> Response<Body> {
+    let Some(registry) = s.pkgs.registry(reg).cloned() else {
+        return fail(StatusCode::NOT_FOUND, "no such registry", false);
+    };
+    match rest {
+        ["dists", suite, "Release"] => release(s, reg, &registry, suite).await,
+        ["dists", _, "InRelease" | "Release.gpg"] => fail(
+            StatusCode::NOT_FOUND,
+            "the proxy serves dists/SUITE/Release: the text of the upstream InRelease whose \
+             signature it verified against the registry's keyring",
+            false,
+        ),
+        ["dists", suite, path @ ..] if !path.is_empty() => {
+            index(s, reg, &registry, suite, &path.join("/")).await
+        }
+        ["pool", ..] => pool(s, reg, &rest.join("/")).await,
+        _ => fail(
+            StatusCode::NOT_FOUND,
+            &format!(
+                "nothing at /r/{reg}/{}: a Debian registry serves dists/SUITE/Release (verified), \
+                 the files it lists, and pool/",
+                rest.join("/")
+            ),
+            false,
+        ),
+    }
+}
+
+/// The event of a request for `file` of the repository (no package yet).
+fn repo_event(reg: &str, file: String) -> airlock_api::v1::InstallEvent {
+    let mut ev = event(reg, Kind::Debian, "");
+    ev.file = file;
+    ev
+}
+
+/// Refuses with `outcome`, logging `message`.
+fn refuse(
+    s: &Session,
+    mut ev: airlock_api::v1::InstallEvent,
+    outcome: InstallOutcome,
+    status: StatusCode,
+    message: &str,
+) -> Response<Body> {
+    ev.outcome = outcome as i32;
+    ev.message = message.to_owned();
+    s.record(ev);
+    fail(status, message, false)
+}
+
+/// A suite's Release: the verified text of its upstream InRelease.
+async fn release(s: &Session, reg: &str, registry: &Registry, suite: &str) -> Response<Body> {
+    let ev = repo_event(reg, format!("dists/{suite}/InRelease"));
+    if let Err(r) = s.policy.registry(reg) {
+        return refuse(
+            s,
+            ev,
+            InstallOutcome::Denied,
+            StatusCode::FORBIDDEN,
+            &r.to_string(),
+        );
+    }
+    if !deb::valid_segment(suite) {
+        return fail(StatusCode::NOT_FOUND, "not a suite name", false);
+    }
+    let Ok(url) = registry.url.join(&format!("dists/{suite}/InRelease")) else {
+        return fail(StatusCode::NOT_FOUND, "not a suite name", false);
+    };
+    let max = s.pkgs.cfg.max_index_mib << 20;
+    let body = match get_bounded(&s.pkgs, &url, "*/*", max).await {
+        Ok((b, _)) => b,
+        Err(FetchError::NotFound) => {
+            return fail(
+                StatusCode::NOT_FOUND,
+                &format!("registry {reg} has no suite {suite} (no InRelease)"),
+                false,
+            );
+        }
+        Err(e) => return upstream_failed(s, ev, &e, false),
+    };
+    let (release, text) = match verified(&s.pkgs, reg, registry, &body).await {
+        Ok(r) => r,
+        Err(why) => {
+            let msg = format!("the InRelease of {reg}/{suite} is refused: {why}");
+            return refuse(
+                s,
+                ev,
+                InstallOutcome::BadSignature,
+                StatusCode::BAD_GATEWAY,
+                &msg,
+            );
+        }
+    };
+    if !release.is_of(suite) {
+        let msg = format!(
+            "the InRelease of {reg}/{suite} is refused: it is signed for suite {:?} (codename \
+             {:?}), not {suite}",
+            release.suite, release.codename
+        );
+        return refuse(
+            s,
+            ev,
+            InstallOutcome::BadSignature,
+            StatusCode::BAD_GATEWAY,
+            &msg,
+        );
+    }
+    s.pkgs
+        .debian()
+        .releases
+        .insert((reg.to_owned(), suite.to_owned()), release);
+    respond(
+        StatusCode::OK,
+        "text/plain; charset=utf-8",
+        bytes::Bytes::from(text.as_bytes().to_vec()),
+    )
+}
+
+/// The Release an InRelease body holds, parsed and as text, once its signature is verified
+/// against the registry's keyring (a body verified before is not verified again).
+async fn verified(
+    pkgs: &Packages,
+    reg: &str,
+    registry: &Registry,
+    body: &[u8],
+) -> Result<(Arc<Release>, Arc<str>), String> {
+    deb::check_clearsigned(body)?;
+    let id = (reg.to_owned(), hex(&Sha256::digest(body)));
+    if let Some(r) = pkgs.debian().verified.get(&id) {
+        return Ok(r.clone());
+    }
+    let keyring = registry
+        .keyring
+        .as_deref()
+        .ok_or_else(|| "the registry has no keyring".to_owned())?;
+    check_keyring(keyring)?;
+    let text = gpgv(&pkgs.cache.join("gnupg"), keyring, body).await?;
+    let release = Arc::new(deb::parse_release(&text).map_err(|e| e.to_string())?);
+    let both = (release, Arc::<str>::from(text));
+    let mut st = pkgs.debian();
+    if st.verified.len() >= 256 {
+        st.verified.clear();
+    }
+    st.verified.insert(id, both.clone());
+    Ok(both)
+}
+
+/// Runs gpgv over a clearsigned `body`: the text it verified, if the signature is good.
+async fn gpgv(home: &Path, keyring: &Path, body: &[u8]) -> Result<String, String> {
+    let mut child = tokio::process::Command::new("gpgv")
+        .arg("--homedir")
+        .arg(home)
+        .arg("--keyring")
+        .arg(keyring)
+        .args(["--status-fd", "2", "--output", "-", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("gpgv could not run ({e}; the host needs Debian's gpgv package)"))?;
+    let mut stdin = child.stdin.take().ok_or("gpgv: no stdin")?;
+    let input = body.to_vec();
+    let writer = tokio::spawn(async move {
+        let _ = stdin.write_all(&input).await;
+        // Dropping stdin closes it: gpgv sees the end of the message.
+    });
+    let out = tokio::time::timeout(GPGV_TIMEOUT, child.wait_with_output())
+        .await
+        .map_err(|_| format!("gpgv took over {} s", GPGV_TIMEOUT.as_secs()))?
+        .map_err(|e| format!("gpgv: {e}"))?;
+    let _ = writer.await;
+    let status = String::from_utf8_lossy(&out.stderr);
+    deb::signature_verdict(&status)?;
+    if !out.status.success() {
+        // A good signature beside one by a key outside the keyring exits 2; anything else is
+        // a failure the status lines did not explain.
+        let unexplained = !status.contains("[GNUPG:] NO_PUBKEY");
+        if unexplained {
+            return Err(format!("gpgv failed ({})", out.status));
+        }
+    }
+    String::from_utf8(out.stdout).map_err(|_| "the signed text is not UTF-8".to_owned())
+}
+
+async fn index(
+    s: &Session,
+    reg: &str,
+    registry: &Registry,
+    suite: &str,
+    path: &str,
+) -> Response<Body> {
+    let ev = repo_event(reg, format!("dists/{suite}/{path}"));
+    if let Err(r) = s.policy.registry(reg) {
+        return refuse(
+            s,
+            ev,
+            InstallOutcome::Denied,
+            StatusCode::FORBIDDEN,
+            &r.to_string(),
+        );
+    }
+    if !deb::valid_segment(suite) || !deb::valid_path(path) {
+        return fail(StatusCode::NOT_FOUND, "not a repository path", false);
+    }
+    let release = s
+        .pkgs
+        .debian()
+        .releases
+        .get(&(reg.to_owned(), suite.to_owned()))
+        .cloned();
+    let Some(release) = release else {
+        return fail(
+            StatusCode::NOT_FOUND,
+            &format!("read dists/{suite}/Release first (apt-get update does)"),
+            false,
+        );
+    };
+    let Some((listed_path, listed)) = release.lookup(path) else {
+        return fail(
+            StatusCode::NOT_FOUND,
+            &format!("dists/{suite}/{path} is not listed in the suite's verified InRelease"),
+            false,
+        );
+    };
+    let Ok(url) = registry.url.join(&format!("dists/{suite}/{path}")) else {
+        return fail(StatusCode::NOT_FOUND, "not a repository path", false);
+    };
+    let key = format!("sha256-{}", listed.sha256);
+    let r = FileRef {
+        registry: reg.to_owned(),
+        kind: Kind::Debian,
+        package: String::new(),
+        version: String::new(),
+        filename: listed_path.to_owned(),
+        url,
+    };
+    // Indexes are bounded by the index limit, not counted against the sandbox's cap.
+    let max = s.pkgs.cfg.max_index_mib << 20;
+    let (size, _) = match cached_or_fetch(&s.pkgs, &key, &r, max, false).await {
+        Ok((f, _)) => f,
+        Err(FetchError::Mismatch { expected, got }) => {
+            let msg = format!(
+                "dists/{suite}/{path} of registry {reg} does not match the signed InRelease: \
+                 it states {expected}, the file has {got}; refused, not cached"
+            );
+            return refuse(
+                s,
+                ev,
+                InstallOutcome::HashMismatch,
+                StatusCode::BAD_GATEWAY,
+                &msg,
+            );
+        }
+        Err(e) => return upstream_failed(s, ev, &e, false),
+    };
+    let Some(blob) = s.pkgs.blob_path(&key) else {
+        return fail(StatusCode::NOT_FOUND, "not a digest", false);
+    };
+    if deb::is_packages_index(listed_path)
+        && let Err(e) = read_index(&s.pkgs, reg, registry, &key, listed_path, &blob).await
+    {
+        return upstream_failed(
+            s,
+            ev,
+            &FetchError::Upstream(format!("its index dists/{suite}/{listed_path}: {e}")),
+            false,
+        );
+    }
+    match tokio::fs::File::open(&blob).await {
+        Ok(f) => stream(f, size),
+        Err(e) => upstream_failed(
+            s,
+            ev,
+            &FetchError::Upstream(format!("the cache: {e}")),
+            false,
+        ),
+    }
+}
+
+/// Reads a verified `Packages` index once: every `.deb` it lists becomes servable under its
+/// path, with the digest, package and version the index states.
+async fn read_index(
+    pkgs: &Arc<Packages>,
+    reg: &str,
+    registry: &Registry,
+    key: &str,
+    listed_path: &str,
+    blob: &Path,
+) -> Result<(), String> {
+    let id = (reg.to_owned(), key.to_owned());
+    if pkgs.debian().read.contains(&id) {
+        return Ok(());
+    }
+    // A compressed index may unpack to eight times the index limit (Debian's main index for
+    // amd64: 9 MiB of xz, 45 MiB of text).
+    let max = (pkgs.cfg.max_index_mib << 20).saturating_mul(8);
+    let (blob, path) = (blob.to_owned(), listed_path.to_owned());
+    let debs = tokio::task::spawn_blocking(move || -> Result<Vec<deb::Deb>, String> {
+        let packed = std::fs::read(&blob).map_err(|e| e.to_string())?;
+        let text = deb::decompress(&path, &packed, max).map_err(|e| e.to_string())?;
+        deb::parse_packages(&String::from_utf8_lossy(&text)).map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| e.to_string())??;
+    let mut refs = Vec::with_capacity(debs.len());
+    {
+        let mut st = pkgs.debian();
+        if st.pool.len() + debs.len() > MAX_REFS {
+            st.pool.clear();
+            st.read.clear();
+        }
+        for d in debs {
+            let Ok(url) = registry.url.join(&d.filename) else {
+                continue;
+            };
+            let file_key = format!("sha256-{}", d.sha256);
+            st.pool
+                .insert((reg.to_owned(), d.filename.clone()), file_key.clone());
+            let filename = d.filename.rsplit('/').next().unwrap_or("").to_owned();
+            refs.push((
+                file_key,
+                FileRef {
+                    registry: reg.to_owned(),
+                    kind: Kind::Debian,
+                    package: d.package,
+                    version: d.version,
+                    filename,
+                    url,
+                },
+            ));
+        }
+        st.read.insert(id);
+    }
+    for (k, r) in refs {
+        pkgs.remember(k, r);
+    }
+    Ok(())
+}
+
+async fn pool(s: &Session, reg: &str, path: &str) -> Response<Body> {
+    if let Err(r) = s.policy.registry(reg) {
+        return refuse(
+            s,
+            repo_event(reg, path.to_owned()),
+            InstallOutcome::Denied,
+            StatusCode::FORBIDDEN,
+            &r.to_string(),
+        );
+    }
+    if !deb::valid_path(path) {
+        return fail(StatusCode::NOT_FOUND, "not a repository path", false);
+    }
+    let key = s
+        .pkgs
+        .debian()
+        .pool
+        .get(&(reg.to_owned(), path.to_owned()))
+        .cloned();
+    match key {
+        Some(key) => file(s, &key, false).await,
+        None => fail(
+            StatusCode::NOT_FOUND,
+            &format!(
+                "{path} is not listed by a Packages index this proxy has read for registry \
+                 {reg} (apt-get update reads them)"
+            ),
+            false,
+        ),
+    }
+}
