@@ -4,7 +4,7 @@
 //! tunnel-shaped names, other query types, queries beyond the rate limit. Every query is
 //! logged.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,6 +18,8 @@ use super::{NetState, now_ms};
 
 /// TTL of the answers: short, so that a policy change is not outlived by guests' caches.
 const TTL_S: u32 = 30;
+/// What a sandbox's own host name resolves to (Debian's /etc/hosts convention).
+const OWN_ADDRESS: Ipv4Addr = Ipv4Addr::new(127, 0, 1, 1);
 /// Lookups in flight per sandbox; more queries are refused.
 const MAX_PENDING: usize = 32;
 
@@ -92,6 +94,16 @@ pub(super) async fn serve(state: Arc<NetState>, sock: UdpSocket) {
                     continue;
                 }
                 let name = q.name.clone().unwrap_or_default();
+                if name == state.sandbox_id {
+                    // The sandbox's own host name (the agent sets its id) is answered here, as
+                    // /etc/hosts would: sudo and others look it up, and it is no egress.
+                    let answer = match q.qtype {
+                        QueryType::A => DnsAnswer::Addresses(vec![OWN_ADDRESS], TTL_S),
+                        _ => DnsAnswer::NoData,
+                    };
+                    reply(&sock, &q, &answer, from).await;
+                    continue;
+                }
                 let policy = state.policy();
                 let Some(rule) = allowing_rule(&policy, &name) else {
                     ev.verdict = match *policy {
