@@ -268,10 +268,14 @@ speed_up_profile() {
 }
 
 # Packages reach a sandbox through airlockd's package proxy on the gateway (port 3141: its
-# default PyPI registry under /r/pypi/, npm under /r/npm/), never from the public registries
-# directly (a sandbox's egress policy does not include them unless the operator adds them).
-# pip fails at once instead of retrying a refusal; the image is not "externally managed"
-# (PEP 668), so the sandbox user's `pip install` goes to ~/.local.
+# default PyPI registry under /r/pypi/, npm under /r/npm/, Debian under /r/debian/), never from
+# the public registries directly (a sandbox's egress policy does not include them unless the
+# operator adds them). pip fails at once instead of retrying a refusal; the image is not
+# "externally managed" (PEP 668), so the sandbox user's `pip install` goes to ~/.local.
+# apt's source is `[trusted=yes]`: the proxy verifies each InRelease against the keyring the
+# operator configured for the registry, and every index and .deb against the digests signed
+# there, before the guest sees them (an internal mirror with its own key needs no new image).
+# debootstrap's line (the build machine's mirror, which a sandbox cannot reach) goes.
 write_package_config() {
   local tree=$1
   cat >"$tree/etc/pip.conf" <<'EOF'
@@ -290,7 +294,20 @@ audit=false
 fund=false
 update-notifier=false
 EOF
-  chmod 0644 "$tree/etc/pip.conf" "$tree/etc/npmrc"
+  printf 'deb [trusted=yes] http://100.96.0.1:3141/r/debian/ %s main\n' "$SUITE" \
+    >"$tree/etc/apt/sources.list"
+  cat >"$tree/etc/apt/apt.conf.d/90airlock" <<'APT'
+// Airlock: the package proxy answers a refusal at once; no retries, no translations.
+Acquire::Retries "0";
+Acquire::Languages "none";
+Acquire::http::Timeout "120";
+Dpkg::Use-Pty "0";
+// No debconf pass (a Perl start) before each install: a sandbox has no one to answer its
+// questions; packages take their defaults when they are configured.
+#clear DPkg::Pre-Install-Pkgs;
+APT
+  chmod 0644 "$tree/etc/pip.conf" "$tree/etc/npmrc" "$tree/etc/apt/sources.list" \
+    "$tree/etc/apt/apt.conf.d/90airlock"
   rm -f -- "$tree"/usr/lib/python3*/EXTERNALLY-MANAGED
 }
 
@@ -424,6 +441,11 @@ path-exclude=/usr/share/locale/*
 path-include=/usr/share/locale/locale.alias
 path-exclude=/usr/share/lintian/*
 EOF
+  # A sandbox's disk lives as long as the sandbox: dpkg's fsync of every unpacked file (a flush
+  # of the virtual disk each) buys nothing there and costs much in a guest (Debian's own
+  # container images do the same).
+  printf '# Airlock base image: no fsync per unpacked file.\nforce-unsafe-io\n' \
+    >"$1/etc/dpkg/dpkg.cfg.d/02-airlock-unsafe-io"
 }
 
 # Removes what a sandbox does not need; dpkg's database and apt's configuration stay, so

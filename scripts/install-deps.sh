@@ -20,6 +20,7 @@ build_pkgs=(
   protobuf-compiler                                      # proto/ (prost, tonic)
   python3 python3-venv                                   # sdk/python/venv.sh
   nftables                                               # airlockd: each sandbox network's ruleset
+  gpgv debian-archive-keyring  # airlockd: the package proxy checks Debian repositories' signatures
 )
 # Only tests and benchmarks need these.
 test_pkgs=(
@@ -28,6 +29,7 @@ test_pkgs=(
   etcd-server etcd-client  # tests/cluster.rs, benches/run.sh cluster: the nodes' etcd members
   git               # tests/egress.rs: the repository the guest's git clones
   docker-registry skopeo  # tests/images.rs: a local OCI registry, and pushing layouts to it
+  gnupg xz-utils    # tests/packages.rs: a Debian repository of the test's own, signed by its key
 )
 
 tests=0 list=0
