@@ -11,6 +11,8 @@ use airlock_system_tests::TempDir;
 use airlock_system_tests::harness::{self, run_as};
 use airlock_system_tests::shared::{Shared, scenario};
 
+#[path = "packages/debrepo.rs"]
+mod debrepo;
 #[path = "packages/registries.rs"]
 #[allow(dead_code)] // the pypiserver part serves here
 mod registries;

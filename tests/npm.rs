@@ -16,6 +16,8 @@ use registries::registries;
 
 #[path = "packages/common.rs"]
 mod common;
+#[path = "packages/debrepo.rs"]
+mod debrepo;
 #[path = "packages/registries.rs"]
 #[allow(dead_code)] // the pip side is packages.rs's
 mod registries;

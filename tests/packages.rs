@@ -19,11 +19,13 @@ use sha2::Digest as _;
 use sha2::Sha256;
 
 use airlock_api::v1::{CreateSandboxRequest, InstallOutcome, PackagePolicy, Sandbox};
-use airlock_system_tests::harness::{GuestNet, HttpReply, run};
+use airlock_system_tests::harness::{GuestNet, HttpReply, run, run_long};
 use registries::registries;
 
 #[path = "packages/common.rs"]
 mod common;
+#[path = "packages/debrepo.rs"]
+mod debrepo;
 #[path = "packages/registries.rs"]
 mod registries;
 use common::*;
@@ -230,7 +232,11 @@ async fn offline_mode_refuses_every_install() {
     lines.extend(get(
         &sb,
         PLAIN_UA,
-        &["/r/pypi/simple/airlock-demo/", "/r/mirror/simple/x/"],
+        &[
+            "/r/pypi/simple/airlock-demo/",
+            "/r/mirror/simple/x/",
+            "/r/debian/dists/bookworm/Release",
+        ],
     ));
     assert_eq!(
         lines[0],
@@ -245,7 +251,7 @@ async fn offline_mode_refuses_every_install() {
     }
     let log = log_of(&mut c, &sb.id).await;
     assert!(
-        log.len() == 3
+        log.len() == 4
             && log.iter().all(
                 |e| e.outcome == InstallOutcome::Denied as i32 && e.message.contains("offline")
             ),
@@ -328,7 +334,7 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
 async fn the_byte_cap_stops_the_download_that_crosses_it() {
     let capped = PackagePolicy {
         max_download_bytes: 1 << 20,
-        ..Default::default()
+        ..policy(&[], &["airlock-denied"])
     };
     let (_serial, _s, mut c, sb) = start(capped, vec![]).await;
     let net = GuestNet::of(sb.vmm_pid);
@@ -402,5 +408,188 @@ async fn npm_packages_through_the_proxy_from_verdaccio() {
     assert_eq!((e.registry.as_str(), e.kind.as_str()), ("npm", "npm"));
     assert_eq!(e.version, "1.0.0");
     assert_eq!(e.sha256, r.sha["airlock-left-pad"]);
+    destroy(&mut c, &sb.id).await;
+}
+
+/// How the base image's apt introduces itself.
+const APT_UA: &str = "Debian APT-HTTP/1.3 (2.6.1)";
+
+/// The guest's own apt, with sudo, as a sandbox's user runs it: `apt-get update` reads the
+/// test's signed repository through the proxy (its InRelease verified on the host against the
+/// registry's keyring and served as the suite's Release, the xz index fetched by hash), and an
+/// allowed package installs and runs; it is in the install log. (One apt run: each apt-get
+/// start costs a minute in the emulated guest kernel of the build machines; the refusals, in
+/// the form apt shows them, are tried from the host below.)
+#[tokio::test(flavor = "multi_thread")]
+async fn apt_with_sudo_installs_a_package_from_a_signed_repository_through_the_proxy() {
+    let r = registries();
+    let (_serial, s, mut c, sb) = start(policy(&["airlock-*"], &[]), vec![]).await;
+    let script = "sudo -n apt-get update >&2 && sudo -n apt-get install -y airlock-hello >&2 && \
+                  airlock-hello";
+    let (out, err, rec) = run_long(&mut c, &sb.id, "", &["sh", "-c", script], 900_000).await;
+    assert_eq!(rec.exit_code, 0, "{out}\n{err}\n{}", s.log_tail());
+    assert_eq!(out, "hello from airlock-hello 1.0\n", "{err}");
+    // The sandbox's own host name resolves (its DNS answers it), so sudo does not complain.
+    assert!(!err.contains("unable to resolve host"), "{err}");
+    let log = log_of(&mut c, &sb.id).await;
+    let hello = log
+        .iter()
+        .find(|e| e.package == "airlock-hello")
+        .unwrap_or_else(|| panic!("{log:?}"));
+    assert_eq!(
+        (
+            hello.kind.as_str(),
+            hello.version.as_str(),
+            hello.file.as_str(),
+            hello.outcome,
+            hello.sha256.as_str()
+        ),
+        (
+            "debian",
+            "1.0",
+            "airlock-hello_1.0_all.deb",
+            InstallOutcome::Fetched as i32,
+            r.deb.sha["airlock-hello"].as_str()
+        ),
+        "{log:?}"
+    );
+    destroy(&mut c, &sb.id).await;
+}
+
+/// What the proxy serves of a Debian repository goes only as far as the registry's keyring and
+/// the digests signed with it vouch for, decided on the host (so driven from the sandbox's
+/// network as apt would ask): the good suite's Release as its InRelease signed it (not the
+/// InRelease itself: the guest has no key to check it with) and its index by hash, but nothing
+/// unlisted; an InRelease signed by a key outside the keyring,
+/// altered after signing, or signed for another suite is refused (BAD_SIGNATURE) and nothing it
+/// lists is served; an index or a `.deb` that differs from the digest vouching for it is refused
+/// (HASH_MISMATCH), a `.deb` past the download cap and a denied one too, each with the reason
+/// apt shows after the status (`403  airlock: ...`).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_debian_repository_is_served_only_as_far_as_its_keyring_and_digests_vouch_for_it() {
+    let r = registries();
+    let capped = PackagePolicy {
+        max_download_bytes: 1 << 20,
+        ..policy(&[], &["airlock-denied"])
+    };
+    let (_serial, _s, mut c, sb) = start(capped, vec![]).await;
+    let net = GuestNet::of(sb.vmm_pid);
+    let apt = |path: &str| {
+        net.get(
+            &format!("{PROXY}/r/debian/{path}"),
+            &[("User-Agent", APT_UA)],
+        )
+    };
+    let repo = r.dir.join("mirror/debian");
+    assert!(repo.join("dists/bookworm/InRelease").is_file());
+
+    let signed = apt("dists/bookworm/Release");
+    assert_eq!(signed.status, 200, "{}", signed.reason);
+    assert_eq!(signed.text().trim_end(), r.deb.release.trim_end());
+    assert_eq!(apt("dists/bookworm/InRelease").status, 404);
+    assert_eq!(apt("dists/bookworm/Release.gpg").status, 404);
+    let xz = std::fs::read(repo.join("dists/bookworm/main/binary-amd64/Packages.xz")).unwrap();
+    let by_hash = apt(&format!(
+        "dists/bookworm/main/binary-amd64/by-hash/SHA256/{}",
+        hex(&Sha256::digest(&xz))
+    ));
+    assert_eq!(
+        (by_hash.status, by_hash.body == xz),
+        (200, true),
+        "{}",
+        by_hash.reason
+    );
+    assert_eq!(
+        apt("dists/bookworm/main/binary-amd64/Packages.bz2").status,
+        404,
+        "not listed"
+    );
+
+    let seen_of = |path: &str| seen(&apt(path));
+    let tampered = seen_of("pool/main/a/airlock-tampered/airlock-tampered_1.0_all.deb");
+    assert!(
+        tampered.starts_with("502 airlock: airlock-tampered_1.0_all.deb from registry debian does not match its index"),
+        "{tampered}"
+    );
+    let big = seen_of("pool/main/a/airlock-big/airlock-big_1.0_all.deb");
+    assert!(
+        big.starts_with("403 airlock: airlock-big_1.0_all.deb") && big.contains("download cap"),
+        "{big}"
+    );
+    assert_eq!(
+        seen_of("pool/main/a/airlock-denied/airlock-denied_1.0_all.deb"),
+        "403 airlock: package airlock-denied is denied by 'airlock-denied' in the sandbox's policy"
+    );
+    assert_eq!(
+        apt("pool/main/a/airlock-nope/airlock-nope_1.0_all.deb").status,
+        404
+    );
+
+    for (suite, why) in [
+        (
+            "forged",
+            "signed only by keys outside the registry's keyring",
+        ),
+        ("altered", "a BAD signature"),
+        ("other", "it is signed for suite 'bookworm'"),
+    ] {
+        let refused = seen_of(&format!("dists/{suite}/Release"));
+        assert!(
+            refused.starts_with(&format!(
+                "502 airlock: the InRelease of debian/{suite} is refused: "
+            )) && refused.contains(why),
+            "{suite}: {refused}"
+        );
+        assert_eq!(
+            apt(&format!("dists/{suite}/main/binary-amd64/Packages")).status,
+            404,
+            "{suite}: nothing it lists"
+        );
+    }
+    assert_eq!(apt("dists/lying/Release").status, 200);
+    let lying = seen_of("dists/lying/main/binary-amd64/Packages");
+    assert!(
+        lying.starts_with("502 airlock: dists/lying/main/binary-amd64/Packages of registry debian does not match the signed InRelease"),
+        "{lying}"
+    );
+
+    let log = log_of(&mut c, &sb.id).await;
+    let outcomes = |o: InstallOutcome| {
+        let mut v: Vec<&str> = log
+            .iter()
+            .filter(|e| e.outcome == o as i32)
+            .map(|e| e.file.as_str())
+            .collect();
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(
+        outcomes(InstallOutcome::BadSignature),
+        [
+            "dists/altered/InRelease",
+            "dists/forged/InRelease",
+            "dists/other/InRelease"
+        ],
+        "{log:?}"
+    );
+    assert_eq!(
+        outcomes(InstallOutcome::HashMismatch),
+        [
+            "airlock-tampered_1.0_all.deb",
+            "dists/lying/main/binary-amd64/Packages"
+        ],
+        "{log:?}"
+    );
+    assert_eq!(
+        outcomes(InstallOutcome::OverCap),
+        ["airlock-big_1.0_all.deb"],
+        "{log:?}"
+    );
+    assert!(
+        log.iter().any(|e| e.package == "airlock-denied"
+            && e.kind == "debian"
+            && e.outcome == InstallOutcome::Denied as i32),
+        "{log:?}"
+    );
     destroy(&mut c, &sb.id).await;
 }

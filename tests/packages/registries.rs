@@ -1,7 +1,8 @@
 //! The registries of the package tests, on loopback: a real `pypiserver` serving wheels the
 //! test builds, a static PEP 503 mirror (Python's `http.server`) whose index lies about one
-//! file's digest, and a real `verdaccio` the test publishes two npm packages to. Started once per
-//! test process, killed at its exit.
+//! file's digest, a Debian repository signed by a key of the test's own (`debrepo.rs`, served
+//! by the same static server), and a real `verdaccio` the test publishes two npm packages to.
+//! Started once per test process, killed at its exit.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -23,6 +24,8 @@ pub struct Registries {
     npm_port: u16,
     /// SHA-256 of each wheel by package name.
     pub sha: std::collections::HashMap<String, String>,
+    /// The Debian repository (under the mirror's `debian/`).
+    pub deb: crate::debrepo::DebRepo,
     _servers: Vec<Child>,
 }
 
@@ -212,6 +215,7 @@ pub fn registries() -> &'static Registries {
         std::fs::create_dir_all(&huge).unwrap();
         std::fs::write(huge.join("index.html"), "<a href=x>x</a>\n".repeat(400_000)).unwrap();
         sha.insert("airlock-tampered".into(), real);
+        let deb = crate::debrepo::build(&dir.join("mirror/debian"), &dir.join("debian-work"));
 
         let pypi_port = free_port();
         let mirror_port = free_port();
@@ -269,6 +273,7 @@ pub fn registries() -> &'static Registries {
             mirror_port,
             npm_port,
             sha,
+            deb,
             _servers: vec![pypi, mirror, npm],
         }
     })
@@ -281,8 +286,14 @@ impl Registries {
              [packages]\nmax_index_mib = 2\n\
              [packages.registries.pypi]\nkind = \"pypi\"\nurl = \"http://127.0.0.1:{}/simple/\"\n\
              [packages.registries.mirror]\nkind = \"pypi\"\nurl = \"http://127.0.0.1:{}/simple/\"\n\
-             [packages.registries.npm]\nkind = \"npm\"\nurl = \"http://127.0.0.1:{}/\"\n",
-            self.pypi_port, self.mirror_port, self.npm_port
+             [packages.registries.npm]\nkind = \"npm\"\nurl = \"http://127.0.0.1:{}/\"\n\
+             [packages.registries.debian]\nkind = \"debian\"\n\
+             url = \"http://127.0.0.1:{}/debian/\"\nkeyring = {:?}\n",
+            self.pypi_port,
+            self.mirror_port,
+            self.npm_port,
+            self.mirror_port,
+            self.deb.keyring.display().to_string()
         )
     }
 
