@@ -80,6 +80,16 @@ pub(super) async fn handle(s: &Session, reg: &str, rest: &[&str]) -> Response<Bo
     let Some(registry) = s.pkgs.registry(reg).cloned() else {
         return fail(StatusCode::NOT_FOUND, "no such registry", false);
     };
+    // Offline, or a registry beyond the sandbox's policy: nothing of it, whatever the path.
+    if let Err(r) = s.policy.registry(reg) {
+        return refuse(
+            s,
+            repo_event(reg, rest.join("/")),
+            InstallOutcome::Denied,
+            StatusCode::FORBIDDEN,
+            &r.to_string(),
+        );
+    }
     match rest {
         ["dists", suite, "Release"] => release(s, reg, &registry, suite).await,
         ["dists", _, "InRelease" | "Release.gpg"] => fail(
@@ -128,15 +138,6 @@ fn refuse(
 /// A suite's Release: the verified text of its upstream InRelease.
 async fn release(s: &Session, reg: &str, registry: &Registry, suite: &str) -> Response<Body> {
     let ev = repo_event(reg, format!("dists/{suite}/InRelease"));
-    if let Err(r) = s.policy.registry(reg) {
-        return refuse(
-            s,
-            ev,
-            InstallOutcome::Denied,
-            StatusCode::FORBIDDEN,
-            &r.to_string(),
-        );
-    }
     if !deb::valid_segment(suite) {
         return fail(StatusCode::NOT_FOUND, "not a suite name", false);
     }
@@ -268,15 +269,6 @@ async fn index(
     path: &str,
 ) -> Response<Body> {
     let ev = repo_event(reg, format!("dists/{suite}/{path}"));
-    if let Err(r) = s.policy.registry(reg) {
-        return refuse(
-            s,
-            ev,
-            InstallOutcome::Denied,
-            StatusCode::FORBIDDEN,
-            &r.to_string(),
-        );
-    }
     if !deb::valid_segment(suite) || !deb::valid_path(path) {
         return fail(StatusCode::NOT_FOUND, "not a repository path", false);
     }
@@ -416,15 +408,6 @@ async fn read_index(
 }
 
 async fn pool(s: &Session, reg: &str, path: &str) -> Response<Body> {
-    if let Err(r) = s.policy.registry(reg) {
-        return refuse(
-            s,
-            repo_event(reg, path.to_owned()),
-            InstallOutcome::Denied,
-            StatusCode::FORBIDDEN,
-            &r.to_string(),
-        );
-    }
     if !deb::valid_path(path) {
         return fail(StatusCode::NOT_FOUND, "not a repository path", false);
     }
