@@ -146,6 +146,16 @@ def last_durations() -> dict[str, float]:
         return dict(DEFAULT_SECONDS)
 
 
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat ((0, 0) where unreadable)."""
+    try:
+        fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return (0.0, 0.0)
+    idle = sum(fields[3:5])  # idle, iowait
+    return (sum(fields) - idle, sum(fields))
+
+
 def cmd_lanes(stage: str, jobs: int, specs: list[str]) -> int:
     """Runs each spec (`tests/NAME.rs`) as `cargo test -p airlock-system-tests --test NAME`."""
     last = last_durations()
@@ -206,13 +216,19 @@ def cmd_lanes(stage: str, jobs: int, specs: list[str]) -> int:
 
     threads = [threading.Thread(target=worker) for _ in range(max(1, jobs))]
     start = time.time()
+    cpu0 = cpu_times()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     binaries = [b for s in order if s in results for b in results[s]["binaries"]]
     runs = [results[s]["pytest"] for s in order if s in results and "pytest" in results[s]]
-    write_record(stage, {"stage": stage, "start": start, "end": time.time(), "binaries": binaries, "jobs": jobs})
+    cpu1 = cpu_times()
+    # How much of the machine's CPU the lanes kept busy: near 100 %, another lane cannot help
+    # (guest kernel work is emulated on the host's cores); well below, it may.
+    busy = (cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1]) if cpu1[1] > cpu0[1] else None
+    write_record(stage, {"stage": stage, "start": start, "end": time.time(), "binaries": binaries, "jobs": jobs,
+                         "cpu_busy": None if busy is None else round(busy, 3)})
     if not failed:
         last.update({b["name"]: b["seconds"] for b in binaries + runs})
         try:
@@ -280,8 +296,12 @@ def cmd_report() -> int:
         except (OSError, ValueError):
             pass
     by_stage: dict[str, list[dict]] = {}
+    lanes: dict[str, str] = {}
     for r in records:
         by_stage.setdefault(r["stage"], []).extend(r["binaries"])
+        if r.get("jobs"):
+            busy = r.get("cpu_busy")
+            lanes[r["stage"]] = f"  ({r['jobs']} at once" + ("" if busy is None else f", CPU {busy:.0%} busy") + ")"
     py = pytest_binaries()
     if py:
         by_stage.setdefault(os.environ.get("AIRLOCK_PYTEST_STAGE", "system tests"), []).extend(py)
@@ -293,7 +313,7 @@ def cmd_report() -> int:
     lines = ["", "== timing table (seconds) =="]
     for s in stages:
         flag = "" if s["rc"] == 0 else "  FAILED"
-        lines.append(f"{fmt_s(s['seconds'])}  {s['name']}{flag}")
+        lines.append(f"{fmt_s(s['seconds'])}  {s['name']}{flag}{lanes.get(s['name'], '')}")
         key = next((k for k in by_stage if k == s["name"]), None)
         for b in by_stage.get(key, []) if key else []:
             n = b.get("passed", 0) + b.get("failed", 0)
@@ -324,7 +344,9 @@ def cmd_report() -> int:
         "budget": {"total_seconds": BUDGET_TOTAL_S, "file_seconds": BUDGET_FILE_S},
         "warnings": warnings,
         "stages": [
-            {**s, "binaries": by_stage.get(s["name"], [])} for s in stages
+            {**s, "binaries": by_stage.get(s["name"], []),
+             **{k: r[k] for r in records if r["stage"] == s["name"] for k in ("jobs", "cpu_busy") if k in r}}
+            for s in stages
         ],
         "slowest_tests": slowest,
     }
