@@ -54,17 +54,20 @@ pub fn require_kvm() {
     }
 }
 
-/// A workspace binary: `$AIRLOCK_BIN_DIR/NAME`, else next to the test executable's profile
-/// directory (`target/<profile>/NAME`), where `cargo test --workspace` builds it.
+/// A workspace binary: `$AIRLOCK_BIN_DIR/NAME`, else in the running executable's profile
+/// directory (`target/<profile>/NAME`), where `cargo test --workspace` builds it (a test runs
+/// from `target/<profile>/deps/`, a binary of this crate from the profile directory itself).
 pub fn binary(name: &str) -> PathBuf {
     if let Some(dir) = std::env::var_os("AIRLOCK_BIN_DIR") {
         return Path::new(&dir).join(name);
     }
     let exe = std::env::current_exe().expect("current test executable");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>");
+    let dir = exe.parent().expect("target/<profile>/deps/<test>");
+    let profile_dir = if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.parent().expect("target/<profile>/deps/<test>")
+    } else {
+        dir
+    };
     let path = profile_dir.join(name);
     assert!(
         path.is_file(),

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command: installs the Debian packages it needs, builds every artifact the tests need
 # (guest kernel, base image, binaries), then runs formatting and lint checks, unit tests, KVM
-# micro tests, system tests, the Python SDK and CLI tests (pytest against a live airlockd), and a
-# short run of every fuzz target. At its end (pass or fail) it prints a timing table: each stage,
+# micro tests and a short run of every fuzz target (while the shared test template boots in the
+# background), then the system tests and the Python SDK and CLI tests (pytest against a live
+# airlockd). At its end (pass or fail) it prints a timing table: each stage,
 # each test binary, the ten slowest tests and the total (tests/times.py; also written as JSON to
 # target/test-times.json), with a warning when the run passes its budget.
 #
@@ -45,9 +46,15 @@ stage() {
   timing stage "$current_stage" "$stage_t0" "$(date +%s.%N)" 0
   current_stage=""
 }
+template_pid=""
 on_exit() {
   local rc=$?
   trap - EXIT
+  # A template build still running when the run fails (its daemon follows it: parent-death
+  # signal).
+  if [[ -n $template_pid ]]; then
+    kill "$template_pid" 2>/dev/null || true
+  fi
   if [[ -n $current_stage ]]; then
     timing stage "$current_stage" "$stage_t0" "$(date +%s.%N)" "$rc" || true
   fi
@@ -138,11 +145,29 @@ system_tests() {
   echo "== system tests, SDK and CLI tests (${AIRLOCK_TEST_JOBS:-2} at once)" >&2
   local specs=()
   local f
-  for f in $(sed -n 's/^path = "\([a-z_0-9]*\.rs\)"$/\1/p' tests/Cargo.toml); do
-    [[ $f == lib.rs ]] || specs+=("tests/$f")
+  # Every [[test]] target of tests/Cargo.toml.
+  for f in $(awk '/^\[/ { t = ($0 == "[[test]]") } t && /^path = "[a-z_0-9]*\.rs"$/ { gsub(/^path = "|"$/, ""); print }' tests/Cargo.toml); do
+    specs+=("tests/$f")
   done
   specs+=("pytest:sdk/python/tests")
   timing lanes "system tests" "${AIRLOCK_TEST_JOBS:-2}" -- "${specs[@]}"
+}
+
+# The shared test template (tests/template.rs): built in the background beside the unit tests
+# and the fuzz smoke, so that the system tests import it instead of one lane booting it first.
+test_template_start() {
+  echo "== shared test template (airlock-test-template, in the background)" >&2
+  template_log=$AIRLOCK_TIMES_DIR/test-template.log
+  "$AIRLOCK_BIN_DIR/airlock-test-template" >"$template_log" 2>&1 &
+  template_pid=$!
+}
+test_template_wait() {
+  echo "== waiting for the shared test template" >&2
+  local rc=0
+  wait "$template_pid" || rc=$?
+  template_pid=""
+  cat "$template_log"
+  return "$rc"
 }
 
 # Every fuzz target for a short while from its seeds (fuzz/run.sh; a longer run: fuzz/run.sh 600).
@@ -168,10 +193,12 @@ ensure_cgroup2
 stage "fmt" fmt
 stage "clippy" clippy
 stage "build" build
+test_template_start
 stage "sdk venv" sdk_venv
 stage "unit tests" unit_tests
-stage "system tests" system_tests
 stage "fuzz smoke" fuzz_smoke
+stage "test template" test_template_wait
+stage "system tests" system_tests
 if ((soak)); then
   stage "soaks" soaks
 fi
