@@ -424,7 +424,8 @@ const APT_UA: &str = "Debian APT-HTTP/1.3 (2.6.1)";
 async fn apt_with_sudo_installs_a_package_from_a_signed_repository_through_the_proxy() {
     let r = registries();
     let (_serial, s, mut c, sb) = start(policy(&["airlock-*"], &[]), vec![]).await;
-    let script = "sudo -n apt-get update >&2 && sudo -n apt-get install -y airlock-hello >&2 && \
+    // One sudo for both apt commands (each sudo start is seconds of emulated guest kernel).
+    let script = "sudo -n sh -c 'apt-get update && apt-get install -y airlock-hello' >&2 && \
                   airlock-hello";
     let (out, err, rec) = run_long(&mut c, &sb.id, "", &["sh", "-c", script], 900_000).await;
     assert_eq!(rec.exit_code, 0, "{out}\n{err}\n{}", s.log_tail());
