@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-/// The daemon's settings. Every field has a default; see README "airlockd".
+/// The daemon's settings. Every field has a default; see docs/configuration.md.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {

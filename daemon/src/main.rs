@@ -65,7 +65,7 @@ use tracing::{error, info};
 #[derive(Debug, Parser)]
 #[command(name = "airlockd", version)]
 struct Args {
-    /// TOML settings over the defaults (see README, "airlockd").
+    /// TOML settings over the defaults (see docs/operations.md).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// unix://PATH or tcp://HOST:PORT (repeatable; replaces the configured list; default

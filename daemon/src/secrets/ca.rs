@@ -3,7 +3,7 @@
 //! key only in the daemon's memory (gone with the sandbox). The egress proxy terminates the
 //! guest's TLS to a brokered host with a leaf of this CA for that name.
 //!
-//! The trade-off (documented in the README): the proxy sees those requests in clear, and the
+//! The trade-off (documented in docs/secrets.md): the proxy sees those requests in clear, and the
 //! guest trusts a CA that can name any host — but only within its own sandbox, whose CA no
 //! other sandbox trusts and whose key never leaves the daemon.
 
