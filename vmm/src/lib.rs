@@ -4,11 +4,13 @@
 //! thread per vCPU ([`vcpu`]). The boot recipe is [`builder::build_microvm_for_boot`].
 
 pub mod arch;
+pub mod build_error;
 pub mod builder;
 pub mod config;
 pub mod control;
 pub mod devices;
 pub mod exit;
+pub mod kick;
 pub mod logger;
 pub mod memstat;
 pub mod probe;

@@ -60,7 +60,7 @@ impl Sampler {
     /// Kicks the calling thread with `signal` every [`SAMPLE_PERIOD`].
     pub fn start(signal: i32) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
-        let target = crate::vcpu::current_thread();
+        let target = crate::kick::current_thread();
         let flag = stop.clone();
         let (results, rx) = std::sync::mpsc::channel::<(Samples, String)>();
         let thread = std::thread::Builder::new()
@@ -81,7 +81,7 @@ impl Sampler {
                 while !flag.load(Ordering::Acquire) {
                     std::thread::sleep(SAMPLE_PERIOD);
                     if !flag.load(Ordering::Acquire) {
-                        crate::vcpu::kick_thread(target, signal);
+                        crate::kick::kick_thread(target, signal);
                     }
                 }
                 // Written here: the sampled vCPU thread's seccomp filter opens no files.

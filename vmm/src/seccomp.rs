@@ -271,7 +271,7 @@ mod tests {
             ("F_SETFD", libc::F_SETFD as u64),
             ("AF_UNIX", libc::AF_UNIX as u64),
             ("SIGABRT", libc::SIGABRT as u64),
-            ("SIGRTMIN", crate::vcpu::kick_signal() as u64),
+            ("SIGRTMIN", crate::kick::signal() as u64),
             ("prot & PROT_EXEC == 0", 0),
             ("flags & (O_CREAT | __O_TMPFILE) == 0", 0),
         ];

@@ -10,11 +10,11 @@
 //!    └─────────────────────┴──────────────▶ thread ends ◀─────────┘
 //! ```
 //!
-//! The VMM thread sends [`VcpuEvent`]s over a channel and then *kicks* the vCPU with a signal,
-//! whose handler sets `kvm_run.immediate_exit`, so a vCPU inside `KVM_RUN` returns at once and a
-//! vCPU about to enter it does not block. Each event is answered with a [`VcpuResponse`].
+//! The VMM thread sends [`VcpuEvent`]s over a channel and then *kicks* the vCPU with a signal
+//! ([`crate::kick`]), whose handler sets `kvm_run.immediate_exit`, so a vCPU inside `KVM_RUN`
+//! returns at once and a vCPU about to enter it does not block. Each event is answered with a
+//! [`VcpuResponse`].
 
-use std::cell::Cell;
 use std::error::Error as _;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
-use vmm_sys_util::signal::{Killable, SIGRTMIN, register_signal_handler};
+use vmm_sys_util::signal::Killable;
 
 use crate::arch::pagewalk::read_virt;
 use crate::devices::bus::Bus;
@@ -66,47 +66,6 @@ pub enum VcpuState {
     Paused,
     Running,
     Exited,
-}
-
-/// The signal that kicks a vCPU out of `KVM_RUN`.
-pub fn kick_signal() -> i32 {
-    SIGRTMIN()
-}
-
-thread_local! {
-    /// This thread's `kvm_run.immediate_exit`, for the kick signal handler.
-    static IMMEDIATE_EXIT: Cell<*mut u8> = const { Cell::new(std::ptr::null_mut()) };
-}
-
-extern "C" fn handle_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
-    // Async-signal-safe: a const-initialised thread local without destructor and a volatile
-    // store.
-    let ptr = IMMEDIATE_EXIT.with(Cell::get);
-    if !ptr.is_null() {
-        // SAFETY: the pointer was set by this thread's vCPU loop to a field of its `kvm_run`
-        // mapping, which stays mapped until the loop clears the pointer before dropping the fd.
-        unsafe { std::ptr::write_volatile(ptr, 1) };
-    }
-}
-
-/// The calling thread's pthread id.
-pub fn current_thread() -> libc::pthread_t {
-    // SAFETY: pthread_self has no preconditions.
-    unsafe { libc::pthread_self() }
-}
-
-/// Sends `signal` to thread `t` (a vCPU thread that has installed the kick handler).
-pub fn kick_thread(t: libc::pthread_t, signal: i32) {
-    // SAFETY: `t` is a thread of this process that outlives the sampler (the vCPU stops the
-    // sampler before it exits), and the signal has a handler installed process-wide.
-    unsafe {
-        libc::pthread_kill(t, signal);
-    }
-}
-
-/// Installs the kick signal handler (process-wide, once before any vCPU starts).
-pub fn register_kick_handler() -> Result<(), vmm_sys_util::errno::Error> {
-    register_signal_handler(kick_signal(), handle_kick)
 }
 
 /// What one `KVM_RUN` returned, from the state machine's point of view.
@@ -157,7 +116,7 @@ impl VcpuHandle {
             return;
         }
         if let Some(t) = &self.thread
-            && let Err(e) = t.kill(kick_signal())
+            && let Err(e) = t.kill(crate::kick::signal())
         {
             log::debug!("kick vcpu{}: {e}", self.index);
         }
@@ -229,11 +188,11 @@ impl Vcpu {
 
     fn run_thread(mut self, events: &Receiver<VcpuEvent>, responses: &Sender<VcpuResponse>) {
         let run = self.fd.get_kvm_run();
-        IMMEDIATE_EXIT.with(|c| c.set(&mut run.immediate_exit as *mut u8));
+        crate::kick::arm(&mut run.immediate_exit as *mut u8);
         let profile = crate::profile::enabled();
         let sampler = profile
             .as_ref()
-            .map(|_| crate::profile::Sampler::start(kick_signal()));
+            .map(|_| crate::profile::Sampler::start(crate::kick::signal()));
         let mut samples = crate::profile::Samples::default();
         // The guest's first instruction runs under this thread's filter, or not at all.
         let mut state = match crate::seccomp::apply(crate::seccomp::ThreadClass::Vcpu) {
@@ -316,7 +275,7 @@ impl Vcpu {
                 },
             };
         }
-        IMMEDIATE_EXIT.with(|c| c.set(std::ptr::null_mut()));
+        crate::kick::disarm();
         if let (Some(prefix), Some(sampler)) = (profile, sampler) {
             // The sampler thread writes the file (this thread's filter opens no files).
             sampler.stop(samples, format!("{prefix}.vcpu{}", self.index));

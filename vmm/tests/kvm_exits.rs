@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use vm_memory::{Bytes, GuestAddress};
 use vmm::devices::bus::{Bus, BusDevice};
-use vmm::vcpu::{Vcpu, VcpuEvent, VcpuHandle, VcpuResponse, register_kick_handler};
+use vmm::vcpu::{Vcpu, VcpuEvent, VcpuHandle, VcpuResponse};
 use vmm::vm::Vm;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -44,7 +44,7 @@ struct Guest {
 /// given buses.
 fn start(code: &[u8], mem_bytes: u64, pio: Bus, mmio: Bus) -> Guest {
     common::require_kvm();
-    register_kick_handler().unwrap();
+    vmm::kick::register_handler().unwrap();
     let vm = Vm::new(mem_bytes).unwrap();
     vm.memory()
         .write_slice(code, GuestAddress(CODE_ADDR))

@@ -15,7 +15,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm::devices::bus::{Bus, BusDevice};
 use vmm::snapshot::kvm::VmKvmState;
 use vmm::snapshot::{MEMORY_FILE, MachineSnapshot, SerialSnapshot, Snapshot, memory};
-use vmm::vcpu::{Vcpu, VcpuEvent, VcpuHandle, VcpuResponse, register_kick_handler};
+use vmm::vcpu::{Vcpu, VcpuEvent, VcpuHandle, VcpuResponse};
 use vmm::vm::Vm;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -64,7 +64,7 @@ fn wait_for_counts(dev: &Arc<Mutex<Counts>>, n: usize) {
 }
 
 fn start_vcpu(vm: &Vm, fd: kvm_ioctls::VcpuFd, dev: &Arc<Mutex<Counts>>) -> VcpuHandle {
-    register_kick_handler().unwrap();
+    vmm::kick::register_handler().unwrap();
     let mut pio = Bus::default();
     pio.insert(dev.clone(), PORT, 4).unwrap();
     let mut vcpu = Vcpu::new(
