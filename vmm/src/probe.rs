@@ -21,7 +21,9 @@ use std::sync::mpsc::{Sender, channel};
 use airlock_control::Reply;
 use serde_json::json;
 
-use crate::control::CommandReply;
+/// A probe's answer: what the control socket sends back (the control module's
+/// `CommandReply`; the control module calls this one, so it is spelt out here).
+pub type ProbeReply = Result<Reply, String>;
 
 /// One probe.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,7 +34,7 @@ pub enum Probe {
     Create(PathBuf),
 }
 
-type Request = (Probe, Sender<CommandReply>);
+type Request = (Probe, Sender<ProbeReply>);
 
 static PROBE_THREAD: OnceLock<Mutex<Sender<Request>>> = OnceLock::new();
 
@@ -76,7 +78,7 @@ pub fn parse(arg: &str) -> Result<Probe, String> {
 }
 
 /// Runs `probe` (called by the event loop).
-pub fn run(probe: Probe) -> CommandReply {
+pub fn run(probe: Probe) -> ProbeReply {
     match probe {
         Probe::Seccomp => Ok(Reply::Probe(forbidden_call())),
         Probe::Create(path) => Ok(Reply::Probe(create_file(&path))),
@@ -94,7 +96,7 @@ pub fn run(probe: Probe) -> CommandReply {
     }
 }
 
-fn run_here(probe: &Probe) -> CommandReply {
+fn run_here(probe: &Probe) -> ProbeReply {
     match probe {
         Probe::Open(path) => Ok(Reply::Probe(match std::fs::File::open(path) {
             Ok(_) => json!({"opened": true}),
