@@ -7,7 +7,6 @@ use std::time::Instant;
 
 use kvm_ioctls::IoEventAddress;
 use linux_loader::loader::{Elf, KernelLoader, load_cmdline};
-use thiserror::Error;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 use vm_superio::{I8042Device, Serial};
 use vmm_sys_util::eventfd::EventFd;
@@ -18,77 +17,23 @@ use crate::arch::layout::{
     VIRTIO_MMIO_MAX_SLOTS, VIRTIO_MMIO_SLOT_SIZE, virtio_irq, virtio_mmio_addr,
 };
 use crate::arch::{boot, mptable, regs};
-use crate::config::{
-    ConfigError, ConsoleOutput, DiskConfig, NetConfig, VmConfig, VsockConfig, build_cmdline,
-};
-use crate::devices::bus::{Bus, BusError};
+pub use crate::build_error::BuildError;
+use crate::config::{ConsoleOutput, DiskConfig, NetConfig, VmConfig, VsockConfig, build_cmdline};
+use crate::devices::bus::Bus;
 use crate::devices::legacy::{ConsoleSink, EventFdTrigger, I8042, SerialDevice};
 use crate::devices::virtio::block::layered::{self, Layer, LayeredDisk};
-use crate::devices::virtio::block::{Block, BlockError, BlockEventHandler};
+use crate::devices::virtio::block::{Block, BlockEventHandler};
 use crate::devices::virtio::mmio::MmioTransport;
-use crate::devices::virtio::net::{Net, NetError, NetEventHandler};
-use crate::devices::virtio::vsock::{Vsock, VsockError, VsockEventHandler};
+use crate::devices::virtio::net::{Net, NetEventHandler};
+use crate::devices::virtio::vsock::{Vsock, VsockEventHandler};
 use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
 use crate::snapshot::{
     DeviceKind, LAYER_FILE, LAYER_MAP_FILE, MEMORY_FILE, MachineSnapshot, SerialSnapshot, Snapshot,
     SnapshotError, memory,
 };
-use crate::vcpu::{Vcpu, register_kick_handler};
-use crate::vm::{Vm, VmError};
+use crate::vcpu::Vcpu;
+use crate::vm::Vm;
 use crate::vmm::{Subscriber, VmEvents, VmParts, Vmm, assemble};
-
-/// Errors building or running a VM (host-side failures, not guest faults).
-#[derive(Debug, Error)]
-pub enum BuildError {
-    #[error("invalid configuration")]
-    Config(#[from] ConfigError),
-    #[error("set up KVM")]
-    Vm(#[from] VmError),
-    #[error("open kernel {0}")]
-    OpenKernel(String, #[source] std::io::Error),
-    #[error("load kernel")]
-    LoadKernel(#[source] linux_loader::loader::Error),
-    #[error("write the kernel command line")]
-    LoadCmdline(#[source] linux_loader::loader::Error),
-    #[error("write boot structures")]
-    Boot(#[from] boot::BootError),
-    #[error("write the MP table")]
-    MpTable(#[from] mptable::MpTableError),
-    #[error("configure vCPU")]
-    Regs(#[from] regs::RegsError),
-    #[error("attach a disk")]
-    Block(#[from] BlockError),
-    #[error("attach the vsock device")]
-    Vsock(#[from] VsockError),
-    #[error("attach the network device")]
-    Net(#[from] NetError),
-    #[error("duplicate the TAP descriptor")]
-    DupTap(#[source] std::io::Error),
-    #[error("place a device on the bus")]
-    Bus(#[from] BusError),
-    #[error("too many virtio devices (at most {VIRTIO_MMIO_MAX_SLOTS})")]
-    TooManyDevices,
-    #[error("register an irqfd or ioeventfd with KVM")]
-    RegisterEvent(#[source] kvm_ioctls::Error),
-    #[error("create an eventfd or timerfd")]
-    EventFd(#[source] std::io::Error),
-    #[error("open the console output {0}")]
-    Console(String, #[source] std::io::Error),
-    #[error("install the vCPU kick signal handler")]
-    Signal(#[source] vmm_sys_util::errno::Error),
-    #[error("start a vCPU thread")]
-    SpawnVcpu(#[source] std::io::Error),
-    #[error("create the event loop")]
-    EventManager(#[source] event_manager::Error),
-    #[error("snapshot")]
-    Snapshot(#[from] SnapshotError),
-    #[error("restore: {0}")]
-    Restore(String),
-    #[error("disk: {0}")]
-    Disk(String),
-    #[error("seccomp")]
-    Seccomp(#[from] crate::seccomp::SeccompError),
-}
 
 /// Devices under construction, before the buses are frozen.
 struct DeviceSet {
@@ -166,7 +111,7 @@ pub fn build_microvm_for_boot(config: &VmConfig, started: Instant) -> Result<Vmm
     log::info!("kernel command line: {cmdline_str}");
     configure_system_for_boot(vm.memory(), cmdline_str.len(), config.vcpus)?;
 
-    register_kick_handler().map_err(BuildError::Signal)?;
+    crate::kick::register_handler().map_err(BuildError::Signal)?;
     let (pio, mmio) = (Arc::new(devices.pio), Arc::new(devices.mmio));
     let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
     for index in 0..config.vcpus {
@@ -428,7 +373,7 @@ pub fn restore_microvm(
         .restore(vm.fd())
         .map_err(|e| BuildError::Snapshot(e.into()))?;
     marks.mark("vm-state");
-    register_kick_handler().map_err(BuildError::Signal)?;
+    crate::kick::register_handler().map_err(BuildError::Signal)?;
     let (pio, mmio) = (Arc::new(devices.pio), Arc::new(devices.mmio));
     let mut vcpus = Vec::with_capacity(snap.vcpus.len());
     for (state, fd) in snap.vcpus.iter().zip(vcpu_fds) {

@@ -13,7 +13,7 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
-use crate::builder::BuildError;
+use crate::build_error::BuildError;
 use crate::control::{CommandQueue, CommandReply, ControlHandle, VmCommand, command_channel};
 use crate::devices::legacy::{ConsoleEvents, SerialDevice};
 use crate::devices::virtio::block::Block;
