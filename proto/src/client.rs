@@ -15,7 +15,7 @@
 //! requests without reading must read concurrently.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{BufReader, Read, Write};
+use std::io::{self, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
@@ -103,7 +103,7 @@ impl AgentClient<UnixStream, UnixStream> {
     pub fn connect_vsock(uds_path: impl AsRef<Path>, port: u32) -> Result<Self, ClientError> {
         let mut stream = connect(uds_path.as_ref())?;
         let mut writer = stream.try_clone().map_err(FrameError::Io)?;
-        crate::vsock::handshake(&mut stream, &mut writer, port)?;
+        handshake(&mut stream, &mut writer, port)?;
         Self::from_stream(stream, writer)
     }
 
@@ -718,6 +718,40 @@ pub fn describe_exit(exit: &ExecExit) -> String {
         }
     }
     s
+}
+
+/// Longest reply line of the `CONNECT` handshake.
+const MAX_HANDSHAKE_LINE: usize = 64;
+
+/// The hybrid-vsock handshake: `CONNECT <port>\n` out, `OK <host port>\n` back (nothing after
+/// the line is consumed).
+pub fn handshake(r: &mut impl Read, w: &mut impl Write, port: u32) -> Result<(), ClientError> {
+    w.write_all(format!("CONNECT {port}\n").as_bytes())
+        .map_err(|e| ClientError::Handshake(format!("sending CONNECT: {e}")))?;
+    let line = read_line(r)?;
+    if line.starts_with("OK ") {
+        Ok(())
+    } else {
+        Err(ClientError::Handshake(format!(
+            "expected `OK <port>`, got {line:?}"
+        )))
+    }
+}
+
+/// Reads one `\n`-terminated line byte by byte, so nothing after it is consumed.
+pub(crate) fn read_line(r: &mut impl Read) -> Result<String, ClientError> {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.len() < MAX_HANDSHAKE_LINE {
+        match r.read(&mut byte) {
+            Ok(0) => return Err(ClientError::Handshake("connection closed".into())),
+            Ok(_) if byte[0] == b'\n' => return Ok(String::from_utf8_lossy(&line).into_owned()),
+            Ok(_) => line.push(byte[0]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(ClientError::Handshake(format!("reading reply: {e}"))),
+        }
+    }
+    Err(ClientError::Handshake("reply line too long".into()))
 }
 
 #[cfg(test)]

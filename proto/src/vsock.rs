@@ -13,13 +13,13 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::client::{AgentClient, ClientError};
+#[cfg(test)]
+use crate::client::read_line;
+use crate::client::{AgentClient, ClientError, handshake};
 
 /// A connection to the agent whose calls end at a deadline.
 pub type TimedClient = AgentClient<TimedStream, TimedStream>;
 
-/// Longest reply line of the `CONNECT` handshake.
-const MAX_HANDSHAKE_LINE: usize = 64;
 /// Pause between attempts while a guest comes up.
 const RETRY: Duration = Duration::from_millis(2);
 
@@ -142,37 +142,6 @@ pub fn connect(
         TimedStream::pair(stream, Some(deadline)).map_err(crate::FrameError::Io)?;
     handshake(&mut reader, &mut writer, port)?;
     AgentClient::from_stream(reader, writer)
-}
-
-/// The hybrid-vsock handshake: `CONNECT <port>\n` out, `OK <host port>\n` back (nothing after
-/// the line is consumed).
-pub fn handshake(r: &mut impl Read, w: &mut impl Write, port: u32) -> Result<(), ClientError> {
-    w.write_all(format!("CONNECT {port}\n").as_bytes())
-        .map_err(|e| ClientError::Handshake(format!("sending CONNECT: {e}")))?;
-    let line = read_line(r)?;
-    if line.starts_with("OK ") {
-        Ok(())
-    } else {
-        Err(ClientError::Handshake(format!(
-            "expected `OK <port>`, got {line:?}"
-        )))
-    }
-}
-
-/// Reads one `\n`-terminated line byte by byte, so nothing after it is consumed.
-pub(crate) fn read_line(r: &mut impl Read) -> Result<String, ClientError> {
-    let mut line = Vec::new();
-    let mut byte = [0u8; 1];
-    while line.len() < MAX_HANDSHAKE_LINE {
-        match r.read(&mut byte) {
-            Ok(0) => return Err(ClientError::Handshake("connection closed".into())),
-            Ok(_) if byte[0] == b'\n' => return Ok(String::from_utf8_lossy(&line).into_owned()),
-            Ok(_) => line.push(byte[0]),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(ClientError::Handshake(format!("reading reply: {e}"))),
-        }
-    }
-    Err(ClientError::Handshake("reply line too long".into()))
 }
 
 /// Why waiting for an agent ended without one.

@@ -269,7 +269,7 @@ fn fake_vmm(
     let listener = UnixListener::bind(&path).unwrap();
     let handle = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
-        let line = crate::vsock::read_line(&mut s).unwrap();
+        let line = super::read_line(&mut s).unwrap();
         s.write_all(reply).unwrap();
         if reply.starts_with(b"OK") {
             write_frame(&mut s, &ready_frame(PROTOCOL_VERSION)).unwrap();
