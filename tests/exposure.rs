@@ -36,11 +36,15 @@ fn certificates(dir: &Path) {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port()
+/// Two distinct free ports (both listeners held until both are known: a port released and
+/// asked for again can come back).
+fn free_ports() -> (u16, u16) {
+    let bind = || std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (a, b) = (bind(), bind());
+    (
+        a.local_addr().unwrap().port(),
+        b.local_addr().unwrap().port(),
+    )
 }
 
 async fn list(address: &str, token: Option<&str>) -> Result<usize, String> {
@@ -79,7 +83,7 @@ async fn the_tcp_listener_speaks_only_mutual_tls_and_metrics_need_their_token() 
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     certificates(&dir);
-    let (port, metrics_port) = (free_port(), free_port());
+    let (port, metrics_port) = free_ports();
     let cgroup_parent = format!("airlock-exposure-{}", std::process::id());
     let extra = format!(
         "metrics_listen = \"127.0.0.1:{metrics_port}\"\nmetrics_token = \"{METRICS_TOKEN}\"\n\

@@ -38,12 +38,14 @@ extern "C" fn stop_registries() {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// `N` distinct free ports: the listeners are all held until every port is known, so the
+/// kernel cannot hand one port out twice (seen: the port picked for verdaccio was the one
+/// picked a moment before for pypi-server, which had not bound it yet).
+fn free_ports<const N: usize>() -> [u16; N] {
+    let held: Vec<_> = (0..N)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    std::array::from_fn(|i| held[i].local_addr().unwrap().port())
 }
 
 fn wait_port(port: u16, what: &str, log: &Path) {
@@ -217,8 +219,7 @@ pub fn registries() -> &'static Registries {
         sha.insert("airlock-tampered".into(), real);
         let deb = crate::debrepo::build(&dir.join("mirror/debian"), &dir.join("debian-work"));
 
-        let pypi_port = free_port();
-        let mirror_port = free_port();
+        let [pypi_port, mirror_port, npm_port] = free_ports();
         let log = dir.join("pypiserver.log");
         // SAFETY: registers a plain `extern "C"` function that runs at exit.
         unsafe { libc::atexit(stop_registries) };
@@ -250,7 +251,6 @@ pub fn registries() -> &'static Registries {
             .spawn()
             .expect("start the mirror (python3 -m http.server)");
         PIDS.lock().unwrap().push(mirror.id() as i32);
-        let npm_port = free_port();
         let vdir = dir.join("verdaccio");
         std::fs::create_dir_all(&vdir).unwrap();
         std::fs::write(vdir.join("config.yaml"), VERDACCIO_CONFIG).unwrap();
