@@ -1,5 +1,8 @@
-//! Settings: sensible defaults, overridden by a TOML file (`--config PATH`), then by
-//! `--listen` and `--data-dir` on the command line.
+//! The daemon's own settings: sensible defaults, overridden by the settings file (read by
+//! `settings.rs`, which gives the sections of the parts above the daemon, `[cluster]` and
+//! `[e2b]`, to their owners), then by `--listen` and `--data-dir` on the command line. The
+//! sections of the parts below (`[jail]`, `[network]`, `[oci]`, `[packages]`, `[audit]`) are
+//! their own types, composed here.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -137,18 +140,13 @@ pub struct Config {
     /// (see `net/mod.rs`).
     pub network: crate::net::NetworkConfig,
     /// Templates from OCI images: plain-HTTP registries, caps, timeouts, the guest agent put
-    /// into them (`[oci]`, see `templates/oci/mod.rs`).
-    pub oci: crate::templates::oci::OciConfig,
+    /// into them (`[oci]`, see `oci/mod.rs`).
+    pub oci: crate::oci::OciConfig,
     /// The package proxy: its registries, the default package ceiling, the cache, limits
     /// (see `pkg/mod.rs`).
     pub packages: crate::pkg::PackagesConfig,
     /// The audit trail: its retention, whether code is recorded (see `audit.rs`).
     pub audit: crate::audit::AuditConfig,
-    /// The E2B-compatible gateway (off unless `[e2b] listen` is set; see `e2b/mod.rs`).
-    pub e2b: crate::e2b::E2bConfig,
-    /// Cluster mode: several nodes coordinated through etcd (off unless `[cluster] etcd` is
-    /// set; see `cluster/mod.rs`).
-    pub cluster: crate::cluster::ClusterConfig,
 }
 
 /// A registered image: a kernel and a root filesystem on the daemon's host.
@@ -311,24 +309,15 @@ impl Default for Config {
             adopt_on_restart: true,
             jail: crate::jail::JailConfig::default(),
             network: crate::net::NetworkConfig::default(),
-            oci: crate::templates::oci::OciConfig::default(),
+            oci: crate::oci::OciConfig::default(),
             packages: crate::pkg::PackagesConfig::default(),
             audit: crate::audit::AuditConfig::default(),
-            e2b: crate::e2b::E2bConfig::default(),
-            cluster: crate::cluster::ClusterConfig::default(),
             import_templates: Vec::new(),
         }
     }
 }
 
 impl Config {
-    /// Reads a TOML file over the defaults.
-    pub fn load(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("reading {}: {e}", path.display()))?;
-        toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
-    }
-
     /// Checks what the settings expose: TCP listeners only with TLS (or an explicit
     /// `allow_insecure_tcp`), metrics off loopback only with a token.
     pub fn check_exposure(&self) -> Result<(), String> {
@@ -339,13 +328,6 @@ impl Config {
                      network in clear (allow_insecure_tcp = true allows it, for tests)"
                 ));
             }
-        }
-        let e2b = &self.e2b.listen;
-        if !e2b.is_empty() && self.tls.is_none() && !self.allow_insecure_tcp && !is_loopback(e2b) {
-            return Err(format!(
-                "[e2b] listen {e2b}: off loopback the gateway needs [tls] (API keys and access \
-                 tokens would cross the network in clear; allow_insecure_tcp = true allows it)"
-            ));
         }
         if !self.metrics_listen.is_empty()
             && !is_loopback(&self.metrics_listen)
@@ -476,7 +458,7 @@ fn newest(dir: &Path, pick: impl Fn(&Path) -> Option<PathBuf>) -> Option<PathBuf
 }
 
 /// Whether `HOST:PORT` names a loopback address.
-fn is_loopback(hostport: &str) -> bool {
+pub fn is_loopback(hostport: &str) -> bool {
     let host = hostport.rsplit_once(':').map_or(hostport, |(h, _)| h);
     let host = host.trim_start_matches('[').trim_end_matches(']');
     host == "localhost"

@@ -41,8 +41,6 @@ pub struct Daemon {
     pub sandboxes: Arc<Sandboxes>,
     pub retention: Arc<Retention>,
     pub data_dir: PathBuf,
-    /// Cluster mode: this node in its cluster, once it joined.
-    cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
 }
 
 /// Sets `p`'s permission bits to `mode`.
@@ -188,7 +186,6 @@ impl Daemon {
             sandboxes,
             retention,
             data_dir,
-            cluster: std::sync::OnceLock::new(),
         };
         Ok((Arc::new(d), events))
     }
@@ -226,23 +223,6 @@ impl Daemon {
         Ok(())
     }
 
-    /// Cluster mode: joins the cluster of the settings (after the recovery, before the
-    /// listeners: what this node still runs is in etcd before any call is routed).
-    pub async fn join_cluster(self: &Arc<Self>) -> Result<(), String> {
-        if !self.cfg.cluster.enabled() {
-            return Ok(());
-        }
-        let c = crate::cluster::join(self).await?;
-        self.cluster
-            .set(c)
-            .map_err(|_| "joined the cluster twice".to_owned())
-    }
-
-    /// This node in its cluster (cluster mode).
-    pub fn cluster(&self) -> Option<&Arc<crate::cluster::Cluster>> {
-        self.cluster.get()
-    }
-
     /// A VMM ended: its owner learns of it; what it had on the host goes.
     async fn on_vmm_exit(&self, ev: VmmExited) {
         match &ev.owner {
@@ -277,24 +257,21 @@ impl Daemon {
     /// An image pull is egress like a sandbox's: `reference`'s registry must be within the
     /// tenant's ceiling.
     pub fn check_registry(&self, tenant: &str, reference: &str) -> ApiResult<()> {
-        let rule = crate::templates::oci::pull::registry_rule(
-            reference,
-            &self.cfg.oci.insecure_registries,
-        )
-        .map_err(|e| ApiError::ImageRefused {
-            image: reference.to_owned(),
-            why: e.to_string(),
-        })?;
+        let rule = crate::oci::pull::registry_rule(reference, &self.cfg.oci.insecure_registries)
+            .map_err(|e| ApiError::ImageRefused {
+                image: reference.to_owned(),
+                why: e.to_string(),
+            })?;
         let policy = crate::net::policy_of(&rule)?;
         self.sandboxes.egress.within_ceiling(tenant, &policy)
     }
 
     /// The check of every other host an image pull of `tenant`'s is sent to (a redirect's, the
     /// token realm's): within the tenant's egress ceiling, as the registry's own host.
-    pub fn host_check(&self, tenant: &str) -> crate::templates::oci::pull::HostCheck {
+    pub fn host_check(&self, tenant: &str) -> crate::oci::pull::HostCheck {
         let (egress, tenant) = (self.sandboxes.egress.clone(), tenant.to_owned());
         Arc::new(move |host: &str, port: u16| {
-            let rule = crate::templates::oci::pull::host_rule(host, port);
+            let rule = crate::oci::pull::host_rule(host, port);
             let policy = crate::net::policy_of(&rule).map_err(|e| e.to_string())?;
             egress
                 .within_ceiling(&tenant, &policy)

@@ -73,8 +73,7 @@ impl Context {
             let mut entry = entry.map_err(|e| bad(format!("not a tar: {e}")))?;
             let raw = entry.path_bytes().into_owned();
             let name = String::from_utf8_lossy(&raw).into_owned();
-            let parts = crate::templates::oci::tree::split(&raw)
-                .map_err(|e| bad(format!("{name:?}: {e}")))?;
+            let parts = crate::oci::tree::split(&raw).map_err(|e| bad(format!("{name:?}: {e}")))?;
             let path = parts
                 .iter()
                 .map(|c| String::from_utf8_lossy(c).into_owned())
@@ -105,9 +104,7 @@ impl Context {
     /// The files of source `s`: itself if it is a file, else everything under it (`.`: the
     /// whole context), with their paths relative to it.
     fn select(&self, s: &str) -> Option<(bool, Selected)> {
-        let parts =
-            crate::templates::oci::tree::split(if s.is_empty() { "." } else { s }.as_bytes())
-                .ok()?;
+        let parts = crate::oci::tree::split(if s.is_empty() { "." } else { s }.as_bytes()).ok()?;
         let p = parts
             .iter()
             .map(|c| String::from_utf8_lossy(c).into_owned())

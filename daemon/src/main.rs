@@ -3,7 +3,8 @@
 //! and records in its data directory, and runs one jailed `airlock-vmm` process per sandbox.
 //!
 //! Its parts, each owning one thing (ARCHITECTURE.md has the map): `daemon` (the composition
-//! root), `server` and `service` (listeners, the thin gRPC layer), `config`, `error`,
+//! root), `server` and `service` (listeners, the thin gRPC layer), `settings` (the settings
+//! file, split among its owners), `config` (the daemon's own settings), `error`,
 //! `reason` (why things end, as types), `ids`, `store` (SQLite records), `metrics`; VMM
 //! processes: `jail`, `vmm` (the launcher seam, control socket, exit meaning), `host`
 //! (starting them), `supervisor` (their exits as events), `cgroup`; `templates` (registry and
@@ -21,6 +22,7 @@ mod daemon;
 mod e2b;
 mod error;
 mod exec;
+mod fileinfo;
 mod files;
 mod host;
 mod ids;
@@ -30,6 +32,7 @@ mod janitor;
 mod limits;
 mod metrics;
 mod net;
+mod oci;
 mod pkg;
 mod pool;
 mod reason;
@@ -40,6 +43,7 @@ mod sbom;
 mod secrets;
 mod server;
 mod service;
+mod settings;
 mod store;
 mod stream;
 mod supervisor;
@@ -81,19 +85,19 @@ struct Args {
     hash_token: bool,
 }
 
-fn settings(args: Args) -> Result<config::Config, String> {
-    let mut cfg = match &args.config {
-        Some(p) => config::Config::load(p)?,
-        None => config::Config::default(),
+fn settings(args: Args) -> Result<settings::Settings, String> {
+    let mut s = match &args.config {
+        Some(p) => settings::Settings::load(p)?,
+        None => settings::Settings::default(),
     };
     if !args.listen.is_empty() {
-        cfg.listen = args.listen;
+        s.daemon.listen = args.listen;
     }
     if let Some(d) = args.data_dir {
-        cfg.data_dir = d;
+        s.daemon.data_dir = d;
     }
-    cfg.check_exposure()?;
-    Ok(cfg)
+    s.check_exposure()?;
+    Ok(s)
 }
 
 /// `--hash-token`: the digest of the token on stdin.
@@ -153,13 +157,23 @@ fn main() -> ExitCode {
     }
 }
 
-async fn serve(cfg: config::Config) -> Result<(), String> {
+async fn serve(settings: settings::Settings) -> Result<(), String> {
+    let settings::Settings {
+        daemon: cfg,
+        cluster,
+        e2b,
+    } = settings;
     let (daemon, events) = tokio::task::spawn_blocking(move || daemon::Daemon::open(cfg))
         .await
         .map_err(|e| e.to_string())??;
     daemon.start(events).await.map_err(|e| e.to_string())?;
-    daemon.join_cluster().await?;
-    let servers = server::listen(&daemon).await?;
+    // Cluster mode joins after the recovery and before the listeners: what this node still
+    // runs is in etcd before any call is routed.
+    let cluster = match cluster.enabled() {
+        true => Some(cluster::join(&daemon, cluster).await?),
+        false => None,
+    };
+    let servers = server::listen(&daemon, cluster, e2b).await?;
     info!(
         templates = daemon.templates.list().len(),
         sandboxes = daemon.sandboxes.all().len(),

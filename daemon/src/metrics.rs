@@ -1,11 +1,9 @@
-//! Prometheus metrics: counters, gauges and histograms kept in memory and served as text on
-//! `GET /metrics` (a minimal HTTP/1.1 responder: the endpoint is for scrapers on the host).
+//! Prometheus metrics: counters, gauges and histograms kept in memory and rendered as text
+//! (`server/metrics.rs` serves them on `GET /metrics`).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Mutex;
-
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Bucket bounds in seconds for latency histograms.
 const BUCKETS: &[f64] = &[
@@ -282,69 +280,6 @@ fn hist(out: &mut String, name: &str, help: &str, h: &Histogram) {
     let _ = writeln!(out, "{name}_count {}", h.count);
 }
 
-/// Serves `GET /metrics` on `listener`; `render` makes the body.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    token: Option<crate::auth::TokenDigest>,
-    render: impl Fn() -> String + Send + Sync + 'static,
-) {
-    let render = std::sync::Arc::new(render);
-    loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
-        let render = render.clone();
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let mut n = 0;
-            // Read the request head (bounded), then answer.
-            while n < buf.len() {
-                match tokio::time::timeout(
-                    std::time::Duration::from_secs(5),
-                    sock.read(&mut buf[n..]),
-                )
-                .await
-                {
-                    Ok(Ok(0)) | Err(_) | Ok(Err(_)) => return,
-                    Ok(Ok(k)) => n += k,
-                }
-                if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                    break;
-                }
-            }
-            let head = String::from_utf8_lossy(&buf[..n]);
-            let (status, body) = if !authorized(&head, token.as_ref()) {
-                (
-                    "401 Unauthorized",
-                    "send Authorization: Bearer METRICS_TOKEN\n".to_owned(),
-                )
-            } else if head.starts_with("GET /metrics") {
-                ("200 OK", render())
-            } else {
-                ("404 Not Found", "not found: GET /metrics\n".to_owned())
-            };
-            let resp = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = sock.write_all(resp.as_bytes()).await;
-        });
-    }
-}
-
-/// Whether a request head carries `Authorization: Bearer T` with `T`'s digest `token` (any
-/// request is authorized when there is no token).
-fn authorized(head: &str, token: Option<&crate::auth::TokenDigest>) -> bool {
-    let Some(want) = token else {
-        return true;
-    };
-    head.lines()
-        .filter_map(|l| l.split_once(':'))
-        .filter(|(k, _)| k.trim().eq_ignore_ascii_case("authorization"))
-        .filter_map(|(_, v)| v.trim().strip_prefix("Bearer "))
-        .any(|t| crate::auth::same(&crate::auth::digest(t.trim()), want))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -361,15 +296,5 @@ mod tests {
         assert!(text.contains("airlock_create_seconds_count 2"));
         assert!(text.contains("airlock_sandboxes{state=\"running\"} 2"));
         assert!(text.contains("airlock_executions_total{outcome=\"exited\"} 1"));
-    }
-
-    #[test]
-    fn metrics_with_a_token_need_it() {
-        let want = crate::auth::digest("m");
-        let ask = |auth: &str| format!("GET /metrics HTTP/1.1\r\nHost: x\r\n{auth}\r\n");
-        assert!(authorized(&ask(""), None));
-        assert!(!authorized(&ask(""), Some(&want)));
-        assert!(!authorized(&ask("Authorization: Bearer n"), Some(&want)));
-        assert!(authorized(&ask("authorization: Bearer m"), Some(&want)));
     }
 }

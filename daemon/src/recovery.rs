@@ -86,7 +86,7 @@ impl Recovery<'_> {
     /// Processes recorded by a daemon older than the `vmms` table: killed.
     fn reap_legacy(&self) -> ApiResult<()> {
         for p in self.store.take_legacy_processes()? {
-            vmm::kill_verified(p.pid, p.start_ticks);
+            crate::jail::kill_verified(p.pid, p.start_ticks);
             if let Some(cg) = &self.host.cgroups
                 && !p.cgroup.is_empty()
             {

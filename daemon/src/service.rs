@@ -10,116 +10,18 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use crate::auth::Tokens;
+use crate::auth::{TemplateRight, Tenant};
+use crate::cluster::Cluster;
 use crate::daemon::Daemon;
 use crate::error::{ApiError, ApiResult};
 use crate::{files, stream};
-
-/// The caller's tenant, put into each request by the listener's interceptor.
-#[derive(Clone, Debug)]
-pub struct Tenant(pub String);
-
-/// Authentication for one listener: on a Unix socket a call without a token is the default
-/// tenant; on TCP every call needs a token. In cluster mode a call with the cluster token is
-/// another node's, forwarded for the tenant it names.
-#[derive(Clone, Debug)]
-pub struct Auth {
-    pub tokens: Arc<Tokens>,
-    pub default_tenant: String,
-    pub token_required: bool,
-    /// Cluster mode: the digest of the node-to-node token.
-    pub cluster_token: Option<crate::auth::TokenDigest>,
-}
-
-/// Whether the caller's token may make templates (a tenant's `run_tokens` may not).
-#[derive(Clone, Copy, Debug)]
-pub struct TemplateRight(pub bool);
-
-/// Who calls.
-#[derive(Clone, Debug)]
-pub struct Caller {
-    pub tenant: String,
-    /// Forwarded by another node of the cluster.
-    pub forwarded: bool,
-    /// May make templates.
-    pub templates: bool,
-}
-
-impl Auth {
-    /// Whether `authorization` (the header's value) carries the cluster token.
-    pub fn is_cluster_token(&self, authorization: Option<&str>) -> bool {
-        let (Some(ours), Some(a)) = (&self.cluster_token, authorization) else {
-            return false;
-        };
-        let t = a.strip_prefix("Bearer ").unwrap_or(a).trim();
-        crate::auth::same(&crate::auth::digest(t), ours)
-    }
-
-    /// The caller of a call with `authorization` and, forwarded by a node, `forwarded_tenant`.
-    pub fn caller(
-        &self,
-        authorization: Option<&str>,
-        forwarded_tenant: Option<&str>,
-    ) -> Result<Caller, Status> {
-        if self.is_cluster_token(authorization) {
-            let tenant = forwarded_tenant.filter(|t| !t.is_empty()).ok_or_else(|| {
-                Status::from(ApiError::Unauthenticated(
-                    "a node's call names no tenant".into(),
-                ))
-            })?;
-            return Ok(Caller {
-                tenant: tenant.to_owned(),
-                forwarded: true,
-                templates: true,
-            });
-        }
-        let (tenant, templates) = match authorization {
-            Some(t) => {
-                let t = t.strip_prefix("Bearer ").unwrap_or(t).trim();
-                self.tokens
-                    .caller_of(t)
-                    .map(|(tenant, right)| (tenant.to_owned(), right))
-                    .ok_or_else(|| {
-                        Status::from(ApiError::Unauthenticated("unknown token".into()))
-                    })?
-            }
-            None if self.token_required => {
-                return Err(ApiError::Unauthenticated(
-                    "this listener needs a token (metadata `authorization: Bearer TOKEN`)".into(),
-                )
-                .into());
-            }
-            None => (self.default_tenant.clone(), true),
-        };
-        Ok(Caller {
-            tenant,
-            forwarded: false,
-            templates,
-        })
-    }
-}
-
-impl tonic::service::Interceptor for Auth {
-    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
-        let md = req.metadata();
-        let token = md
-            .get("authorization")
-            .map(|v| v.to_str().unwrap_or_default().trim().to_owned());
-        let forwarded = md
-            .get(crate::cluster::FORWARDED_TENANT)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        let caller = self.caller(token.as_deref(), forwarded.as_deref())?;
-        req.extensions_mut().insert(Tenant(caller.tenant));
-        req.extensions_mut().insert(TemplateRight(caller.templates));
-        Ok(req)
-    }
-}
 
 /// The service implementation.
 #[derive(Clone, Debug)]
 pub struct Service {
     pub daemon: Arc<Daemon>,
+    /// Cluster mode: this node in its cluster.
+    pub cluster: Option<Arc<Cluster>>,
 }
 
 impl Service {
@@ -314,11 +216,12 @@ impl Airlock for Service {
     ) -> Result<Response<Sandbox>, Status> {
         let tenant = tenant(&req)?;
         let (d, t, req) = (self.daemon.clone(), tenant.clone(), req.into_inner());
+        let cluster = self.cluster.clone();
         traced(
             "CreateSandbox",
             &tenant,
             detached(async move {
-                if let Some(c) = d.cluster() {
+                if let Some(c) = cluster {
                     // Cluster mode: a template this node lacks is fetched from one that has it.
                     c.ensure_template(&t, &req.template).await?;
                 }
@@ -785,7 +688,7 @@ impl Airlock for Service {
         let d = self.daemon.clone();
         let t = tenant.clone();
         traced("GetUsage", &tenant, async move {
-            let cluster = d.cluster().cloned();
+            let cluster = self.cluster.clone();
             let tt = t.clone();
             let mut usage = tokio::task::spawn_blocking(move || d.usage(&tt))
                 .await
@@ -805,7 +708,7 @@ impl Airlock for Service {
     ) -> Result<Response<ListNodesResponse>, Status> {
         let tenant = tenant(&req)?;
         let operator = self.daemon.cfg.is_operator(&tenant);
-        let nodes = match self.daemon.cluster() {
+        let nodes = match &self.cluster {
             Some(c) => c.nodes(),
             None => Vec::new(),
         };

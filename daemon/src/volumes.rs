@@ -122,20 +122,6 @@ pub fn check_mount_path(path: &str) -> ApiResult<()> {
     }
 }
 
-/// `mkfs.ext4` as configured, else on `$PATH` or in /sbin or /usr/sbin.
-pub(crate) fn find_mkfs(configured: Option<&Path>) -> Option<PathBuf> {
-    if let Some(p) = configured {
-        return Some(p.to_owned());
-    }
-    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).collect())
-        .unwrap_or_default();
-    dirs.extend(["/usr/sbin", "/sbin"].map(PathBuf::from));
-    dirs.into_iter()
-        .map(|d| d.join("mkfs.ext4"))
-        .find(|p| p.is_file())
-}
-
 impl Volumes {
     /// The volumes recorded in `store`, their files in `dir` (made if missing).
     pub fn load(
@@ -154,7 +140,7 @@ impl Volumes {
         Ok(Self {
             dir,
             store,
-            mkfs: find_mkfs(mkfs),
+            mkfs: crate::fileinfo::find_mkfs(mkfs),
             slots: slots as usize,
             max_size_mib,
             all: Mutex::new(all),
@@ -176,7 +162,7 @@ impl Volumes {
     /// A volume's record as callers see it: its space on disk and who has it mounted.
     fn view(&self, e: &Entry) -> Volume {
         let mut v = e.record.clone();
-        v.used_bytes = crate::templates::disk_bytes(&self.file(&e.id));
+        v.used_bytes = crate::fileinfo::disk_bytes(&self.file(&e.id));
         if let Some(u) = lock(&self.users).get(&e.id) {
             v.attached_to = u.read_write.iter().chain(&u.read_only).cloned().collect();
         }

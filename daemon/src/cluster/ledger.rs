@@ -31,6 +31,8 @@ const TXN_TRIES: usize = 16;
 pub struct EtcdLedger {
     client: Client,
     prefix: String,
+    /// This node's name.
+    node: String,
     cfg: Arc<Config>,
 }
 
@@ -70,6 +72,7 @@ impl EtcdLedger {
         Ok(Self {
             client,
             prefix: cluster.prefix.clone(),
+            node: cluster.node_name(),
             cfg,
         })
     }
@@ -405,7 +408,7 @@ impl Ledger for EtcdLedger {
     }
 
     fn node(&self) -> String {
-        self.cfg.cluster.node_name()
+        self.node.clone()
     }
 }
 

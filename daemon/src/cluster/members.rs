@@ -121,10 +121,10 @@ impl Cluster {
     /// and keeps its membership current from now on.
     pub async fn join(
         daemon: Arc<Daemon>,
+        cfg: ClusterConfig,
         ledger: Arc<EtcdLedger>,
         token: String,
     ) -> Result<Arc<Self>, String> {
-        let cfg = daemon.cfg.cluster.clone();
         let name = cfg.node_name();
         let tag = ledger.claim_tag(&name).await?;
         if !ids::set_node_tag(&tag) {

@@ -148,16 +148,17 @@ impl ClusterConfig {
     }
 }
 
-/// The header a forwarded call names its caller's tenant with (only honoured with the cluster
-/// token).
-pub const FORWARDED_TENANT: &str = "airlock-forwarded-tenant";
+pub use crate::auth::FORWARDED_TENANT;
 
-/// Joins the cluster of `daemon`'s settings; the returned handle is the routing layer's.
-pub async fn join(daemon: &Arc<crate::daemon::Daemon>) -> Result<Arc<Cluster>, String> {
-    let cfg = &daemon.cfg.cluster;
+/// Joins `daemon` to the cluster `cfg` describes; the returned handle is the routing layer's
+/// and the service's.
+pub async fn join(
+    daemon: &Arc<crate::daemon::Daemon>,
+    cfg: ClusterConfig,
+) -> Result<Arc<Cluster>, String> {
     let token = cfg.check()?;
-    let ledger = Arc::new(EtcdLedger::connect(cfg, daemon.cfg.clone()).await?);
-    let cluster = Cluster::join(daemon.clone(), ledger.clone(), token).await?;
+    let ledger = Arc::new(EtcdLedger::connect(&cfg, daemon.cfg.clone()).await?);
+    let cluster = Cluster::join(daemon.clone(), cfg, ledger.clone(), token).await?;
     daemon
         .sandboxes
         .set_ledger(ledger)

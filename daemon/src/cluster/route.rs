@@ -27,8 +27,8 @@ use tracing::warn;
 
 use super::members::{Cluster, Target};
 use super::templates::PATH as TEMPLATE_PATH;
+use crate::auth::Auth;
 use crate::error::ApiError;
-use crate::service::Auth;
 
 /// The service's path prefix.
 const API: &str = "/airlock.v1.Airlock/";

@@ -98,7 +98,7 @@ fn state_name(s: SandboxState) -> &'static str {
 
 impl Gateway {
     fn domain(&self) -> Value {
-        let d = &self.daemon.cfg.e2b.domain;
+        let d = &self.cfg.domain;
         if d.is_empty() { Value::Null } else { json!(d) }
     }
 
@@ -196,8 +196,8 @@ async fn create(
     let timeout = n
         .timeout
         .filter(|t| *t > 0)
-        .unwrap_or(gw.daemon.cfg.e2b.default_timeout_s);
-    let paths = gw.daemon.cfg.e2b.file_paths.clone();
+        .unwrap_or(gw.cfg.default_timeout_s);
+    let paths = gw.cfg.file_paths.clone();
     let req = CreateSandboxRequest {
         template: if n.template_id.is_empty() {
             "base".into()

@@ -84,6 +84,8 @@ impl Default for E2bConfig {
 #[derive(Debug)]
 pub struct Gateway {
     pub daemon: Arc<Daemon>,
+    /// `[e2b]`.
+    pub cfg: E2bConfig,
     tokens: Arc<Tokens>,
     /// The key of sandboxes' access tokens (and of template file upload links).
     key: [u8; 32],
@@ -107,7 +109,7 @@ type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 
 impl Gateway {
     /// The gateway of `daemon`; the token key is made on first use (0600 in the data dir).
-    pub fn new(daemon: Arc<Daemon>, tokens: Arc<Tokens>) -> Result<Self, String> {
+    pub fn new(daemon: Arc<Daemon>, cfg: E2bConfig, tokens: Arc<Tokens>) -> Result<Self, String> {
         let path = daemon.cfg.data_dir.join("e2b-token.key");
         let key = match std::fs::read(&path) {
             Ok(k) if k.len() == 32 => k,
@@ -133,6 +135,7 @@ impl Gateway {
         fixed.copy_from_slice(&key);
         Ok(Self {
             daemon,
+            cfg,
             tokens,
             key: fixed,
             templates: templates::Builds::default(),
@@ -172,7 +175,7 @@ impl Gateway {
 
     /// The sandbox the request's host names, for envd's port.
     fn host_sandbox<'h>(&self, headers: &'h HeaderMap) -> Option<&'h str> {
-        sandbox_of_host(header_str(headers, "host")?, &self.daemon.cfg.e2b.domain)
+        sandbox_of_host(header_str(headers, "host")?, &self.cfg.domain)
     }
 
     /// The live sandbox an envd request is for, authorised by its access token.
@@ -359,17 +362,18 @@ pub fn router(gw: Arc<Gateway>) -> Router {
 }
 
 /// Serves the gateway on `listener` (TLS with the daemon's `[tls]`) until it fails.
-pub async fn serve(daemon: Arc<Daemon>, tokens: Arc<Tokens>) -> Result<(), String> {
-    let addr = daemon.cfg.e2b.listen.clone();
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    daemon: Arc<Daemon>,
+    cfg: E2bConfig,
+    tokens: Arc<Tokens>,
+) -> Result<(), String> {
     let tls = match &daemon.cfg.tls {
         Some(t) => Some(tls_acceptor(t)?),
         None => None,
     };
-    let gw = Arc::new(Gateway::new(daemon.clone(), tokens)?);
+    let gw = Arc::new(Gateway::new(daemon.clone(), cfg, tokens)?);
     let app = router(gw);
-    let listener = crate::server::bind_tcp(&addr)
-        .await
-        .map_err(|e| format!("[e2b] listen {addr}: {e}"))?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     info!("E2B gateway on {scheme}://{local}");

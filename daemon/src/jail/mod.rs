@@ -31,7 +31,7 @@ mod process;
 mod sys;
 mod uids;
 
-pub use process::{ExitFuture, ProcessHandle, Spawned};
+pub use process::{ExitFuture, ProcessHandle, Spawned, kill_verified, start_ticks};
 
 use layout::{JailLayout, shared_libraries};
 use process::wait_exit;
@@ -316,7 +316,7 @@ impl Jailer {
         let zombie = status
             .lines()
             .any(|l| l.starts_with("State:") && l.contains("zombie"));
-        if crate::vmm::start_ticks(pid) != Some(start_ticks)
+        if process::start_ticks(pid) != Some(start_ticks)
             || zombie
             || uid.is_some_and(|u| running_uid != Some(u))
         {

@@ -106,3 +106,54 @@ impl Drop for Spawned {
         }
     }
 }
+
+/// The start time of `pid` in clock ticks since boot (`/proc/PID/stat` field 22).
+pub fn start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may contain anything.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// SIGKILLs `pid` if it is alive and started at `ticks` (for records of processes without a
+/// handle: an older daemon's). Returns whether a signal was sent.
+pub fn kill_verified(pid: u32, ticks: u64) -> bool {
+    if start_ticks(pid) != Some(ticks) {
+        return false;
+    }
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: kill(2) on a pid checked by its start time; no memory is involved.
+    unsafe { libc::kill(pid, libc::SIGKILL) == 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn start_ticks_of_this_process_is_stable() {
+        let me = std::process::id();
+        let a = start_ticks(me).expect("own stat");
+        assert_eq!(start_ticks(me), Some(a));
+        assert_eq!(start_ticks(u32::MAX), None);
+    }
+
+    #[test]
+    fn kill_verified_spares_a_process_with_another_start_time() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let ticks = start_ticks(pid).unwrap();
+        assert!(!kill_verified(pid, ticks + 1));
+        assert!(child.try_wait().unwrap().is_none());
+        assert!(kill_verified(pid, ticks));
+        let status = child.wait().unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(9));
+    }
+}

@@ -5,9 +5,10 @@ use airlock_api::v1::{Sandbox, SandboxState, Template};
 
 use super::Sandboxes;
 use crate::error::{ApiError, ApiResult};
+use crate::fileinfo::disk_bytes;
 use crate::ids;
 use crate::reason::{EndReason, state_name};
-use crate::templates::{TemplateRt, disk_bytes};
+use crate::templates::TemplateRt;
 use crate::vmm;
 
 use tracing::{info, warn};

@@ -4,6 +4,7 @@
 //! signal or a listener's failure.
 
 mod limit;
+mod metrics;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -16,10 +17,12 @@ use tracing::info;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
-use crate::auth::{Tokens, digest};
+use crate::auth::{Auth, Tokens, digest};
+use crate::cluster::Cluster;
 use crate::config::TlsSettings;
 use crate::daemon::Daemon;
-use crate::service::{Auth, Service};
+use crate::e2b::E2bConfig;
+use crate::service::Service;
 
 type Servers = JoinSet<Result<(), String>>;
 
@@ -38,9 +41,14 @@ pub async fn bind_tcp(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
 }
 
 /// Starts serving on every configured address.
-pub async fn listen(daemon: &Arc<Daemon>) -> Result<Servers, String> {
+pub async fn listen(
+    daemon: &Arc<Daemon>,
+    cluster: Option<Arc<Cluster>>,
+    e2b: E2bConfig,
+) -> Result<Servers, String> {
     let svc = Service {
         daemon: daemon.clone(),
+        cluster: cluster.clone(),
     };
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(airlock_api::FILE_DESCRIPTOR_SET)
@@ -55,10 +63,10 @@ pub async fn listen(daemon: &Arc<Daemon>) -> Result<Servers, String> {
             tokens: tokens.clone(),
             default_tenant: cfg.default_tenant.clone(),
             token_required: tcp,
-            cluster_token: daemon.cluster().map(|c| c.token_digest),
+            cluster_token: cluster.as_ref().map(|c| c.token_digest),
         };
         // Cluster mode: calls are routed to the node that holds what they name.
-        let route = daemon.cluster().map(|c| crate::cluster::RouteLayer {
+        let route = cluster.as_ref().map(|c| crate::cluster::RouteLayer {
             cluster: c.clone(),
             auth: auth.clone(),
         });
@@ -107,8 +115,11 @@ pub async fn listen(daemon: &Arc<Daemon>) -> Result<Servers, String> {
         }
     }
     serve_metrics(daemon).await?;
-    if !cfg.e2b.listen.is_empty() {
-        servers.spawn(crate::e2b::serve(daemon.clone(), tokens));
+    if !e2b.listen.is_empty() {
+        let listener = bind_tcp(&e2b.listen)
+            .await
+            .map_err(|e| format!("[e2b] listen {}: {e}", e2b.listen))?;
+        servers.spawn(crate::e2b::serve(listener, daemon.clone(), e2b, tokens));
     }
     Ok(servers)
 }
@@ -139,9 +150,7 @@ async fn serve_metrics(daemon: &Arc<Daemon>) -> Result<(), String> {
     info!("metrics on http://{addr}/metrics");
     let d = daemon.clone();
     let token = (!daemon.cfg.metrics_token.is_empty()).then(|| digest(&daemon.cfg.metrics_token));
-    tokio::spawn(crate::metrics::serve(listener, token, move || {
-        d.metrics_text()
-    }));
+    tokio::spawn(metrics::serve(listener, token, move || d.metrics_text()));
     Ok(())
 }
 

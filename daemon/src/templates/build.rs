@@ -13,9 +13,10 @@ use airlock_api::v1::{CreateTemplateRequest, ImageDefaults, OciImage, Template, 
 use tokio::sync::mpsc::Sender;
 use tracing::{info, warn};
 
-use super::{TemplateRt, Templates, disk_bytes, file_version};
+use super::{TemplateRt, Templates};
 use crate::config::Config;
 use crate::error::{ApiError, ApiResult};
+use crate::fileinfo::{disk_bytes, file_version};
 use crate::host::VmmHost;
 use crate::ids;
 use crate::jail::Launch;
@@ -51,7 +52,7 @@ pub struct Checked {
     spec: BuildSpec,
     /// What an image pull may connect to besides its registry (the tenant's ceiling); none:
     /// anything.
-    pub check_host: Option<super::oci::pull::HostCheck>,
+    pub check_host: Option<crate::oci::pull::HostCheck>,
 }
 
 impl std::fmt::Debug for Checked {
@@ -284,7 +285,7 @@ impl Builder {
                         .into(),
                 ));
             }
-            super::oci::pull::parse(&oci.reference).map_err(|e| ApiError::ImageRefused {
+            crate::oci::pull::parse(&oci.reference).map_err(|e| ApiError::ImageRefused {
                 image: oci.reference.clone(),
                 why: e.to_string(),
             })?;
@@ -510,7 +511,7 @@ impl Builder {
         &self,
         oci: &OciImage,
         tx: Sender<TemplateEvent>,
-        check_host: super::oci::pull::HostCheck,
+        check_host: crate::oci::pull::HostCheck,
     ) -> ApiResult<String> {
         let progress = Progress {
             tx,
@@ -527,23 +528,23 @@ impl Builder {
         &self,
         oci: &OciImage,
         progress: &Progress,
-        check_host: Option<super::oci::pull::HostCheck>,
-    ) -> ApiResult<super::oci::Imported> {
+        check_host: Option<crate::oci::pull::HostCheck>,
+    ) -> ApiResult<crate::oci::Imported> {
         let c = &self.cfg.oci;
         progress
             .send("pulling", format!("pulling {}", oci.reference), None)
             .await;
         let images = self.cfg.data_dir.join("images");
         let default_rootfs = self.cfg.image("default").map(|(_, r)| r);
-        let agent = super::oci::guest_agent(c, default_rootfs.as_deref(), &images.join("agent"))?;
-        let mkfs = crate::volumes::find_mkfs(self.cfg.mkfs_ext4.as_deref()).ok_or_else(|| {
+        let agent = crate::oci::guest_agent(c, default_rootfs.as_deref(), &images.join("agent"))?;
+        let mkfs = crate::fileinfo::find_mkfs(self.cfg.mkfs_ext4.as_deref()).ok_or_else(|| {
             ApiError::Internal(
                 "images need e2fsprogs' mkfs.ext4 on the daemon's host (apt-get install \
                  e2fsprogs)"
                     .into(),
             )
         })?;
-        let spec = super::oci::pull::PullSpec {
+        let spec = crate::oci::pull::PullSpec {
             reference: oci.reference.clone(),
             username: oci.username.clone(),
             password: oci.password.clone(),
@@ -556,7 +557,7 @@ impl Builder {
         let disk_mib = u64::from(self.cfg.max_disk_mib);
         let imported = tokio::time::timeout(
             Duration::from_secs(c.pull_timeout_s.max(1)),
-            super::oci::import(c, &spec, &images, &agent, &mkfs, disk_mib),
+            crate::oci::import(c, &spec, &images, &agent, &mkfs, disk_mib),
         )
         .await
         .map_err(|_| ApiError::RegistryUnavailable {
@@ -590,16 +591,16 @@ impl Builder {
 /// The kernel arguments that boot an imported image: its init (the agent, from /.airlock) and
 /// its user and working directory as the agent's defaults (in init's environment). The kernel
 /// command line has no quoting for these, so they may hold only plain characters.
-fn boot_args(reference: &str, d: &super::oci::ImageDefaults) -> ApiResult<String> {
+fn boot_args(reference: &str, d: &crate::oci::ImageDefaults) -> ApiResult<String> {
     let plain = |v: &str| {
         v.len() <= 256
             && v.bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"._-:/@+".contains(&b))
     };
     let user = if d.user.is_empty() { "root" } else { &d.user };
-    let mut args = format!("{} {}={user}", super::oci::INIT_ARG, super::oci::USER_ENV);
+    let mut args = format!("{} {}={user}", crate::oci::INIT_ARG, crate::oci::USER_ENV);
     if !d.working_dir.is_empty() {
-        args.push_str(&format!(" {}={}", super::oci::WORKDIR_ENV, d.working_dir));
+        args.push_str(&format!(" {}={}", crate::oci::WORKDIR_ENV, d.working_dir));
     }
     if !plain(user) || !plain(&d.working_dir) {
         return Err(ApiError::ImageRefused {

@@ -5,7 +5,6 @@
 pub mod build;
 pub mod dockerfile;
 pub mod import;
-pub mod oci;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -15,6 +14,7 @@ use airlock_control::snapshot_dir::{STATE_VERSION, state_version};
 
 use crate::config::Quota;
 use crate::error::{ApiError, ApiResult};
+use crate::fileinfo::{disk_bytes, file_version};
 use crate::ids;
 use crate::store::Store;
 use crate::vmm::PoolSpec;
@@ -451,32 +451,6 @@ pub fn as_seen_by(mut record: Template, operator: bool) -> Template {
         record.rootfs_path.clear();
     }
     record
-}
-
-/// A short version of a file: a hash of its name, size and modification time (hashing a
-/// gigabyte image per template would cost seconds; the base image's file name carries the hash
-/// of its inputs already).
-pub fn file_version(p: &Path) -> String {
-    use std::hash::{Hash, Hasher};
-    let meta = std::fs::metadata(p).ok();
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    p.file_name().hash(&mut h);
-    meta.as_ref().map(|m| m.len()).hash(&mut h);
-    meta.and_then(|m| m.modified().ok()).hash(&mut h);
-    format!("{:016x}", h.finish())
-}
-
-/// The version of some content: SHA-256, first 16 hex digits.
-pub fn content_version(data: &[u8]) -> String {
-    use sha2::Digest;
-    let d = sha2::Sha256::digest(data);
-    d[..8].iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Bytes a (sparse) file occupies on disk.
-pub fn disk_bytes(p: &Path) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(p).map(|m| m.blocks() * 512).unwrap_or(0)
 }
 
 #[cfg(test)]

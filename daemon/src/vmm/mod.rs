@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::cgroup::Cgroup;
-use crate::jail::{ExitFuture, Jailer, Launch};
+use crate::jail::{ExitFuture, Jailer, Launch, start_ticks};
 
 /// Kills one started VMM.
 pub trait Kill: Send + Sync + fmt::Debug {
@@ -308,7 +308,7 @@ pub fn pool_launch(
         args.extend(["--root-overlay".into(), overlay.clone().into_os_string()]);
         args.extend(["--disk-quota-mib".into(), mib.to_string().into()]);
         writable_files.push(overlay);
-        let layer = crate::templates::disk_bytes(
+        let layer = crate::fileinfo::disk_bytes(
             &spec
                 .snapshot_dir
                 .join(airlock_control::snapshot_dir::LAYER_FILE),
@@ -334,27 +334,6 @@ pub async fn launch(launcher: &Arc<dyn Launcher>, launch: Launch) -> io::Result<
     tokio::task::spawn_blocking(move || l.launch(launch))
         .await
         .map_err(io::Error::other)?
-}
-
-/// The start time of `pid` in clock ticks since boot (`/proc/PID/stat` field 22).
-pub fn start_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name, which is in parentheses and may contain anything.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
-}
-
-/// SIGKILLs `pid` if it is alive and started at `ticks` (for records of processes without a
-/// handle: an older daemon's). Returns whether a signal was sent.
-pub fn kill_verified(pid: u32, ticks: u64) -> bool {
-    if start_ticks(pid) != Some(ticks) {
-        return false;
-    }
-    let Ok(pid) = i32::try_from(pid) else {
-        return false;
-    };
-    // SAFETY: kill(2) on a pid checked by its start time; no memory is involved.
-    unsafe { libc::kill(pid, libc::SIGKILL) == 0 }
 }
 
 /// The guest's console in a VMM's run directory.
@@ -408,14 +387,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn start_ticks_of_this_process_is_stable() {
-        let me = std::process::id();
-        let a = start_ticks(me).expect("own stat");
-        assert_eq!(start_ticks(me), Some(a));
-        assert_eq!(start_ticks(u32::MAX), None);
-    }
-
-    #[test]
     fn only_the_tail_of_a_huge_log_is_read() {
         let dir = std::env::temp_dir().join(format!("airlock-logtail-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -429,21 +400,5 @@ mod tests {
         assert_eq!(log_line(&log, "seccomp violation"), None, "beyond the tail");
         assert_eq!(max_file_bytes(256), 384 << 20);
         let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn kill_verified_spares_a_process_with_another_start_time() {
-        let mut child = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        let pid = child.id();
-        let ticks = start_ticks(pid).unwrap();
-        assert!(!kill_verified(pid, ticks + 1));
-        assert!(child.try_wait().unwrap().is_none());
-        assert!(kill_verified(pid, ticks));
-        let status = child.wait().unwrap();
-        use std::os::unix::process::ExitStatusExt;
-        assert_eq!(status.signal(), Some(9));
     }
 }

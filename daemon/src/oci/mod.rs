@@ -129,7 +129,7 @@ pub async fn import(
         })?;
     let agent_bytes = std::fs::read(agent)
         .map_err(|e| ApiError::Internal(format!("the guest agent {}: {e}", agent.display())))?;
-    let agent_version = crate::templates::content_version(&agent_bytes);
+    let agent_version = crate::fileinfo::content_version(&agent_bytes);
     let hex = pulled
         .manifest_digest
         .trim_start_matches("sha256:")
@@ -327,7 +327,7 @@ pub fn guest_agent(
     })?;
     let out = cache.join(format!(
         "airlock-agent-{}",
-        crate::templates::file_version(image)
+        crate::fileinfo::file_version(image)
     ));
     if out.is_file() {
         return Ok(out);
