@@ -106,23 +106,29 @@ fn non_test(text: &str) -> String {
 /// The modules a crate root declares (`mod NAME;`, `pub mod NAME;`, `pub(crate) mod NAME;`),
 /// test-only ones (`#[cfg(test)]` on the line before) left out.
 pub fn declared(root: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
+    declarations(root).0
+}
+
+/// The modules a crate root declares for every build, and those it declares for tests only.
+fn declarations(root: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let (mut always, mut tests) = (BTreeSet::new(), BTreeSet::new());
     let mut test_only = false;
     for line in root.lines().map(str::trim) {
         let decl = line
             .strip_prefix("pub(crate) ")
             .or_else(|| line.strip_prefix("pub "))
             .unwrap_or(line);
-        if let Some(name) = decl.strip_prefix("mod ").and_then(|r| r.strip_suffix(';'))
-            && !test_only
-        {
-            out.insert(name.to_owned());
+        if let Some(name) = decl.strip_prefix("mod ").and_then(|r| r.strip_suffix(';')) {
+            match test_only {
+                false => always.insert(name.to_owned()),
+                true => tests.insert(name.to_owned()),
+            };
         }
         if !line.starts_with("#[") || line.starts_with("#[cfg(test)]") {
             test_only = line.starts_with("#[cfg(test)]");
         }
     }
-    out
+    (always, tests)
 }
 
 /// Items the root re-exports by name: `pub use NAME::...::Item;` and `pub use NAME::{A, B};`.
@@ -222,12 +228,17 @@ fn group_heads(group: &str) -> Vec<String> {
 pub fn graph(sources: &BTreeMap<String, String>, root: &str, skip: &[&str]) -> Graph {
     let root_text = sources.get(root).map_or("", String::as_str);
     let reexported = reexports(root_text);
+    // Modules the root declares for tests only are test code.
+    let (_, test_only) = declarations(root_text);
     let mut graph = Graph::new();
-    for (module, text) in sources.iter().filter(|(m, _)| *m != root) {
+    for (module, text) in sources
+        .iter()
+        .filter(|(m, _)| *m != root && !test_only.contains(*m))
+    {
         let edges = references(text)
             .into_iter()
             .filter_map(|head| {
-                if sources.contains_key(&head) && head != root {
+                if sources.contains_key(&head) && head != root && !test_only.contains(&head) {
                     Some(head)
                 } else {
                     reexported.get(&head).cloned()
@@ -346,27 +357,52 @@ pub fn assert_acyclic(manifest_dir: &str, skip: &[&str]) -> Graph {
     graph
 }
 
-/// For a crate whose cycles are being taken apart: panics when a module outside `known` lies on
-/// a cycle (the set may only shrink), and when a module of `known` no longer does (take it off
-/// the list, so it cannot slip back).
-pub fn assert_cycles_within(manifest_dir: &str, known: &[&str]) -> Graph {
-    let graph = read(Path::new(manifest_dir), &[]);
-    assert_all_read(manifest_dir, &graph, &[]);
-    let cyclic = modules_in_cycles(&graph);
-    let known: BTreeSet<String> = known.iter().map(|s| (*s).to_owned()).collect();
-    let new: Vec<_> = cyclic.difference(&known).cloned().collect();
-    assert!(
-        new.is_empty(),
-        "modules that joined an import cycle in {manifest_dir}: {new:?}\nthe module graph:\n{}",
-        show(&graph)
-    );
-    let freed: Vec<_> = known.difference(&cyclic).cloned().collect();
-    assert!(
-        freed.is_empty(),
-        "modules no longer on an import cycle in {manifest_dir}: {freed:?}: take them off the \
-         list of known ones"
-    );
-    graph
+/// The modules of an acyclic `graph` by level, top first: a module's level is one more than the
+/// highest of the modules it uses (0: it uses none), so every arrow points to a lower level.
+/// `None` when the graph has a cycle.
+pub fn levels(graph: &Graph) -> Option<Vec<Vec<String>>> {
+    fn level(graph: &Graph, module: &str, memo: &mut BTreeMap<String, usize>) -> usize {
+        if let Some(l) = memo.get(module) {
+            return *l;
+        }
+        let l = graph
+            .get(module)
+            .into_iter()
+            .flatten()
+            .map(|m| level(graph, m, memo) + 1)
+            .max()
+            .unwrap_or(0);
+        memo.insert(module.to_owned(), l);
+        l
+    }
+    if find_cycle(graph).is_some() {
+        return None;
+    }
+    let mut memo = BTreeMap::new();
+    let mut by_level: Vec<Vec<String>> = Vec::new();
+    for m in graph.keys() {
+        let l = level(graph, m, &mut memo);
+        if by_level.len() <= l {
+            by_level.resize(l + 1, Vec::new());
+        }
+        by_level[l].push(m.clone());
+    }
+    by_level.reverse();
+    Some(by_level)
+}
+
+/// [`levels`] as text, one line per level, top first: `LEVEL  module module ...`.
+pub fn layer_picture(graph: &Graph) -> Option<String> {
+    let levels = levels(graph)?;
+    let top = levels.len().saturating_sub(1);
+    Some(
+        levels
+            .iter()
+            .enumerate()
+            .map(|(i, ms)| format!("{:>2}  {}", top - i, ms.join(" ")))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )
 }
 
 #[cfg(test)]
@@ -402,6 +438,18 @@ mod tests {
         assert_eq!(non_test(text), "use crate::a::B;\n");
         let root = "mod a;\npub mod b;\n#[cfg(test)]\nmod c_tests;\npub(crate) mod d;\n";
         assert_eq!(Vec::from_iter(declared(root)), ["a", "b", "d"]);
+        // A module the root declares for tests only is no node, and no edge leads to it.
+        let sources: BTreeMap<String, String> = [
+            ("lib", "mod a;\n#[cfg(test)]\nmod fake;\n"),
+            ("a", "use crate::fake::F;\n"),
+            ("fake", "use crate::a::A;\n"),
+        ]
+        .into_iter()
+        .map(|(m, t)| (m.to_owned(), t.to_owned()))
+        .collect();
+        let g = graph(&sources, "lib", &[]);
+        assert_eq!(Vec::from_iter(g.keys().cloned()), ["a"]);
+        assert!(g["a"].is_empty(), "{}", show(&g));
     }
 
     #[test]
@@ -435,5 +483,14 @@ mod tests {
             Some("a -> b -> c -> a")
         );
         assert_eq!(Vec::from_iter(modules_in_cycles(&cyclic)), ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn levels_put_every_module_above_what_it_uses() {
+        let g = edges(&[("a", &["b", "c"]), ("b", &["c"]), ("c", &[]), ("d", &["c"])]);
+        assert_eq!(levels(&g).unwrap(), [vec!["a"], vec!["b", "d"], vec!["c"]]);
+        assert_eq!(layer_picture(&g).unwrap(), " 2  a\n 1  b d\n 0  c");
+        let cyclic = edges(&[("a", &["b"]), ("b", &["a"])]);
+        assert_eq!(levels(&cyclic), None);
     }
 }
