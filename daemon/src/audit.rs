@@ -61,13 +61,109 @@ pub fn digest(data: &[u8]) -> Value {
     json!({ "sha256": hex(&Sha256::digest(data)), "bytes": data.len() })
 }
 
+/// What an event records; its `kind` in the trail is [`Kind::as_str`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// `sandbox.create`: a sandbox was made (its spec, redacted).
+    SandboxCreate,
+    /// `sandbox.end`: a sandbox ended (why).
+    SandboxEnd,
+    /// `exec.start`: an execution started (its command, or its digest).
+    ExecStart,
+    /// `exec.end`: an execution ended (how).
+    ExecEnd,
+    /// `file.write`: a file was written into a sandbox (path, digest).
+    FileWrite,
+    /// `file.read`: a file was read from a sandbox (path, digest).
+    FileRead,
+    /// `secret.use`: a secret was handed to a sandbox or used by the broker (its name).
+    SecretUse,
+    /// `secret.remove`: secrets were removed or expired.
+    SecretRemove,
+    /// `egress`: an allowed connection left a sandbox.
+    Egress,
+    /// `package`: a package was installed through the proxy.
+    Package,
+    /// `denial`: a call, connection or package was refused by policy.
+    Denial,
+}
+
+impl Kind {
+    #[cfg(test)]
+    pub const ALL: [Kind; 11] = [
+        Kind::SandboxCreate,
+        Kind::SandboxEnd,
+        Kind::ExecStart,
+        Kind::ExecEnd,
+        Kind::FileWrite,
+        Kind::FileRead,
+        Kind::SecretUse,
+        Kind::SecretRemove,
+        Kind::Egress,
+        Kind::Package,
+        Kind::Denial,
+    ];
+
+    /// The kind's name in the trail and in ListAuditEvents' filter.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::SandboxCreate => "sandbox.create",
+            Kind::SandboxEnd => "sandbox.end",
+            Kind::ExecStart => "exec.start",
+            Kind::ExecEnd => "exec.end",
+            Kind::FileWrite => "file.write",
+            Kind::FileRead => "file.read",
+            Kind::SecretUse => "secret.use",
+            Kind::SecretRemove => "secret.remove",
+            Kind::Egress => "egress",
+            Kind::Package => "package",
+            Kind::Denial => "denial",
+        }
+    }
+}
+
+/// A sandbox's network policy as the trail records it: its fields, by name (`null`: none).
+pub fn network(policy: Option<&airlock_api::v1::NetworkPolicy>) -> Value {
+    use airlock_api::v1::egress_rule::Target;
+    let Some(p) = policy else {
+        return Value::Null;
+    };
+    let rules: Vec<Value> = p
+        .allow
+        .iter()
+        .map(|r| {
+            let (key, value) = match &r.target {
+                Some(Target::Domain(d)) => ("domain", d.as_str()),
+                Some(Target::Cidr(c)) => ("cidr", c.as_str()),
+                None => ("domain", ""),
+            };
+            json!({ key: value, "ports": r.ports })
+        })
+        .collect();
+    json!({ "allow_internet": p.allow_internet, "allow": rules })
+}
+
+/// A sandbox's package policy as the trail records it (`null`: none).
+pub fn packages(policy: Option<&airlock_api::v1::PackagePolicy>) -> Value {
+    let Some(p) = policy else {
+        return Value::Null;
+    };
+    json!({
+        "registries": p.registries,
+        "allow": p.allow,
+        "deny": p.deny,
+        "offline": p.offline,
+        "max_download_bytes": p.max_download_bytes,
+    })
+}
+
 /// Appends an event to `tenant`'s trail (a failure is logged: the call it records goes on).
-pub fn emit(tenant: &str, kind: &str, sandbox_id: &str, execution_id: &str, detail: Value) {
+pub fn emit(tenant: &str, kind: Kind, sandbox_id: &str, execution_id: &str, detail: Value) {
     let Some((store, _)) = SINK.get() else {
         return;
     };
     if let Err(e) = append(store, tenant, kind, sandbox_id, execution_id, detail) {
-        warn!(tenant, kind, "audit event not stored: {e}");
+        warn!(tenant, kind = kind.as_str(), "audit event not stored: {e}");
     }
 }
 
@@ -75,7 +171,7 @@ pub fn emit(tenant: &str, kind: &str, sandbox_id: &str, execution_id: &str, deta
 pub fn append(
     store: &Store,
     tenant: &str,
-    kind: &str,
+    kind: Kind,
     sandbox_id: &str,
     execution_id: &str,
     detail: Value,
@@ -96,7 +192,7 @@ pub fn append(
         seq,
         time_unix_ms: ids::now_ms(),
         tenant: tenant.to_owned(),
-        kind: kind.to_owned(),
+        kind: kind.as_str().to_owned(),
         sandbox_id: sandbox_id.to_owned(),
         execution_id: execution_id.to_owned(),
         detail_json: detail.to_string(),
@@ -212,7 +308,7 @@ pub fn denial(tenant: &str, sandbox_id: &str, call: &str, e: &crate::error::ApiE
         let message = crate::secrets::logs::redact(Some(tenant), &e.to_string());
         crate::audit::emit(
             tenant,
-            "denial",
+            Kind::Denial,
             sandbox_id,
             "",
             serde_json::json!({ "call": call, "reason": e.reason(), "message": message }),
@@ -243,14 +339,14 @@ mod tests {
             append(
                 &s,
                 "t1",
-                "exec.start",
+                Kind::ExecStart,
                 "sb-1",
                 "ex-1",
                 json!({"i": i, "é": "ü"}),
             )
             .unwrap();
         }
-        append(&s, "t2", "sandbox.create", "sb-2", "", json!({})).unwrap();
+        append(&s, "t2", Kind::SandboxCreate, "sb-2", "", json!({})).unwrap();
         let all = list(&s, "t1", &ListAuditEventsRequest::default()).unwrap();
         assert_eq!(all.events.len(), 5);
         assert_eq!(all.head_seq, 5);
@@ -290,5 +386,46 @@ mod tests {
         )
         .unwrap();
         assert!(none.events.is_empty());
+    }
+
+    #[test]
+    fn policies_are_recorded_by_field_not_as_debug_text() {
+        use airlock_api::v1::{EgressRule, NetworkPolicy, PackagePolicy, egress_rule::Target};
+        let net = NetworkPolicy {
+            allow_internet: false,
+            allow: vec![
+                EgressRule {
+                    target: Some(Target::Domain("pypi.org".into())),
+                    ports: vec![443],
+                },
+                EgressRule {
+                    target: Some(Target::Cidr("203.0.113.0/24".into())),
+                    ports: vec![],
+                },
+            ],
+        };
+        assert_eq!(
+            network(Some(&net)),
+            json!({"allow_internet": false, "allow": [
+                {"domain": "pypi.org", "ports": [443]},
+                {"cidr": "203.0.113.0/24", "ports": []},
+            ]})
+        );
+        assert_eq!(network(None), Value::Null);
+        let pkg = PackagePolicy {
+            allow: vec!["requests".into()],
+            offline: true,
+            ..Default::default()
+        };
+        let v = packages(Some(&pkg));
+        assert_eq!(v["allow"], json!(["requests"]));
+        assert_eq!(v["offline"], json!(true));
+        assert!(!v.to_string().contains("PackagePolicy"), "{v}");
+    }
+
+    #[test]
+    fn kinds_have_distinct_names() {
+        let names: std::collections::BTreeSet<_> = Kind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(names.len(), Kind::ALL.len());
     }
 }

@@ -296,7 +296,7 @@ impl ApiError {
                 m.insert("tenant".into(), tenant.clone());
             }
             Self::NodeLost { id, node } => {
-                let key = if id.starts_with("ex-") {
+                let key = if crate::ids::Kind::Execution.names(id) {
                     "execution_id"
                 } else {
                     "sandbox_id"

@@ -58,7 +58,7 @@ impl VmmHost {
 
     /// A new VMM id and its run directory (not created yet).
     pub fn new_vmm_id(&self) -> ApiResult<(String, PathBuf)> {
-        let id = ids::new_id(ids::VMM)?;
+        let id = ids::new_id(ids::Kind::Vmm)?;
         let dir = self.run_root.join(&id);
         Ok((id, dir))
     }

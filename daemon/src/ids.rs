@@ -1,4 +1,4 @@
-//! Ids and names: sandbox, execution, template and VMM ids (`sb-`, `ex-`, `tpl-`, `vm-` and 16
+//! Ids and names: the kinds of ids ([`Kind`]: `sb-`, `ex-`, `tpl-`, `vm-`, `vol-`, ... and 16
 //! random hex digits, made by the shared `airlock_proto::identity`), template names, and the
 //! wall clock of records. In cluster mode the first 4 hex digits of sandbox and execution ids
 //! are the node's tag, so any node knows from an id which node holds it.
@@ -6,15 +6,54 @@
 use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-pub use airlock_proto::identity::well_formed;
+/// What an id names; its prefix says so.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Sandbox,
+    Execution,
+    Template,
+    Vmm,
+    Volume,
+    /// An E2B template build.
+    Build,
+    /// A template's files being fetched from another node (a temporary directory).
+    Fetch,
+}
 
-use crate::error::{ApiError, ApiResult};
+impl Kind {
+    pub const ALL: [Kind; 7] = [
+        Kind::Sandbox,
+        Kind::Execution,
+        Kind::Template,
+        Kind::Vmm,
+        Kind::Volume,
+        Kind::Build,
+        Kind::Fetch,
+    ];
 
-pub const SANDBOX: &str = "sb";
-pub const EXECUTION: &str = "ex";
-pub const TEMPLATE: &str = "tpl";
-pub const VMM: &str = "vm";
-pub const VOLUME: &str = "vol";
+    /// The prefix before the `-`.
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Kind::Sandbox => "sb",
+            Kind::Execution => "ex",
+            Kind::Template => "tpl",
+            Kind::Vmm => "vm",
+            Kind::Volume => "vol",
+            Kind::Build => "bld",
+            Kind::Fetch => "f",
+        }
+    }
+
+    /// Whether `id` is a well-formed id of this kind (prefix, `-`, 16 hex digits).
+    pub fn names(self, id: &str) -> bool {
+        airlock_proto::identity::well_formed(id, self.prefix())
+    }
+
+    /// The kind of a well-formed `id`.
+    pub fn of(id: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.names(id))
+    }
+}
 
 /// Cluster mode: this node's tag (4 hex digits), set once when it joins.
 static NODE_TAG: OnceLock<String> = OnceLock::new();
@@ -35,19 +74,19 @@ pub fn valid_tag(tag: &str) -> bool {
 
 /// The node tag an id of a sandbox or an execution carries (its first 4 hex digits).
 pub fn tag_of(id: &str) -> Option<&str> {
-    if !(well_formed(id, SANDBOX) || well_formed(id, EXECUTION)) {
+    if !matches!(Kind::of(id), Some(Kind::Sandbox | Kind::Execution)) {
         return None;
     }
     id.get(3..7)
 }
 
-/// A new random id with `prefix`; sandbox and execution ids start with the node's tag in
-/// cluster mode.
-pub fn new_id(prefix: &str) -> ApiResult<String> {
-    let id = airlock_proto::identity::new_id(prefix)
-        .map_err(|e| ApiError::Internal(format!("making an id: {e}")))?;
+/// A new random id of `kind`; sandbox and execution ids start with the node's tag in cluster
+/// mode.
+pub fn new_id(kind: Kind) -> std::io::Result<String> {
+    let id = airlock_proto::identity::new_id(kind.prefix())
+        .map_err(|e| std::io::Error::other(format!("making an id: {e}")))?;
     match NODE_TAG.get() {
-        Some(tag) if prefix == SANDBOX || prefix == EXECUTION => Ok(with_tag(&id, tag)),
+        Some(tag) if matches!(kind, Kind::Sandbox | Kind::Execution) => Ok(with_tag(&id, tag)),
         _ => Ok(id),
     }
 }
@@ -83,16 +122,23 @@ mod tests {
 
     #[test]
     fn ids_carry_their_prefix() {
-        let a = new_id(SANDBOX).unwrap();
-        assert!(well_formed(&a, SANDBOX));
-        assert!(!well_formed(&a, EXECUTION));
+        for kind in Kind::ALL {
+            let a = new_id(kind).unwrap();
+            assert!(kind.names(&a), "{a}");
+            assert_eq!(
+                Kind::of(&a),
+                Some(kind),
+                "{a}: prefixes are not prefixes of each other"
+            );
+        }
+        assert_eq!(Kind::of("sb-../../etc"), None);
     }
 
     #[test]
     fn tagged_ids_name_their_node_and_stay_well_formed() {
         let id = with_tag("sb-0123456789abcdef", "beef");
         assert_eq!(id, "sb-beef456789abcdef");
-        assert!(well_formed(&id, SANDBOX));
+        assert!(Kind::Sandbox.names(&id));
         assert_eq!(tag_of(&id), Some("beef"));
         assert_eq!(tag_of("ex-beef456789abcdef"), Some("beef"));
         assert_eq!(tag_of("tpl-beef456789abcdef"), None);

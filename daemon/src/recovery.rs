@@ -230,7 +230,7 @@ impl Recovery<'_> {
     fn remove_leftovers(&self, kept: &HashSet<String>) {
         if let Some(cg) = &self.host.cgroups {
             for name in cg.existing() {
-                if ids::well_formed(&name, ids::VMM) && !kept.contains(&name) {
+                if ids::Kind::Vmm.names(&name) && !kept.contains(&name) {
                     let _ = cg.cgroup(&name).remove();
                 }
             }

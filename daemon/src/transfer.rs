@@ -50,7 +50,7 @@ where
     };
     crate::audit::emit(
         tenant,
-        "file.write",
+        crate::audit::Kind::FileWrite,
         &sandbox,
         "",
         serde_json::json!({
@@ -99,7 +99,7 @@ pub fn read<E: Send + 'static>(
         }
         crate::audit::emit(
             &tenant,
-            "file.read",
+            crate::audit::Kind::FileRead,
             &sandbox,
             "",
             serde_json::json!({

@@ -217,7 +217,7 @@ impl Volumes {
                     current: used,
                 });
             }
-            ids::new_id(ids::VOLUME)?
+            ids::new_id(ids::Kind::Volume)?
         };
         let file = self.file(&id);
         format(&mkfs, &file, name, size_mib)

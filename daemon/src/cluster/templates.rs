@@ -230,7 +230,7 @@ impl Cluster {
             .daemon
             .data_dir
             .join("fetch")
-            .join(crate::ids::new_id("f")?);
+            .join(crate::ids::new_id(crate::ids::Kind::Fetch)?);
         let fetched = self.fetch(&node.address, &entry, &dir).await;
         let imported = match fetched {
             Ok(manifest) => {

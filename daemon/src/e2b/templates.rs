@@ -170,7 +170,7 @@ async fn request(
         }
         Err(e) => return json_error(StatusCode::BAD_REQUEST, &e.to_string()),
     };
-    let build_id = match crate::ids::new_id("bld") {
+    let build_id = match crate::ids::new_id(crate::ids::Kind::Build) {
         Ok(id) => id,
         Err(e) => return json_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
     };

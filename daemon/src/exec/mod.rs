@@ -109,7 +109,7 @@ impl Executions {
 
     /// Execution `id` of `tenant`: its record, and its runtime if it runs.
     pub fn get(&self, tenant: &str, id: &str) -> ApiResult<(Execution, Option<Arc<ExecRt>>)> {
-        if !ids::well_formed(id, ids::EXECUTION) {
+        if !ids::Kind::Execution.names(id) {
             return Err(ApiError::ExecutionNotFound(id.to_owned()));
         }
         if let Some(rt) = self.live(id).filter(|r| r.tenant == tenant) {
@@ -149,7 +149,7 @@ impl Executions {
         sandbox_env.extend(base);
         let env = merged_env(&sandbox_env, &req.env)?;
         let patterns = target.secrets.patterns_with(&own);
-        let id = ids::new_id(ids::EXECUTION)?;
+        let id = ids::new_id(ids::Kind::Execution)?;
         let record = Execution {
             id: id.clone(),
             sandbox_id: target.sandbox_id.clone(),
@@ -206,7 +206,7 @@ impl Executions {
         )?;
         crate::audit::emit(
             &target.tenant,
-            "exec.start",
+            crate::audit::Kind::ExecStart,
             &target.sandbox_id,
             &id,
             audit_command(req, &patterns_for_audit),
@@ -214,7 +214,7 @@ impl Executions {
         if !secret_names_for_audit.is_empty() {
             crate::audit::emit(
                 &target.tenant,
-                "secret.use",
+                crate::audit::Kind::SecretUse,
                 &target.sandbox_id,
                 &id,
                 serde_json::json!({ "names": secret_names_for_audit, "delivery": "env" }),

@@ -396,7 +396,7 @@ impl ExecRt {
         ledger.metrics.execution_ended(outcome);
         crate::audit::emit(
             &record.tenant,
-            "exec.end",
+            crate::audit::Kind::ExecEnd,
             &record.sandbox_id,
             &record.id,
             serde_json::json!({

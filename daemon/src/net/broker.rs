@@ -166,7 +166,7 @@ async fn forward(
     if !used.is_empty() {
         crate::audit::emit(
             &state.tenant,
-            "secret.use",
+            crate::audit::Kind::SecretUse,
             &state.sandbox_id,
             "",
             serde_json::json!({

@@ -647,7 +647,10 @@ impl NetState {
             "bytes_out": e.bytes_out,
             "bytes_in": e.bytes_in,
         });
-        let audit_kind = if e.allowed { "egress" } else { "denial" };
+        let audit_kind = match e.allowed {
+            true => crate::audit::Kind::Egress,
+            false => crate::audit::Kind::Denial,
+        };
         crate::audit::emit(&self.tenant, audit_kind, &self.sandbox_id, "", detail);
     }
 }

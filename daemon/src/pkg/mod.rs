@@ -502,10 +502,9 @@ impl Session {
             "outcome": outcome_label(outcome),
             "message": e.message,
         });
-        let kind = if outcome == InstallOutcome::Denied {
-            "denial"
-        } else {
-            "package"
+        let kind = match outcome == InstallOutcome::Denied {
+            true => crate::audit::Kind::Denial,
+            false => crate::audit::Kind::Package,
         };
         crate::audit::emit(&self.tenant, kind, &self.sandbox_id, "", detail);
     }

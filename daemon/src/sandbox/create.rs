@@ -259,7 +259,7 @@ impl Sandboxes {
         let secrets: Vec<&str> = record.secrets.iter().map(|s| s.name.as_str()).collect();
         crate::audit::emit(
             &rt.tenant,
-            "sandbox.create",
+            crate::audit::Kind::SandboxCreate,
             &rt.id,
             "",
             serde_json::json!({
@@ -269,8 +269,8 @@ impl Sandboxes {
                 "memory_mib": record.memory_mib,
                 "disk_mib": record.disk_mib,
                 "labels": record.labels,
-                "network": format!("{:?}", record.network),
-                "packages": format!("{:?}", record.packages),
+                "network": crate::audit::network(record.network.as_ref()),
+                "packages": crate::audit::packages(record.packages.as_ref()),
                 "volumes": record.volumes.iter().map(|v| &v.name).collect::<Vec<_>>(),
                 "files": spec.files.iter().map(|f| serde_json::json!({
                     "path": f.path, "digest": crate::audit::digest(&f.content)
@@ -288,7 +288,7 @@ impl Sandboxes {
         if !file_secrets.is_empty() {
             crate::audit::emit(
                 &rt.tenant,
-                "secret.use",
+                crate::audit::Kind::SecretUse,
                 &rt.id,
                 "",
                 serde_json::json!({ "names": file_secrets, "delivery": "file" }),

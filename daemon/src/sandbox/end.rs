@@ -98,7 +98,7 @@ impl Sandboxes {
         let secrets: Vec<&str> = record.secrets.iter().map(|s| s.name.as_str()).collect();
         crate::audit::emit(
             &rt.tenant,
-            "sandbox.end",
+            crate::audit::Kind::SandboxEnd,
             &rt.id,
             "",
             serde_json::json!({

@@ -546,5 +546,5 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
 
 /// A new sandbox id.
 fn new_sandbox_id() -> ApiResult<String> {
-    ids::new_id(ids::SANDBOX)
+    Ok(ids::new_id(ids::Kind::Sandbox)?)
 }

@@ -47,7 +47,7 @@ impl Sandboxes {
 
     /// DestroySandbox: idempotent; `false` when there was nothing live to destroy.
     pub async fn destroy(&self, tenant: &str, id: &str) -> ApiResult<bool> {
-        if !ids::well_formed(id, ids::SANDBOX) {
+        if !ids::Kind::Sandbox.names(id) {
             return Err(ApiError::InvalidArgument(format!(
                 "{id:?} is not a sandbox id"
             )));
@@ -105,7 +105,7 @@ impl Sandboxes {
             });
         }
         let v = rt.vmm_or_err()?;
-        let tid = ids::new_id(ids::TEMPLATE)?;
+        let tid = ids::new_id(ids::Kind::Template)?;
         let dir = self.templates.dir_of(&tid);
         if state == SandboxState::Running {
             // Clones redo whatever the guest still had pending: let it finish, within bounds

@@ -28,7 +28,7 @@ impl Sandboxes {
         info!(sandbox = %id, names = ?names, "secrets removed");
         crate::audit::emit(
             tenant,
-            "secret.remove",
+            crate::audit::Kind::SecretRemove,
             id,
             "",
             serde_json::json!({ "names": names, "by": "RemoveSecrets" }),
@@ -53,7 +53,7 @@ impl Sandboxes {
                     info!(sandbox = %rt.id, names = ?names, "secrets expired");
                     crate::audit::emit(
                         &rt.tenant,
-                        "secret.remove",
+                        crate::audit::Kind::SecretRemove,
                         &rt.id,
                         "",
                         serde_json::json!({ "names": names, "by": "ttl" }),

@@ -146,7 +146,7 @@ impl Builder {
             mut spec,
             check_host,
         } = checked;
-        let id = ids::new_id(ids::TEMPLATE)?;
+        let id = ids::new_id(ids::Kind::Template)?;
         let dir = self.templates.dir_of(&id);
         let progress = Progress {
             tx: progress,

@@ -428,7 +428,7 @@ impl Templates {
                 ));
             }
         }
-        record.id = ids::new_id(ids::TEMPLATE).map_err(|e| e.to_string())?;
+        record.id = ids::new_id(ids::Kind::Template).map_err(|e| e.to_string())?;
         record.created_unix_ms = ids::now_ms();
         let dir = self.dir_of(&record.id);
         if let Err(e) = import::import(from, &dir) {
