@@ -38,6 +38,7 @@ mod pool;
 mod reason;
 mod recovery;
 mod retention;
+mod rpc;
 mod sandbox;
 mod sbom;
 mod secrets;

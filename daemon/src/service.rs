@@ -14,6 +14,7 @@ use crate::auth::{TemplateRight, Tenant};
 use crate::cluster::Cluster;
 use crate::daemon::Daemon;
 use crate::error::{ApiError, ApiResult};
+use crate::rpc::{self, Right, Rpc};
 use crate::{files, stream};
 
 /// The service implementation.
@@ -30,14 +31,14 @@ impl Service {
     /// finishing), and its recipe and log are kept beside it.
     fn template_stream(
         &self,
-        call: &'static str,
+        rpc: &'static Rpc,
         tenant: String,
         recipe: template_recipe::How,
     ) -> Response<Stream<TemplateEvent>> {
         let (tx, rx) = tokio::sync::mpsc::channel(16);
         let (ptx, mut prx) = tokio::sync::mpsc::channel::<TemplateEvent>(16);
         let d = self.daemon.clone();
-        let span = tracing::info_span!("call", call, tenant = %tenant);
+        let span = tracing::info_span!("call", call = rpc.name, tenant = %tenant);
         let build =
             tokio::spawn(crate::versions::make_and_keep(d, tenant, recipe, ptx).instrument(span));
         tokio::spawn(async move {
@@ -69,28 +70,34 @@ fn tenant<T>(req: &Request<T>) -> Result<String, Status> {
         .ok_or_else(|| Status::unauthenticated("no tenant"))
 }
 
-/// The caller's tenant, if its token may make templates (NOT_PERMITTED otherwise).
-fn template_maker<T>(req: &Request<T>, call: &str) -> Result<String, Status> {
+/// The caller's tenant, if its token has the right `rpc` needs (NOT_PERMITTED otherwise).
+fn authorize<T>(req: &Request<T>, rpc: &Rpc) -> Result<String, Status> {
     let tenant = tenant(req)?;
-    if req.extensions().get::<TemplateRight>().is_some_and(|r| r.0) {
-        return Ok(tenant);
+    let may_make_templates = req.extensions().get::<TemplateRight>().is_some_and(|r| r.0);
+    match rpc.right {
+        Right::Run => Ok(tenant),
+        Right::MakeTemplates if may_make_templates => Ok(tenant),
+        Right::MakeTemplates => {
+            let e = ApiError::NotPermitted(format!(
+                "{}: this token of tenant {tenant} may run sandboxes but not make or delete \
+                 templates (it is one of its run_tokens)",
+                rpc.name
+            ));
+            crate::audit::denial(&tenant, "", rpc.name, &e);
+            Err(e.into())
+        }
     }
-    let e = ApiError::NotPermitted(format!(
-        "{call}: this token of tenant {tenant} may run sandboxes but not make or delete templates \
-         (it is one of its run_tokens)"
-    ));
-    crate::audit::denial(&tenant, "", call, &e);
-    Err(e.into())
 }
 
 type Stream<T> = ReceiverStream<Result<T, Status>>;
 
 /// Runs `f` inside a span named after the call, logging failures.
 async fn traced<T>(
-    call: &'static str,
+    rpc: &'static Rpc,
     tenant: &str,
     f: impl std::future::Future<Output = ApiResult<T>>,
 ) -> Result<Response<T>, Status> {
+    let call = rpc.name;
     let span = tracing::info_span!("call", call, tenant);
     match f.instrument(span.clone()).await {
         Ok(v) => Ok(Response::new(v)),
@@ -120,9 +127,9 @@ impl Airlock for Service {
         &self,
         req: Request<CreateTemplateRequest>,
     ) -> Result<Response<Self::CreateTemplateStream>, Status> {
-        let tenant = template_maker(&req, "CreateTemplate")?;
+        let tenant = authorize(&req, &rpc::CREATE_TEMPLATE)?;
         let recipe = template_recipe::How::Create(req.into_inner());
-        Ok(self.template_stream("CreateTemplate", tenant, recipe))
+        Ok(self.template_stream(&rpc::CREATE_TEMPLATE, tenant, recipe))
     }
 
     type BuildTemplateStream = Stream<TemplateEvent>;
@@ -131,9 +138,9 @@ impl Airlock for Service {
         &self,
         req: Request<BuildTemplateRequest>,
     ) -> Result<Response<Self::BuildTemplateStream>, Status> {
-        let tenant = template_maker(&req, "BuildTemplate")?;
+        let tenant = authorize(&req, &rpc::BUILD_TEMPLATE)?;
         let recipe = template_recipe::How::Build(req.into_inner());
-        Ok(self.template_stream("BuildTemplate", tenant, recipe))
+        Ok(self.template_stream(&rpc::BUILD_TEMPLATE, tenant, recipe))
     }
 
     type RebuildTemplateStream = Stream<TemplateEvent>;
@@ -142,22 +149,22 @@ impl Airlock for Service {
         &self,
         req: Request<RebuildTemplateRequest>,
     ) -> Result<Response<Self::RebuildTemplateStream>, Status> {
-        let tenant = template_maker(&req, "RebuildTemplate")?;
+        let tenant = authorize(&req, &rpc::REBUILD_TEMPLATE)?;
         let r = req.into_inner();
         let recipe = crate::versions::rebuild_recipe(&self.daemon, &tenant, r)
-            .inspect_err(|e| crate::audit::denial(&tenant, "", "RebuildTemplate", e))?;
-        Ok(self.template_stream("RebuildTemplate", tenant, recipe))
+            .inspect_err(|e| crate::audit::denial(&tenant, "", rpc::REBUILD_TEMPLATE.name, e))?;
+        Ok(self.template_stream(&rpc::REBUILD_TEMPLATE, tenant, recipe))
     }
 
     async fn get_template_sbom(
         &self,
         req: Request<GetTemplateSbomRequest>,
     ) -> Result<Response<GetTemplateSbomResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::GET_TEMPLATE_SBOM)?;
         let r = req.into_inner();
         let (d, t) = (self.daemon.clone(), tenant.clone());
         traced(
-            "GetTemplateSbom",
+            &rpc::GET_TEMPLATE_SBOM,
             &tenant,
             detached(async move { crate::sbom::of_template(&d, &t, &r.name, &r.format).await }),
         )
@@ -168,9 +175,9 @@ impl Airlock for Service {
         &self,
         req: Request<GetTemplateLogRequest>,
     ) -> Result<Response<GetTemplateLogResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::GET_TEMPLATE_LOG)?;
         let name = req.into_inner().name;
-        traced("GetTemplateLog", &tenant, async {
+        traced(&rpc::GET_TEMPLATE_LOG, &tenant, async {
             let t = self.daemon.templates.find(&tenant, &name)?;
             Ok(crate::versions::log_of(&t))
         })
@@ -181,7 +188,7 @@ impl Airlock for Service {
         &self,
         req: Request<ListTemplatesRequest>,
     ) -> Result<Response<ListTemplatesResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::LIST_TEMPLATES)?;
         let operator = self.daemon.cfg.is_operator(&tenant);
         let templates = self
             .daemon
@@ -201,9 +208,9 @@ impl Airlock for Service {
         &self,
         req: Request<DeleteTemplateRequest>,
     ) -> Result<Response<DeleteTemplateResponse>, Status> {
-        let tenant = template_maker(&req, "DeleteTemplate")?;
+        let tenant = authorize(&req, &rpc::DELETE_TEMPLATE)?;
         let name = req.into_inner().name;
-        traced("DeleteTemplate", &tenant, async {
+        traced(&rpc::DELETE_TEMPLATE, &tenant, async {
             self.daemon.delete_template(&tenant, &name)?;
             Ok(DeleteTemplateResponse {})
         })
@@ -214,11 +221,11 @@ impl Airlock for Service {
         &self,
         req: Request<CreateSandboxRequest>,
     ) -> Result<Response<Sandbox>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::CREATE_SANDBOX)?;
         let (d, t, req) = (self.daemon.clone(), tenant.clone(), req.into_inner());
         let cluster = self.cluster.clone();
         traced(
-            "CreateSandbox",
+            &rpc::CREATE_SANDBOX,
             &tenant,
             detached(async move {
                 if let Some(c) = cluster {
@@ -235,9 +242,9 @@ impl Airlock for Service {
         &self,
         req: Request<GetSandboxRequest>,
     ) -> Result<Response<Sandbox>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::GET_SANDBOX)?;
         let id = req.into_inner().sandbox_id;
-        traced("GetSandbox", &tenant, async {
+        traced(&rpc::GET_SANDBOX, &tenant, async {
             self.daemon.sandboxes.get(&tenant, &id)
         })
         .await
@@ -247,9 +254,9 @@ impl Airlock for Service {
         &self,
         req: Request<ListSandboxesRequest>,
     ) -> Result<Response<ListSandboxesResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::LIST_SANDBOXES)?;
         let r = req.into_inner();
-        traced("ListSandboxes", &tenant, async {
+        traced(&rpc::LIST_SANDBOXES, &tenant, async {
             let sandboxes = self.daemon.sandboxes.list(&tenant, &r.labels, &r.states)?;
             Ok(ListSandboxesResponse { sandboxes })
         })
@@ -260,10 +267,10 @@ impl Airlock for Service {
         &self,
         req: Request<PauseSandboxRequest>,
     ) -> Result<Response<Sandbox>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::PAUSE_SANDBOX)?;
         let id = req.into_inner().sandbox_id;
         traced(
-            "PauseSandbox",
+            &rpc::PAUSE_SANDBOX,
             &tenant,
             self.daemon.sandboxes.pause(&tenant, &id),
         )
@@ -274,10 +281,10 @@ impl Airlock for Service {
         &self,
         req: Request<ResumeSandboxRequest>,
     ) -> Result<Response<Sandbox>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::RESUME_SANDBOX)?;
         let id = req.into_inner().sandbox_id;
         traced(
-            "ResumeSandbox",
+            &rpc::RESUME_SANDBOX,
             &tenant,
             self.daemon.sandboxes.resume(&tenant, &id),
         )
@@ -288,9 +295,9 @@ impl Airlock for Service {
         &self,
         req: Request<SnapshotSandboxRequest>,
     ) -> Result<Response<Template>, Status> {
-        let tenant = template_maker(&req, "SnapshotSandbox")?;
+        let tenant = authorize(&req, &rpc::SNAPSHOT_SANDBOX)?;
         let r = req.into_inner();
-        traced("SnapshotSandbox", &tenant, async {
+        traced(&rpc::SNAPSHOT_SANDBOX, &tenant, async {
             let t = self
                 .daemon
                 .snapshot_sandbox(&tenant, &r.sandbox_id, &r.template_name)
@@ -305,13 +312,13 @@ impl Airlock for Service {
         &self,
         req: Request<DestroySandboxRequest>,
     ) -> Result<Response<DestroySandboxResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::DESTROY_SANDBOX)?;
         let (s, t, id) = (
             self.daemon.sandboxes.clone(),
             tenant.clone(),
             req.into_inner().sandbox_id,
         );
-        traced("DestroySandbox", &tenant, async move {
+        traced(&rpc::DESTROY_SANDBOX, &tenant, async move {
             let destroyed = detached(async move { s.destroy(&t, &id).await }).await?;
             Ok(DestroySandboxResponse { destroyed })
         })
@@ -319,9 +326,9 @@ impl Airlock for Service {
     }
 
     async fn exec(&self, req: Request<ExecRequest>) -> Result<Response<ExecResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::EXEC)?;
         let r = req.into_inner();
-        traced("Exec", &tenant, async {
+        traced(&rpc::EXEC, &tenant, async {
             let sb = self.daemon.sandboxes.running(&tenant, &r.sandbox_id)?;
             let execution_id = self.daemon.executions.start(&sb.exec_target()?, &r)?;
             Ok(ExecResponse { execution_id })
@@ -335,7 +342,7 @@ impl Airlock for Service {
         &self,
         req: Request<StreamExecutionRequest>,
     ) -> Result<Response<Self::StreamExecutionStream>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::STREAM_EXECUTION)?;
         let r = req.into_inner();
         let executions = self.daemon.executions.clone();
         let (_, live) = executions.get(&tenant, &r.execution_id)?;
@@ -355,9 +362,9 @@ impl Airlock for Service {
         &self,
         req: Request<GetExecutionRequest>,
     ) -> Result<Response<GetExecutionResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::GET_EXECUTION)?;
         let r = req.into_inner();
-        traced("GetExecution", &tenant, async {
+        traced(&rpc::GET_EXECUTION, &tenant, async {
             let executions = &self.daemon.executions;
             let (execution, _) = executions.get(&tenant, &r.execution_id)?;
             let [stdout, stderr] = if r.include_output {
@@ -379,9 +386,9 @@ impl Airlock for Service {
         &self,
         req: Request<KillExecutionRequest>,
     ) -> Result<Response<KillExecutionResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::KILL_EXECUTION)?;
         let r = req.into_inner();
-        traced("KillExecution", &tenant, async {
+        traced(&rpc::KILL_EXECUTION, &tenant, async {
             let signalled = self
                 .daemon
                 .executions
@@ -395,9 +402,9 @@ impl Airlock for Service {
         &self,
         req: Request<WriteStdinRequest>,
     ) -> Result<Response<WriteStdinResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::WRITE_STDIN)?;
         let r = req.into_inner();
-        traced("WriteStdin", &tenant, async {
+        traced(&rpc::WRITE_STDIN, &tenant, async {
             self.daemon
                 .executions
                 .write_stdin(&tenant, &r.execution_id, r.data, r.eof)
@@ -411,10 +418,10 @@ impl Airlock for Service {
         &self,
         req: Request<Streaming<WriteFileRequest>>,
     ) -> Result<Response<WriteFileResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::WRITE_FILE)?;
         let mut stream = req.into_inner();
         let d = self.daemon.clone();
-        traced("WriteFile", &tenant.clone(), async move {
+        traced(&rpc::WRITE_FILE, &tenant.clone(), async move {
             let header = match stream.message().await {
                 Ok(Some(WriteFileRequest {
                     part: Some(write_file_request::Part::Header(h)),
@@ -452,7 +459,7 @@ impl Airlock for Service {
         &self,
         req: Request<ReadFileRequest>,
     ) -> Result<Response<Self::ReadFileStream>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::READ_FILE)?;
         let r = req.into_inner();
         let sb = self.daemon.sandboxes.running(&tenant, &r.sandbox_id)?;
         let target = sb
@@ -466,9 +473,9 @@ impl Airlock for Service {
         &self,
         req: Request<ListFilesRequest>,
     ) -> Result<Response<ListFilesResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::LIST_FILES)?;
         let r = req.into_inner();
-        traced("ListFiles", &tenant, async {
+        traced(&rpc::LIST_FILES, &tenant, async {
             let sb = self.daemon.sandboxes.running(&tenant, &r.sandbox_id)?;
             let target = sb.file_target(self.daemon.cfg.max_file_bytes)?;
             let (entries, truncated) = files::list(
@@ -487,9 +494,9 @@ impl Airlock for Service {
         &self,
         req: Request<StatFileRequest>,
     ) -> Result<Response<FileEntry>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::STAT_FILE)?;
         let r = req.into_inner();
-        traced("StatFile", &tenant, async {
+        traced(&rpc::STAT_FILE, &tenant, async {
             let target = self.file_target(&tenant, &r.sandbox_id, r.user)?;
             files::stat(target, r.path).await
         })
@@ -500,9 +507,9 @@ impl Airlock for Service {
         &self,
         req: Request<MakeDirRequest>,
     ) -> Result<Response<MakeDirResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::MAKE_DIR)?;
         let r = req.into_inner();
-        traced("MakeDir", &tenant, async {
+        traced(&rpc::MAKE_DIR, &tenant, async {
             let target = self.file_target(&tenant, &r.sandbox_id, r.user)?;
             let op = files::Op::MakeDir {
                 parents: r.parents,
@@ -518,9 +525,9 @@ impl Airlock for Service {
         &self,
         req: Request<RemoveFileRequest>,
     ) -> Result<Response<RemoveFileResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::REMOVE_FILE)?;
         let r = req.into_inner();
-        traced("RemoveFile", &tenant, async {
+        traced(&rpc::REMOVE_FILE, &tenant, async {
             let target = self.file_target(&tenant, &r.sandbox_id, r.user)?;
             let op = files::Op::Remove {
                 recursive: r.recursive,
@@ -535,9 +542,9 @@ impl Airlock for Service {
         &self,
         req: Request<RenameFileRequest>,
     ) -> Result<Response<RenameFileResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::RENAME_FILE)?;
         let r = req.into_inner();
-        traced("RenameFile", &tenant, async {
+        traced(&rpc::RENAME_FILE, &tenant, async {
             let target = self.file_target(&tenant, &r.sandbox_id, r.user)?;
             files::change(target, r.from, files::Op::Rename { to: r.to }).await?;
             Ok(RenameFileResponse {})
@@ -549,10 +556,10 @@ impl Airlock for Service {
         &self,
         req: Request<SetNetworkPolicyRequest>,
     ) -> Result<Response<Sandbox>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::SET_NETWORK_POLICY)?;
         let r = req.into_inner();
         traced(
-            "SetNetworkPolicy",
+            &rpc::SET_NETWORK_POLICY,
             &tenant,
             self.daemon.sandboxes.set_network(
                 &tenant,
@@ -567,9 +574,9 @@ impl Airlock for Service {
         &self,
         req: Request<GetEgressLogRequest>,
     ) -> Result<Response<GetEgressLogResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::GET_EGRESS_LOG)?;
         let r = req.into_inner();
-        traced("GetEgressLog", &tenant, async {
+        traced(&rpc::GET_EGRESS_LOG, &tenant, async {
             let (events, dropped) =
                 self.daemon
                     .sandboxes
@@ -583,9 +590,9 @@ impl Airlock for Service {
         &self,
         req: Request<RemoveSecretsRequest>,
     ) -> Result<Response<Sandbox>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::REMOVE_SECRETS)?;
         let r = req.into_inner();
-        traced("RemoveSecrets", &tenant, async {
+        traced(&rpc::REMOVE_SECRETS, &tenant, async {
             self.daemon
                 .sandboxes
                 .remove_secrets(&tenant, &r.sandbox_id, &r.names)
@@ -598,10 +605,10 @@ impl Airlock for Service {
         &self,
         req: Request<ListAuditEventsRequest>,
     ) -> Result<Response<ListAuditEventsResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::LIST_AUDIT_EVENTS)?;
         let r = req.into_inner();
         let store = self.daemon.store.clone();
-        traced("ListAuditEvents", &tenant, async {
+        traced(&rpc::LIST_AUDIT_EVENTS, &tenant, async {
             let t = tenant.clone();
             tokio::task::spawn_blocking(move || crate::audit::list(&store, &t, &r))
                 .await
@@ -614,9 +621,9 @@ impl Airlock for Service {
         &self,
         req: Request<GetInstallLogRequest>,
     ) -> Result<Response<GetInstallLogResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::GET_INSTALL_LOG)?;
         let r = req.into_inner();
-        traced("GetInstallLog", &tenant, async {
+        traced(&rpc::GET_INSTALL_LOG, &tenant, async {
             let (events, dropped) =
                 self.daemon
                     .sandboxes
@@ -630,9 +637,9 @@ impl Airlock for Service {
         &self,
         req: Request<ExposePortRequest>,
     ) -> Result<Response<Exposure>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::EXPOSE_PORT)?;
         let r = req.into_inner();
-        traced("ExposePort", &tenant, async {
+        traced(&rpc::EXPOSE_PORT, &tenant, async {
             self.daemon
                 .sandboxes
                 .expose(&tenant, &r.sandbox_id, r.guest_port, r.ttl_s)
@@ -644,10 +651,10 @@ impl Airlock for Service {
         &self,
         req: Request<CreateVolumeRequest>,
     ) -> Result<Response<Volume>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::CREATE_VOLUME)?;
         let r = req.into_inner();
         let quota = self.daemon.cfg.quota_of(&tenant);
-        traced("CreateVolume", &tenant, async {
+        traced(&rpc::CREATE_VOLUME, &tenant, async {
             self.daemon
                 .sandboxes
                 .volumes
@@ -661,8 +668,8 @@ impl Airlock for Service {
         &self,
         req: Request<ListVolumesRequest>,
     ) -> Result<Response<ListVolumesResponse>, Status> {
-        let tenant = tenant(&req)?;
-        traced("ListVolumes", &tenant, async {
+        let tenant = authorize(&req, &rpc::LIST_VOLUMES)?;
+        traced(&rpc::LIST_VOLUMES, &tenant, async {
             Ok(ListVolumesResponse {
                 volumes: self.daemon.sandboxes.volumes.list(&tenant),
             })
@@ -674,9 +681,9 @@ impl Airlock for Service {
         &self,
         req: Request<DeleteVolumeRequest>,
     ) -> Result<Response<DeleteVolumeResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::DELETE_VOLUME)?;
         let r = req.into_inner();
-        traced("DeleteVolume", &tenant, async {
+        traced(&rpc::DELETE_VOLUME, &tenant, async {
             let deleted = self.daemon.sandboxes.volumes.delete(&tenant, &r.name)?;
             Ok(DeleteVolumeResponse { deleted })
         })
@@ -684,10 +691,10 @@ impl Airlock for Service {
     }
 
     async fn get_usage(&self, req: Request<GetUsageRequest>) -> Result<Response<Usage>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::GET_USAGE)?;
         let d = self.daemon.clone();
         let t = tenant.clone();
-        traced("GetUsage", &tenant, async move {
+        traced(&rpc::GET_USAGE, &tenant, async move {
             let cluster = self.cluster.clone();
             let tt = t.clone();
             let mut usage = tokio::task::spawn_blocking(move || d.usage(&tt))
@@ -706,7 +713,7 @@ impl Airlock for Service {
         &self,
         req: Request<ListNodesRequest>,
     ) -> Result<Response<ListNodesResponse>, Status> {
-        let tenant = tenant(&req)?;
+        let tenant = authorize(&req, &rpc::LIST_NODES)?;
         let operator = self.daemon.cfg.is_operator(&tenant);
         let nodes = match &self.cluster {
             Some(c) => c.nodes(),

@@ -29,6 +29,7 @@ use super::members::{Cluster, Target};
 use super::templates::PATH as TEMPLATE_PATH;
 use crate::auth::Auth;
 use crate::error::ApiError;
+use crate::rpc::{self, Routing};
 
 /// The service's path prefix.
 const API: &str = "/airlock.v1.Airlock/";
@@ -37,39 +38,6 @@ const API: &str = "/airlock.v1.Airlock/";
 const MAX_FIRST_MESSAGE: usize = 64 << 20;
 /// How long a gathering call waits for one node.
 const GATHER_TIMEOUT: Duration = Duration::from_secs(15);
-
-/// What a call needs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
-    /// Field 1 of the request names a sandbox.
-    Sandbox,
-    /// Field 1 of the request names an execution.
-    Execution,
-    /// WriteFile: field 1 of the first message's header names the sandbox.
-    WriteFile,
-    Create,
-    ListSandboxes,
-    ListTemplates,
-    DeleteTemplate,
-    /// Served here.
-    Local,
-}
-
-fn kind(method: &str) -> Kind {
-    match method {
-        "GetSandbox" | "PauseSandbox" | "ResumeSandbox" | "SnapshotSandbox" | "DestroySandbox"
-        | "Exec" | "ReadFile" | "ListFiles" | "StatFile" | "MakeDir" | "RemoveFile"
-        | "RenameFile" | "SetNetworkPolicy" | "GetEgressLog" | "ExposePort" | "GetInstallLog"
-        | "RemoveSecrets" => Kind::Sandbox,
-        "StreamExecution" | "GetExecution" | "KillExecution" | "WriteStdin" => Kind::Execution,
-        "WriteFile" => Kind::WriteFile,
-        "CreateSandbox" => Kind::Create,
-        "ListSandboxes" => Kind::ListSandboxes,
-        "ListTemplates" => Kind::ListTemplates,
-        "DeleteTemplate" => Kind::DeleteTemplate,
-        _ => Kind::Local,
-    }
-}
 
 /// Field 1 as a string (every sandbox and execution request has its id there).
 #[derive(Clone, PartialEq, Message)]
@@ -189,12 +157,14 @@ where
             return self.local(req).await;
         }
         let tenant = caller.tenant;
-        match kind(method) {
-            Kind::Local => self.local(req).await,
-            k @ (Kind::Sandbox | Kind::Execution | Kind::WriteFile) => {
+        // A method the service lacks is answered there (UNIMPLEMENTED).
+        let routing = rpc::by_name(method).map_or(Routing::Local, |r| r.routing);
+        match routing {
+            Routing::Local => self.local(req).await,
+            r @ (Routing::BySandbox | Routing::ByExecution | Routing::ByWriteFileHeader) => {
                 let (req, first) = peek_first(req).await?;
-                let id = match k {
-                    Kind::WriteFile => WriteFileHead::decode(first)
+                let id = match r {
+                    Routing::ByWriteFileHeader => WriteFileHead::decode(first)
                         .ok()
                         .and_then(|h| h.header)
                         .map(|h| h.id),
@@ -203,10 +173,19 @@ where
                 .unwrap_or_default();
                 self.by_id(req, method, &id, &tenant).await
             }
-            Kind::Create => self.create(req, &tenant).await,
-            Kind::ListSandboxes => self.list_sandboxes(req, &tenant).await,
-            Kind::ListTemplates => self.list_templates(req, &tenant).await,
-            Kind::DeleteTemplate => self.delete_template(req, &tenant).await,
+            Routing::Place => self.create(req, &tenant).await,
+            Routing::Gather if method == rpc::LIST_SANDBOXES.name => {
+                self.list_sandboxes(req, &tenant).await
+            }
+            Routing::Gather if method == rpc::LIST_TEMPLATES.name => {
+                self.list_templates(req, &tenant).await
+            }
+            Routing::EveryHolder if method == rpc::DELETE_TEMPLATE.name => {
+                self.delete_template(req, &tenant).await
+            }
+            Routing::Gather | Routing::EveryHolder => Err(Status::unimplemented(format!(
+                "{method}: the cluster's router does not merge its answers"
+            ))),
         }
     }
 
@@ -261,7 +240,7 @@ where
             }
             .into()
         };
-        if id.starts_with("ex-") {
+        if crate::ids::Kind::Execution.names(id) {
             return Err(lost());
         }
         let record = self
@@ -274,8 +253,10 @@ where
             return Err(ApiError::SandboxNotFound(id.to_owned()).into());
         };
         match method {
-            "GetSandbox" => Ok(grpc_ok(&record)),
-            "DestroySandbox" => Ok(grpc_ok(&DestroySandboxResponse { destroyed: false })),
+            m if m == rpc::GET_SANDBOX.name => Ok(grpc_ok(&record)),
+            m if m == rpc::DESTROY_SANDBOX.name => {
+                Ok(grpc_ok(&DestroySandboxResponse { destroyed: false }))
+            }
             _ => Err(lost()),
         }
     }
@@ -614,7 +595,11 @@ mod tests {
             ),
         ];
         for (method, bytes) in requests {
-            assert_ne!(kind(method), Kind::Local, "{method}");
+            assert_ne!(
+                rpc::by_name(method).unwrap().routing,
+                Routing::Local,
+                "{method}"
+            );
             let got = IdField::decode(first_message(&bytes).unwrap()).unwrap();
             assert_eq!(got.id, id, "{method}");
         }
@@ -627,7 +612,10 @@ mod tests {
         };
         let head = WriteFileHead::decode(first_message(&framed(&wf)).unwrap()).unwrap();
         assert_eq!(head.header.unwrap().id, id);
-        assert_eq!(kind("CreateTemplate"), Kind::Local);
+        assert_eq!(
+            rpc::by_name("CreateTemplate").unwrap().routing,
+            Routing::Local
+        );
     }
 
     #[test]
