@@ -18,6 +18,23 @@ pub struct Parts {
     pub max_download_bytes: u64,
 }
 
+/// Why a ceiling and a request do not combine into a policy.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    /// The ceiling (the operator's settings) names a registry the daemon lacks.
+    #[error("the ceiling names registry {0:?}, which is not configured")]
+    CeilingRegistryUnknown(String),
+    /// The request asks for a registry the daemon has but the tenant's ceiling does not allow.
+    #[error("registry {0:?} is beyond the tenant's ceiling")]
+    BeyondCeiling(String),
+    /// The request asks for a registry the daemon lacks.
+    #[error("registry {name:?} is not configured (known: {known})")]
+    RegistryUnknown { name: String, known: String },
+    /// A malformed package pattern.
+    #[error("{0}")]
+    Pattern(String),
+}
+
 /// Whose rule it is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Source {
@@ -122,12 +139,10 @@ impl Policy {
     /// The ceiling narrowed by `asked`. `known`: the registries the daemon has. Fails, naming
     /// it, for a registry the ceiling does not allow or the daemon does not know, and for a
     /// malformed pattern.
-    pub fn combine(ceiling: &Parts, asked: &Parts, known: &[String]) -> Result<Self, String> {
+    pub fn combine(ceiling: &Parts, asked: &Parts, known: &[String]) -> Result<Self, PolicyError> {
         for r in &ceiling.registries {
             if !known.contains(r) {
-                return Err(format!(
-                    "the ceiling names registry {r:?}, which is not configured"
-                ));
+                return Err(PolicyError::CeilingRegistryUnknown(r.clone()));
             }
         }
         let ceiling_regs: Vec<String> = if ceiling.registries.is_empty() {
@@ -141,12 +156,12 @@ impl Policy {
             for r in &asked.registries {
                 if !ceiling_regs.contains(r) {
                     return Err(if known.contains(r) {
-                        format!("registry {r:?} is beyond the tenant's ceiling")
+                        PolicyError::BeyondCeiling(r.clone())
                     } else {
-                        format!(
-                            "registry {r:?} is not configured (known: {})",
-                            known.join(", ")
-                        )
+                        PolicyError::RegistryUnknown {
+                            name: r.clone(),
+                            known: known.join(", "),
+                        }
                     });
                 }
             }
@@ -158,10 +173,10 @@ impl Policy {
         let mut deny = Vec::new();
         for (source, parts) in [(Source::Tenant, ceiling), (Source::Sandbox, asked)] {
             if !parts.allow.is_empty() {
-                allow.push(List::new(source, &parts.allow)?);
+                allow.push(List::new(source, &parts.allow).map_err(PolicyError::Pattern)?);
             }
             if !parts.deny.is_empty() {
-                deny.push(List::new(source, &parts.deny)?);
+                deny.push(List::new(source, &parts.deny).map_err(PolicyError::Pattern)?);
             }
         }
         let offline = if ceiling.offline {
@@ -269,9 +284,14 @@ mod tests {
         assert!(p.registry("pypi").is_ok());
         assert_eq!(p.registry("npm"), Err(Refusal::Registry("npm".into())));
         let e = Policy::combine(&ceiling, &parts(&["mirror"], &[], &[]), &known()).unwrap_err();
-        assert!(e.contains("beyond the tenant's ceiling"), "{e}");
+        assert_eq!(e, PolicyError::BeyondCeiling("mirror".into()));
+        assert_eq!(
+            e.to_string(),
+            "registry \"mirror\" is beyond the tenant's ceiling"
+        );
         let e = Policy::combine(&ceiling, &parts(&["nope"], &[], &[]), &known()).unwrap_err();
-        assert!(e.contains("not configured"), "{e}");
+        assert!(matches!(e, PolicyError::RegistryUnknown { .. }), "{e}");
+        assert!(e.to_string().contains("not configured"), "{e}");
     }
 
     #[test]
@@ -351,6 +371,6 @@ mod tests {
     #[test]
     fn bad_patterns_fail_the_combination() {
         let e = Policy::combine(&Parts::default(), &parts(&[], &["a b"], &[]), &known());
-        assert!(e.is_err());
+        assert!(matches!(e, Err(PolicyError::Pattern(_))), "{e:?}");
     }
 }

@@ -305,7 +305,8 @@ impl Executions {
         if signal == libc::SIGKILL {
             tokio::spawn(async move { rt.end_by(ExecEnd::Killed, libc::SIGKILL).await });
         } else {
-            rt.signal(signal).map_err(ApiError::Internal)?;
+            rt.signal(signal)
+                .map_err(|e| ApiError::Internal(format!("signal: {e}")))?;
         }
         Ok(true)
     }

@@ -207,15 +207,13 @@ impl ExecRt {
 
     /// Sends `signal` to the execution's process tree; before the agent has started the
     /// process, the signal is sent as soon as it has.
-    pub fn signal(&self, signal: i32) -> Result<(), String> {
+    pub fn signal(&self, signal: i32) -> Result<(), airlock_proto::ClientError> {
         let mut c = lock(&self.conn);
         match (c.agent_id, c.request.as_ref()) {
             (Some(exec_id), Some((mux, _))) => {
                 let kind = pb::request::Kind::Signal(pb::Signal { exec_id, signal });
                 // Its answer is not waited for: the outcome shows in the execution's exit.
-                mux.send_detached(kind)
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
+                mux.send_detached(kind).map(|_| ())
             }
             _ => {
                 c.pending_signal = Some(signal);
@@ -252,7 +250,7 @@ impl ExecRt {
         stream: StreamKind,
         offset: u64,
         data: &[u8],
-    ) -> Result<(), String> {
+    ) -> std::io::Result<()> {
         let slot = usize::from(stream == StreamKind::Stderr);
         let redacted;
         let data = match &self.redaction {
@@ -292,15 +290,13 @@ impl ExecRt {
     }
 
     /// Appends to stream `slot`'s file up to the cap.
-    fn append(&self, sink: &mut OutputSink, slot: usize, data: &[u8]) -> Result<(), String> {
+    fn append(&self, sink: &mut OutputSink, slot: usize, data: &[u8]) -> std::io::Result<()> {
         let mut stored = lock(&self.stored);
         let room = self.max_output.saturating_sub(stored[slot]) as usize;
         let take = data.len().min(room);
         sink.truncated |= take < data.len();
         if take > 0 {
-            sink.files[slot]
-                .write_all(data.get(..take).unwrap_or_default())
-                .map_err(|e| format!("storing output: {e}"))?;
+            sink.files[slot].write_all(data.get(..take).unwrap_or_default())?;
             stored[slot] += take as u64;
         }
         drop(stored);
@@ -309,7 +305,7 @@ impl ExecRt {
     }
 
     /// The end of the output: what the redactors held back (it begins no value) is stored.
-    pub fn flush_output(&self, sink: &mut OutputSink) -> Result<(), String> {
+    pub fn flush_output(&self, sink: &mut OutputSink) -> std::io::Result<()> {
         let Some(r) = &self.redaction else {
             return Ok(());
         };
@@ -367,7 +363,6 @@ impl ExecRt {
         if self.redaction.is_some() {
             let flushed = self
                 .open_output()
-                .map_err(|e| e.to_string())
                 .and_then(|mut sink| self.flush_output(&mut sink));
             if let Err(e) = flushed {
                 warn!(execution = %self.id, "storing the output's end: {e}");

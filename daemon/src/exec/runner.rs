@@ -89,7 +89,7 @@ fn drive(rt: &ExecRt, agent: &AgentLink, start: Start) -> Result<pb::ExecExit, F
         })
         .map_err(|e| format!("agent connection: {}", error_chain(&e)))?;
     if let Some(e) = failed {
-        return Err(Failure::Lost(e));
+        return Err(Failure::Lost(format!("storing output: {e}")));
     }
     let mut exit = exit;
     exit.output_truncated |= sink.truncated;

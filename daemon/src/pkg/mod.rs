@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use airlock_api::v1::{InstallEvent, InstallOutcome, PackagePolicy};
-use airlock_packages::policy::{Parts, Policy};
+use airlock_packages::policy::{Parts, Policy, PolicyError};
 use serde::Deserialize;
 use tracing::warn;
 use url::Url;
@@ -335,15 +335,12 @@ impl Packages {
             offline: asked.offline,
             max_download_bytes: asked.max_download_bytes,
         };
-        Policy::combine(ceiling, &asked, &self.names).map_err(|m| {
-            if m.contains("beyond the tenant's ceiling") {
-                ApiError::PackagesNotAllowed {
-                    tenant: tenant.to_owned(),
-                    message: m,
-                }
-            } else {
-                ApiError::InvalidArgument(format!("package policy: {m}"))
-            }
+        Policy::combine(ceiling, &asked, &self.names).map_err(|e| match e {
+            PolicyError::BeyondCeiling(_) => ApiError::PackagesNotAllowed {
+                tenant: tenant.to_owned(),
+                message: e.to_string(),
+            },
+            _ => ApiError::InvalidArgument(format!("package policy: {e}")),
         })
     }
 
