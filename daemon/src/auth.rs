@@ -12,7 +12,7 @@ use subtle::ConstantTimeEq;
 use tonic::{Request, Status};
 
 use crate::config::Config;
-use crate::error::ApiError;
+use crate::error::{ApiError, StartError};
 
 /// A token's digest.
 pub type TokenDigest = [u8; 32];
@@ -52,7 +52,7 @@ pub struct Tokens {
 
 impl Tokens {
     /// The digests of every tenant's tokens in `cfg`.
-    pub fn from_config(cfg: &Config) -> Result<Self, String> {
+    pub fn from_config(cfg: &Config) -> Result<Self, StartError> {
         let mut entries = Vec::new();
         for (tenant, t) in &cfg.tenants {
             for (clear, hashed, templates) in [
@@ -61,13 +61,18 @@ impl Tokens {
             ] {
                 for token in clear {
                     if token.is_empty() {
-                        return Err(format!("tenant {tenant}: an empty token"));
+                        return Err(StartError::Setting(format!(
+                            "tenant {tenant}: an empty token"
+                        )));
                     }
                     entries.push((tenant.clone(), digest(token), templates));
                 }
                 for h in hashed {
-                    let d = parse_hex(h)
-                        .ok_or_else(|| format!("tenant {tenant}: {h:?} is not a SHA-256 in hex"))?;
+                    let d = parse_hex(h).ok_or_else(|| {
+                        StartError::Setting(format!(
+                            "tenant {tenant}: {h:?} is not a SHA-256 in hex"
+                        ))
+                    })?;
                     entries.push((tenant.clone(), d, templates));
                 }
             }

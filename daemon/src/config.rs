@@ -320,24 +320,24 @@ impl Default for Config {
 impl Config {
     /// Checks what the settings expose: TCP listeners only with TLS (or an explicit
     /// `allow_insecure_tcp`), metrics off loopback only with a token.
-    pub fn check_exposure(&self) -> Result<(), String> {
+    pub fn check_exposure(&self) -> Result<(), crate::error::StartError> {
         for addr in &self.listen {
             if addr.starts_with("tcp://") && self.tls.is_none() && !self.allow_insecure_tcp {
-                return Err(format!(
+                return Err(crate::error::StartError::Setting(format!(
                     "{addr}: a TCP listener needs [tls] (cert, key): tokens would cross the \
                      network in clear (allow_insecure_tcp = true allows it, for tests)"
-                ));
+                )));
             }
         }
         if !self.metrics_listen.is_empty()
             && !is_loopback(&self.metrics_listen)
             && self.metrics_token.is_empty()
         {
-            return Err(format!(
+            return Err(crate::error::StartError::Setting(format!(
                 "metrics_listen {}: the metrics name tenants and sandboxes; listen on loopback \
                  or set metrics_token",
                 self.metrics_listen
-            ));
+            )));
         }
         Ok(())
     }

@@ -11,7 +11,7 @@ use tracing::{info, warn};
 
 use crate::cgroup::Cgroups;
 use crate::config::{CgroupMode, Config};
-use crate::error::{ApiError, ApiResult};
+use crate::error::{ApiError, ApiResult, StartError};
 use crate::exec::{ExecLimits, Executions};
 use crate::host::VmmHost;
 use crate::jail::Jailer;
@@ -44,15 +44,15 @@ pub struct Daemon {
 }
 
 /// Sets `p`'s permission bits to `mode`.
-fn private(p: &Path, mode: u32) -> Result<(), String> {
+fn private(p: &Path, mode: u32) -> Result<(), StartError> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
-        .map_err(|e| format!("{}: {e}", p.display()))
+        .map_err(StartError::io(p.display().to_string()))
 }
 
 /// Makes `d` (and its parents) if missing.
-fn make_dir(d: &Path) -> Result<(), String> {
-    std::fs::create_dir_all(d).map_err(|e| format!("creating {}: {e}", d.display()))
+fn make_dir(d: &Path) -> Result<(), StartError> {
+    std::fs::create_dir_all(d).map_err(StartError::io(format!("creating {}", d.display())))
 }
 
 /// The cgroups sandboxes get: a hierarchy that is not usable stops the daemon unless the
@@ -60,7 +60,7 @@ fn make_dir(d: &Path) -> Result<(), String> {
 fn sandbox_cgroups(
     mode: CgroupMode,
     detected: std::io::Result<Cgroups>,
-) -> Result<Option<Cgroups>, String> {
+) -> Result<Option<Cgroups>, StartError> {
     match (detected, mode) {
         (Ok(c), _) => {
             info!(version = c.version(), "sandbox cgroups");
@@ -72,21 +72,23 @@ fn sandbox_cgroups(
             );
             Ok(None)
         }
-        (Err(e), CgroupMode::Required) => Err(format!(
+        (Err(e), CgroupMode::Required) => Err(StartError::Setting(format!(
             "no usable cgroup hierarchy ({e}): sandboxes would run without memory, CPU and pid \
              limits; set cgroups = \"off\" to allow that"
-        )),
+        ))),
     }
 }
 
 impl Daemon {
     /// The daemon of `cfg`: its data directory, record store, cgroups and jail.
-    pub fn open(cfg: Config) -> Result<(Arc<Self>, UnboundedReceiver<VmmExited>), String> {
+    pub fn open(cfg: Config) -> Result<(Arc<Self>, UnboundedReceiver<VmmExited>), StartError> {
         // Absolute: the same paths name files in the daemon and in the VMMs' jails.
-        let data_dir = std::path::absolute(&cfg.data_dir)
-            .map_err(|e| format!("data directory {}: {e}", cfg.data_dir.display()))?;
+        let data_dir = std::path::absolute(&cfg.data_dir).map_err(StartError::io(format!(
+            "data directory {}",
+            cfg.data_dir.display()
+        )))?;
         let jailer = Jailer::new(cfg.jail.clone(), &cfg.vmm_binary(), &data_dir.join("jail"))
-            .map_err(|e| format!("jail: {e}"))?;
+            .map_err(StartError::io("jail"))?;
         let detected = Cgroups::detect(Path::new("/sys/fs/cgroup"), &cfg.cgroup_parent);
         let cgroups = sandbox_cgroups(cfg.cgroups, detected)?;
         Self::build(cfg, data_dir, Arc::new(jailer), cgroups)
@@ -98,7 +100,7 @@ impl Daemon {
         data_dir: PathBuf,
         launcher: Arc<dyn Launcher>,
         cgroups: Option<Cgroups>,
-    ) -> Result<(Arc<Self>, UnboundedReceiver<VmmExited>), String> {
+    ) -> Result<(Arc<Self>, UnboundedReceiver<VmmExited>), StartError> {
         let (run_dir, templates_dir, output_dir) = (
             data_dir.join("run"),
             data_dir.join("templates"),
@@ -112,7 +114,7 @@ impl Daemon {
         private(&data_dir, 0o700)?;
         let cfg = Arc::new(cfg);
         let db = data_dir.join("airlock.db");
-        let store = Arc::new(Store::open(&db).map_err(|e| e.to_string())?);
+        let store = Arc::new(Store::open(&db)?);
         crate::audit::init(store.clone(), cfg.audit.clone());
         private(&db, 0o600)?;
         let metrics = Arc::new(Metrics::default());
@@ -126,10 +128,11 @@ impl Daemon {
             cfg.vmm_overhead_mib,
             cfg.vmm_pids_max,
         ));
-        let templates = Arc::new(
-            Templates::load(store.clone(), templates_dir, &cfg.default_tenant)
-                .map_err(|e| e.to_string())?,
-        );
+        let templates = Arc::new(Templates::load(
+            store.clone(),
+            templates_dir,
+            &cfg.default_tenant,
+        )?);
         for dir in &cfg.import_templates {
             match templates.import_exported(dir) {
                 Ok(Some(t)) => info!(
@@ -272,10 +275,8 @@ impl Daemon {
         let (egress, tenant) = (self.sandboxes.egress.clone(), tenant.to_owned());
         Arc::new(move |host: &str, port: u16| {
             let rule = crate::oci::pull::host_rule(host, port);
-            let policy = crate::net::policy_of(&rule).map_err(|e| e.to_string())?;
-            egress
-                .within_ceiling(&tenant, &policy)
-                .map_err(|e| e.to_string())
+            let policy = crate::net::policy_of(&rule)?;
+            egress.within_ceiling(&tenant, &policy)
         })
     }
 
@@ -470,7 +471,9 @@ mod tests {
     #[test]
     fn without_usable_cgroups_the_daemon_fails_closed() {
         let missing = || Err(std::io::Error::other("no hierarchy"));
-        let err = sandbox_cgroups(CgroupMode::Required, missing()).unwrap_err();
+        let err = sandbox_cgroups(CgroupMode::Required, missing())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("cgroups = \"off\""), "{err}");
         assert!(matches!(
             sandbox_cgroups(CgroupMode::Off, missing()),

@@ -346,6 +346,56 @@ impl From<std::io::Error> for ApiError {
 /// Result of a call.
 pub type ApiResult<T> = Result<T, ApiError>;
 
+/// Why the daemon cannot start, or why it stopped serving: told to the operator, and the
+/// process exits. (A call's failure is an [`ApiError`].)
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The settings file, or a setting that cannot work (the message names its key).
+    #[error("{0}")]
+    Setting(String),
+    /// A file, directory or socket the daemon needs (`what` names it and the step).
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// TLS material that cannot be used.
+    #[error("TLS: {0}")]
+    Tls(String),
+    /// The record store.
+    #[error("record store: {0}")]
+    Store(#[from] rusqlite::Error),
+    /// Cluster mode: etcd, the node's tag or lease, the other nodes (`cluster::ClusterError`,
+    /// a part above this module).
+    #[error("{0}")]
+    Cluster(Box<dyn std::error::Error + Send + Sync>),
+    /// A listener that stopped serving.
+    #[error("{0}")]
+    Serve(String),
+    /// A part that failed as it started (its error as a call would see it).
+    #[error("{0}")]
+    Api(#[from] ApiError),
+    /// A named part that failed as it started.
+    #[error("{part}: {source}")]
+    Part {
+        part: &'static str,
+        #[source]
+        source: ApiError,
+    },
+    /// A start-up task that panicked or was cancelled.
+    #[error("start-up task: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+impl StartError {
+    /// An I/O error of `what`.
+    pub fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
+        let what = what.into();
+        move |source| Self::Io { what, source }
+    }
+}
+
 /// What an agent call was doing, for [`from_agent`].
 #[derive(Clone, Copy, Debug)]
 pub struct AgentCall<'a> {

@@ -86,7 +86,7 @@ struct Args {
     hash_token: bool,
 }
 
-fn settings(args: Args) -> Result<settings::Settings, String> {
+fn settings(args: Args) -> Result<settings::Settings, error::StartError> {
     let mut s = match &args.config {
         Some(p) => settings::Settings::load(p)?,
         None => settings::Settings::default(),
@@ -158,20 +158,22 @@ fn main() -> ExitCode {
     }
 }
 
-async fn serve(settings: settings::Settings) -> Result<(), String> {
+async fn serve(settings: settings::Settings) -> Result<(), error::StartError> {
     let settings::Settings {
         daemon: cfg,
         cluster,
         e2b,
     } = settings;
-    let (daemon, events) = tokio::task::spawn_blocking(move || daemon::Daemon::open(cfg))
-        .await
-        .map_err(|e| e.to_string())??;
-    daemon.start(events).await.map_err(|e| e.to_string())?;
+    let (daemon, events) = tokio::task::spawn_blocking(move || daemon::Daemon::open(cfg)).await??;
+    daemon.start(events).await?;
     // Cluster mode joins after the recovery and before the listeners: what this node still
     // runs is in etcd before any call is routed.
     let cluster = match cluster.enabled() {
-        true => Some(cluster::join(&daemon, cluster).await?),
+        true => Some(
+            cluster::join(&daemon, cluster)
+                .await
+                .map_err(|e| error::StartError::Cluster(Box::new(e)))?,
+        ),
         false => None,
     };
     let servers = server::listen(&daemon, cluster, e2b).await?;

@@ -8,6 +8,7 @@ use std::path::Path;
 use crate::cluster::ClusterConfig;
 use crate::config::{Config, is_loopback};
 use crate::e2b::E2bConfig;
+use crate::error::StartError;
 
 /// Everything `--config FILE` sets.
 #[derive(Clone, Debug, Default)]
@@ -22,18 +23,22 @@ pub struct Settings {
 
 impl Settings {
     /// Reads a TOML file over the defaults.
-    pub fn load(path: &Path) -> Result<Self, String> {
+    pub fn load(path: &Path) -> Result<Self, StartError> {
         let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("reading {}: {e}", path.display()))?;
-        Self::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+            .map_err(StartError::io(format!("reading {}", path.display())))?;
+        Self::parse(&text).map_err(|e| StartError::Setting(format!("{}: {e}", path.display())))
     }
 
     /// Parses the file's text: an unknown key, in any section, is an error.
-    pub fn parse(text: &str) -> Result<Self, String> {
-        let mut table: toml::Table = text.parse().map_err(|e| format!("{e}"))?;
+    pub fn parse(text: &str) -> Result<Self, StartError> {
+        let mut table: toml::Table = text
+            .parse()
+            .map_err(|e| StartError::Setting(format!("{e}")))?;
         let cluster = section(&mut table, "cluster")?;
         let e2b = section(&mut table, "e2b")?;
-        let daemon = table.try_into().map_err(|e| format!("{e}"))?;
+        let daemon = table
+            .try_into()
+            .map_err(|e| StartError::Setting(format!("{e}")))?;
         Ok(Self {
             daemon,
             cluster,
@@ -43,7 +48,7 @@ impl Settings {
 
     /// Checks what the settings expose: the daemon's listeners and metrics
     /// ([`Config::check_exposure`]) and the E2B gateway, which off loopback needs TLS too.
-    pub fn check_exposure(&self) -> Result<(), String> {
+    pub fn check_exposure(&self) -> Result<(), StartError> {
         self.daemon.check_exposure()?;
         let e2b = &self.e2b.listen;
         if !e2b.is_empty()
@@ -51,10 +56,10 @@ impl Settings {
             && !self.daemon.allow_insecure_tcp
             && !is_loopback(e2b)
         {
-            return Err(format!(
+            return Err(StartError::Setting(format!(
                 "[e2b] listen {e2b}: off loopback the gateway needs [tls] (API keys and access \
                  tokens would cross the network in clear; allow_insecure_tcp = true allows it)"
-            ));
+            )));
         }
         Ok(())
     }
@@ -64,10 +69,12 @@ impl Settings {
 fn section<T: serde::de::DeserializeOwned + Default>(
     table: &mut toml::Table,
     name: &str,
-) -> Result<T, String> {
+) -> Result<T, StartError> {
     match table.remove(name) {
         None => Ok(T::default()),
-        Some(value) => value.try_into().map_err(|e| format!("[{name}] {e}")),
+        Some(value) => value
+            .try_into()
+            .map_err(|e| StartError::Setting(format!("[{name}] {e}"))),
     }
 }
 
@@ -98,7 +105,9 @@ mod tests {
         ] {
             assert!(Settings::parse(bad).is_err(), "{bad}");
         }
-        let e = Settings::parse("[e2b]\nlisen = \"x\"").unwrap_err();
+        let e = Settings::parse("[e2b]\nlisen = \"x\"")
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("[e2b] unknown field `lisen`"), "{e}");
         assert_eq!(Settings::parse("").unwrap().e2b.listen, "");
     }

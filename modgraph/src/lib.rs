@@ -357,6 +357,91 @@ pub fn assert_acyclic(manifest_dir: &str, skip: &[&str]) -> Graph {
     graph
 }
 
+/// The `Result<_, String>` types in the non-test code of the crate at `manifest_dir`
+/// (`file: Result<...>` each), for crates whose errors are types.
+pub fn string_errors(manifest_dir: &Path) -> Vec<String> {
+    let src = manifest_dir.join("src");
+    let root = ["lib.rs", "main.rs"]
+        .iter()
+        .map(|f| src.join(f))
+        .find(|p| p.is_file())
+        .map(|p| read_file(&p))
+        .unwrap_or_default();
+    // Modules the root declares for tests only are test code.
+    let (_, test_only) = declarations(&root);
+    let mut files = Vec::new();
+    collect_rs(&src, &mut files);
+    let mut found = Vec::new();
+    for path in files {
+        let module = path
+            .strip_prefix(&src)
+            .ok()
+            .and_then(|p| p.components().next())
+            .map(|c| {
+                c.as_os_str()
+                    .to_string_lossy()
+                    .trim_end_matches(".rs")
+                    .to_owned()
+            });
+        if module.is_some_and(|m| test_only.contains(&m)) {
+            continue;
+        }
+        let text = non_test(&read_file(&path));
+        for (i, _) in text.match_indices("Result<") {
+            if i > 0 && text[..i].ends_with(|c: char| is_ident(c) || c == ':') {
+                // `ApiResult<`, `io::Result<`: a name of its own, not this one.
+                if !text[..i].ends_with("::") {
+                    continue;
+                }
+            }
+            let args = generic_args(&text[i + "Result<".len()..]);
+            if args.len() == 2 && args[1].trim() == "String" {
+                found.push(format!("{}: Result<{}>", path.display(), args.join(",")));
+            }
+        }
+    }
+    found
+}
+
+/// Every non-test `.rs` file under `dir`.
+fn collect_rs(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            collect_rs(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") && !is_test_file(&p) {
+            out.push(p);
+        }
+    }
+}
+
+/// The top-level arguments of a generic list that starts right after its `<`.
+fn generic_args(text: &str) -> Vec<String> {
+    let (mut depth, mut args, mut cur) = (1usize, Vec::new(), String::new());
+    for c in text.chars() {
+        match c {
+            '<' | '(' | '[' => depth += 1,
+            '>' | ')' | ']' => {
+                depth -= 1;
+                if depth == 0 {
+                    args.push(cur);
+                    return args;
+                }
+            }
+            ',' if depth == 1 => {
+                args.push(std::mem::take(&mut cur));
+                continue;
+            }
+            _ => {}
+        }
+        cur.push(c);
+    }
+    args
+}
+
 /// The modules of an acyclic `graph` by level, top first: a module's level is one more than the
 /// highest of the modules it uses (0: it uses none), so every arrow points to a lower level.
 /// `None` when the graph has a cycle.
@@ -492,5 +577,15 @@ mod tests {
         assert_eq!(layer_picture(&g).unwrap(), " 2  a\n 1  b d\n 0  c");
         let cyclic = edges(&[("a", &["b"]), ("b", &["a"])]);
         assert_eq!(levels(&cyclic), None);
+    }
+
+    #[test]
+    fn string_errors_are_found_in_nested_generics_and_other_results_are_not() {
+        let args = generic_args("Option<Vec<u8>>, String> {");
+        assert_eq!(args, ["Option<Vec<u8>>", " String"]);
+        assert_eq!(
+            generic_args("HashMap<String, String>, io::Error>"),
+            ["HashMap<String, String>", " io::Error"]
+        );
     }
 }

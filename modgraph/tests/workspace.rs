@@ -48,6 +48,13 @@ fn every_crate_has_no_import_cycle() {
     );
 }
 
+/// The daemon's errors are types: no `Result<_, String>` in its non-test code.
+#[test]
+fn the_daemon_returns_no_string_errors() {
+    let found = airlock_modgraph::string_errors(&workspace().join("daemon"));
+    assert!(found.is_empty(), "{found:#?}");
+}
+
 const BEGIN: &str = "<!-- daemon layers: written by modgraph/tests/workspace.rs \
                      (AIRLOCK_BLESS=1 cargo test -p airlock-modgraph) -->";
 const END: &str = "<!-- end of daemon layers -->";

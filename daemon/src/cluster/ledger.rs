@@ -17,6 +17,7 @@ use prost::Message as _;
 use tracing::warn;
 
 use super::ClusterConfig;
+use super::ClusterError;
 use super::members::NodeInfo;
 use crate::config::Config;
 use crate::error::{ApiError, ApiResult};
@@ -61,14 +62,17 @@ pub fn lost_record(mut s: Sandbox, node: &str, now_ms: i64) -> Sandbox {
 
 impl EtcdLedger {
     /// Connects to etcd (any of the endpoints; the client moves between them).
-    pub async fn connect(cluster: &ClusterConfig, cfg: Arc<Config>) -> Result<Self, String> {
+    pub async fn connect(cluster: &ClusterConfig, cfg: Arc<Config>) -> Result<Self, ClusterError> {
         let opts = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(3))
             .with_timeout(Duration::from_secs(5))
             .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
         let client = Client::connect(&cluster.etcd, Some(opts))
             .await
-            .map_err(|e| format!("etcd {:?}: {e}", cluster.etcd))?;
+            .map_err(|source| ClusterError::Connect {
+                endpoints: cluster.etcd.clone(),
+                source,
+            })?;
         Ok(Self {
             client,
             prefix: cluster.prefix.clone(),
@@ -125,9 +129,8 @@ impl EtcdLedger {
 
     /// The tag `node` holds, claiming a free one the first time: derived from its name,
     /// the next one on a clash.
-    pub async fn claim_tag(&self, node: &str) -> Result<String, String> {
-        let e = |e: etcd_client::Error| format!("etcd: {e}");
-        let tags = self.tags().await.map_err(e)?;
+    pub async fn claim_tag(&self, node: &str) -> Result<String, ClusterError> {
+        let tags = self.tags().await?;
         if let Some((tag, _)) = tags.iter().find(|(_, n)| n.as_str() == node) {
             return Ok(tag.clone());
         }
@@ -145,11 +148,11 @@ impl EtcdLedger {
             let txn = Txn::new()
                 .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
                 .and_then([TxnOp::put(key, node, None)]);
-            if self.txn(txn).await.map_err(e)?.succeeded() {
+            if self.txn(txn).await?.succeeded() {
                 return Ok(tag);
             }
         }
-        Err("no node tag is free".into())
+        Err(ClusterError::NoFreeTag)
     }
 
     /// Every claimed tag and its node.

@@ -12,7 +12,7 @@ use tracing::{info, warn};
 use super::ledger::EtcdLedger;
 use super::peers::Peers;
 use super::templates::{Manifest, TemplateEntry};
-use super::{ClusterConfig, Placement};
+use super::{ClusterConfig, ClusterError, Placement};
 use crate::daemon::Daemon;
 use crate::ids;
 
@@ -124,11 +124,11 @@ impl Cluster {
         cfg: ClusterConfig,
         ledger: Arc<EtcdLedger>,
         token: String,
-    ) -> Result<Arc<Self>, String> {
+    ) -> Result<Arc<Self>, ClusterError> {
         let name = cfg.node_name();
         let tag = ledger.claim_tag(&name).await?;
         if !ids::set_node_tag(&tag) {
-            return Err(format!("node tag {tag}: another tag was set already"));
+            return Err(ClusterError::TagTaken(tag));
         }
         let token_digest = crate::auth::digest(&token);
         let peers = Peers::new(&cfg, token)?;
@@ -146,9 +146,7 @@ impl Cluster {
             started_unix_ms: ids::now_ms(),
         });
         let lease = me.register().await?;
-        me.refresh_members()
-            .await
-            .map_err(|e| format!("etcd: {e}"))?;
+        me.refresh_members().await?;
         info!(node = %name, tag = %tag, "joined the cluster");
         tokio::spawn(me.clone().run(lease));
         tokio::spawn(me.clone().keep_manifests());
@@ -156,20 +154,17 @@ impl Cluster {
     }
 
     /// A new lease with this node's record, then its records reconciled.
-    async fn register(&self) -> Result<i64, String> {
+    async fn register(&self) -> Result<i64, ClusterError> {
         let ttl = i64::try_from(self.cfg.lease_ttl_s).unwrap_or(5);
         let lease = self
             .ledger
             .lease()
             .grant(ttl, None)
             .await
-            .map_err(|e| format!("etcd lease: {e}"))?
+            .map_err(ClusterError::Lease)?
             .id();
-        self.ledger
-            .put_node(&self.info(), lease)
-            .await
-            .map_err(|e| format!("etcd: {e}"))?;
-        self.reconcile().await.map_err(|e| format!("etcd: {e}"))?;
+        self.ledger.put_node(&self.info(), lease).await?;
+        self.reconcile().await?;
         Ok(lease)
     }
 
@@ -419,7 +414,7 @@ impl Cluster {
         &self,
         keeper: &mut Option<(etcd_client::LeaseKeeper, etcd_client::LeaseKeepAliveStream)>,
         lease: i64,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, ClusterError> {
         let mut last = String::new();
         for _ in 0..4 {
             if keeper.is_none() {
@@ -436,14 +431,14 @@ impl Cluster {
                 match renew_once(k, stream).await {
                     Ok(alive) => return Ok(alive),
                     Err(e) => {
-                        last = e;
+                        last = e.to_string();
                         *keeper = None;
                     }
                 }
             }
             tokio::time::sleep(Duration::from_millis(150)).await;
         }
-        Err(last)
+        Err(ClusterError::Renewal(last))
     }
 }
 
@@ -454,12 +449,14 @@ const RENEW_TIMEOUT: Duration = Duration::from_secs(1);
 async fn renew_once(
     keeper: &mut etcd_client::LeaseKeeper,
     stream: &mut etcd_client::LeaseKeepAliveStream,
-) -> Result<bool, String> {
-    keeper.keep_alive().await.map_err(|e| e.to_string())?;
+) -> Result<bool, ClusterError> {
+    keeper.keep_alive().await?;
     match tokio::time::timeout(RENEW_TIMEOUT, stream.message()).await {
         Ok(Ok(Some(resp))) => Ok(resp.ttl() > 0),
-        Ok(Ok(None)) => Err("the keep-alive stream ended".into()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err("no keep-alive answer within 1 s".into()),
+        Ok(Ok(None)) => Err(ClusterError::Renewal("the keep-alive stream ended".into())),
+        Ok(Err(e)) => Err(ClusterError::Etcd(e)),
+        Err(_) => Err(ClusterError::Renewal(
+            "no keep-alive answer within 1 s".into(),
+        )),
     }
 }

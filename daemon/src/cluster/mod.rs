@@ -36,6 +36,46 @@ pub use ledger::EtcdLedger;
 pub use members::{Cluster, NodeInfo};
 pub use route::RouteLayer;
 
+/// Why this node cannot join or stay in its cluster.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// A `[cluster]` setting that cannot work (the message names it).
+    #[error("{0}")]
+    Setting(String),
+    /// The token file or the CA file.
+    #[error("{what}: {source}")]
+    File {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// etcd cannot be reached at any of its endpoints.
+    #[error("etcd {endpoints:?}: {source}")]
+    Connect {
+        endpoints: Vec<String>,
+        #[source]
+        source: etcd_client::Error,
+    },
+    /// etcd refused or failed a request.
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    /// etcd granted no lease.
+    #[error("etcd lease: {0}")]
+    Lease(#[source] etcd_client::Error),
+    /// Every 4-hex-digit tag is taken.
+    #[error("no node tag is free")]
+    NoFreeTag,
+    /// This process took another tag already.
+    #[error("node tag {0}: another tag was set already")]
+    TagTaken(String),
+    /// The sandboxes' ledger was set before (joined twice).
+    #[error("the cluster's ledger was set twice")]
+    JoinedTwice,
+    /// The lease could not be renewed (why the last try failed).
+    #[error("{0}")]
+    Renewal(String),
+}
+
 /// `[cluster]`.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -107,42 +147,50 @@ impl ClusterConfig {
     }
 
     /// Checks the settings and reads the cluster token.
-    pub fn check(&self) -> Result<String, String> {
+    pub fn check(&self) -> Result<String, ClusterError> {
         let name = self.node_name();
         if !name
             .bytes()
             .all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
             || name.len() > 63
         {
-            return Err(format!(
+            return Err(ClusterError::Setting(format!(
                 "[cluster] node {name:?}: letters, digits, '.', '_' and '-', at most 63"
-            ));
+            )));
         }
         if !(self.advertise.starts_with("http://") || self.advertise.starts_with("https://")) {
-            return Err(
+            return Err(ClusterError::Setting(
                 "[cluster] advertise: where the other nodes reach this one, http(s)://HOST:PORT"
                     .into(),
-            );
+            ));
         }
         if self.lease_ttl_s < 2 {
-            return Err("[cluster] lease_ttl_s: at least 2".into());
+            return Err(ClusterError::Setting(
+                "[cluster] lease_ttl_s: at least 2".into(),
+            ));
         }
         if !self.prefix.starts_with('/') || !self.prefix.ends_with('/') {
-            return Err("[cluster] prefix: starts and ends with '/'".into());
+            return Err(ClusterError::Setting(
+                "[cluster] prefix: starts and ends with '/'".into(),
+            ));
         }
-        let path = self
-            .token_file
-            .as_ref()
-            .ok_or("[cluster] token_file: the node-to-node secret is required")?;
+        let path = self.token_file.as_ref().ok_or_else(|| {
+            ClusterError::Setting(
+                "[cluster] token_file: the node-to-node secret is required".into(),
+            )
+        })?;
         let token = std::fs::read_to_string(path)
-            .map_err(|e| format!("[cluster] token_file {}: {e}", path.display()))?
+            .map_err(|source| ClusterError::File {
+                what: format!("[cluster] token_file {}", path.display()),
+                source,
+            })?
             .trim()
             .to_owned();
         if token.len() < 32 {
-            return Err(format!(
+            return Err(ClusterError::Setting(format!(
                 "[cluster] token_file {}: at least 32 characters",
                 path.display()
-            ));
+            )));
         }
         Ok(token)
     }
@@ -155,14 +203,14 @@ pub use crate::auth::FORWARDED_TENANT;
 pub async fn join(
     daemon: &Arc<crate::daemon::Daemon>,
     cfg: ClusterConfig,
-) -> Result<Arc<Cluster>, String> {
+) -> Result<Arc<Cluster>, ClusterError> {
     let token = cfg.check()?;
     let ledger = Arc::new(EtcdLedger::connect(&cfg, daemon.cfg.clone()).await?);
     let cluster = Cluster::join(daemon.clone(), cfg, ledger.clone(), token).await?;
     daemon
         .sandboxes
         .set_ledger(ledger)
-        .map_err(|_| "the cluster's ledger was set twice".to_owned())?;
+        .map_err(|_| ClusterError::JoinedTwice)?;
     Ok(cluster)
 }
 

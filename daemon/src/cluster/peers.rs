@@ -11,7 +11,7 @@ use tonic::body::Body;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tower::ServiceExt as _;
 
-use super::{ClusterConfig, FORWARDED_TENANT};
+use super::{ClusterConfig, ClusterError, FORWARDED_TENANT};
 
 /// How long a node-to-node connection may take to open.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -30,16 +30,20 @@ impl std::fmt::Debug for Peers {
 }
 
 impl Peers {
-    pub fn new(cfg: &ClusterConfig, token: String) -> Result<Self, String> {
+    pub fn new(cfg: &ClusterConfig, token: String) -> Result<Self, ClusterError> {
         let tls = match &cfg.ca {
             Some(ca) => {
-                let pem = std::fs::read(ca).map_err(|e| format!("{}: {e}", ca.display()))?;
+                let pem = std::fs::read(ca).map_err(|source| ClusterError::File {
+                    what: ca.display().to_string(),
+                    source,
+                })?;
                 Some(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)))
             }
             None => None,
         };
-        let mut token = HeaderValue::try_from(format!("Bearer {token}"))
-            .map_err(|_| "[cluster] token_file: not a valid header value".to_owned())?;
+        let mut token = HeaderValue::try_from(format!("Bearer {token}")).map_err(|_| {
+            ClusterError::Setting("[cluster] token_file: not a valid header value".into())
+        })?;
         token.set_sensitive(true);
         Ok(Self {
             channels: Mutex::default(),

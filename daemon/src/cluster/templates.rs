@@ -31,6 +31,31 @@ const PIECE: u64 = 1 << 20;
 /// The largest manifest accepted.
 const MAX_MANIFEST: usize = 1 << 20;
 
+/// Why a template's manifest or file could not be received from a node.
+#[derive(Debug, thiserror::Error)]
+enum ReceiveError {
+    /// The body could not be read (the connection, or past the limit).
+    #[error("{0}")]
+    Body(Box<dyn std::error::Error + Send + Sync>),
+    /// A frame of the body could not be read.
+    #[error("{0}")]
+    Frame(tonic::Status),
+    /// The file could not be made.
+    #[error("{}: {source}", .path.display())]
+    Create {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("an extent {at}+{len} outside a file of {size} bytes")]
+    OutsideFile { at: u64, len: u64, size: u64 },
+    #[error("the file ended inside an extent")]
+    Truncated,
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Task(#[from] tokio::task::JoinError),
+}
+
 /// A template a node holds, as its record in etcd lists it.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct TemplateEntry {
@@ -267,7 +292,9 @@ impl Cluster {
         let body = self
             .get(address, &format!("{PATH}{}/manifest", entry.id))
             .await?;
-        let body = collect_limited(body, MAX_MANIFEST).await.map_err(bad)?;
+        let body = collect_limited(body, MAX_MANIFEST)
+            .await
+            .map_err(|e| bad(e.to_string()))?;
         let manifest: Manifest =
             serde_json::from_slice(&body).map_err(|e| bad(format!("its manifest: {e}")))?;
         let record = base64::engine::general_purpose::STANDARD
@@ -291,7 +318,9 @@ impl Cluster {
                 .await?;
             let path = dir.join(&f.name);
             let t0 = std::time::Instant::now();
-            receive_extents(body, &path, f.size).await.map_err(bad)?;
+            receive_extents(body, &path, f.size)
+                .await
+                .map_err(|e| bad(e.to_string()))?;
             let received = t0.elapsed();
             let p = path.clone();
             let sum = tokio::task::spawn_blocking(move || file_sha256(&p))
@@ -371,13 +400,13 @@ impl Cluster {
 }
 
 /// Reads at most `limit` bytes of `body`.
-async fn collect_limited(body: Body, limit: usize) -> Result<Bytes, String> {
+async fn collect_limited(body: Body, limit: usize) -> Result<Bytes, ReceiveError> {
     let limited = http_body_util::Limited::new(body, limit);
     limited
         .collect()
         .await
         .map(|c| c.to_bytes())
-        .map_err(|e| e.to_string())
+        .map_err(ReceiveError::Body)
 }
 
 /// `lseek(2)` with `whence`; `None` past the end.
@@ -433,17 +462,20 @@ fn send_extents(
 
 /// Writes the extents of `body` into a new sparse file `path` of `size` bytes; every extent
 /// must lie inside it.
-async fn receive_extents(body: Body, path: &PathBuf, size: u64) -> Result<(), String> {
+async fn receive_extents(body: Body, path: &PathBuf, size: u64) -> Result<(), ReceiveError> {
     let file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .open(path)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    file.set_len(size).map_err(|e| e.to_string())?;
+        .map_err(|source| ReceiveError::Create {
+            path: path.clone(),
+            source,
+        })?;
+    file.set_len(size)?;
     let mut body = body;
     let mut buf = BytesMut::new();
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| e.to_string())?;
+        let frame = frame.map_err(ReceiveError::Frame)?;
         if let Ok(data) = frame.into_data() {
             buf.extend_from_slice(&data);
         }
@@ -451,25 +483,22 @@ async fn receive_extents(body: Body, path: &PathBuf, size: u64) -> Result<(), St
             let at = u64::from_be_bytes(buf[..8].try_into().unwrap_or_default());
             let n = u64::from_be_bytes(buf[8..16].try_into().unwrap_or_default());
             if n > PIECE || at.checked_add(n).is_none_or(|end| end > size) {
-                return Err(format!("an extent {at}+{n} outside a file of {size} bytes"));
+                return Err(ReceiveError::OutsideFile { at, len: n, size });
             }
             let need = 16 + n as usize;
             if buf.len() < need {
                 break;
             }
-            file.write_all_at(&buf[16..need], at)
-                .map_err(|e| e.to_string())?;
+            file.write_all_at(&buf[16..need], at)?;
             buf.advance(need);
         }
     }
     if !buf.is_empty() {
-        return Err("the file ended inside an extent".into());
+        return Err(ReceiveError::Truncated);
     }
     // Writes went to the page cache; the flush may wait on the disk: off the runtime.
-    tokio::task::spawn_blocking(move || file.sync_all())
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| e.to_string())
+    tokio::task::spawn_blocking(move || file.sync_all()).await??;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -529,10 +558,10 @@ mod tests {
         let err = receive_extents(full(body.clone()), &bad, 4096)
             .await
             .unwrap_err();
-        assert!(err.contains("outside"), "{err}");
+        assert!(matches!(err, ReceiveError::OutsideFile { .. }), "{err}");
         let _ = std::fs::remove_file(&bad);
         let cut = body[..body.len() - 1].to_vec();
         let err = receive_extents(full(cut), &bad, len).await.unwrap_err();
-        assert!(err.contains("ended inside"), "{err}");
+        assert!(matches!(err, ReceiveError::Truncated), "{err}");
     }
 }

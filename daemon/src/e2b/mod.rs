@@ -36,7 +36,7 @@ use tracing::info;
 
 use crate::auth::Tokens;
 use crate::daemon::Daemon;
-use crate::error::ApiError;
+use crate::error::{ApiError, StartError};
 use crate::sandbox::SandboxRt;
 
 /// envd's interface, generated from `proto/e2b` at build time.
@@ -109,7 +109,11 @@ type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 
 impl Gateway {
     /// The gateway of `daemon`; the token key is made on first use (0600 in the data dir).
-    pub fn new(daemon: Arc<Daemon>, cfg: E2bConfig, tokens: Arc<Tokens>) -> Result<Self, String> {
+    pub fn new(
+        daemon: Arc<Daemon>,
+        cfg: E2bConfig,
+        tokens: Arc<Tokens>,
+    ) -> Result<Self, StartError> {
         let path = daemon.cfg.data_dir.join("e2b-token.key");
         let key = match std::fs::read(&path) {
             Ok(k) if k.len() == 32 => k,
@@ -118,16 +122,16 @@ impl Gateway {
                 use std::os::unix::fs::OpenOptionsExt;
                 let mut k = vec![0u8; 32];
                 airlock_proto::identity::random_bytes(&mut k)
-                    .map_err(|e| format!("random key: {e}"))?;
+                    .map_err(|e| StartError::Setting(format!("random key: {e}")))?;
                 let mut f = std::fs::OpenOptions::new()
                     .write(true)
                     .create(true)
                     .truncate(true)
                     .mode(0o600)
                     .open(&path)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                    .map_err(StartError::io(path.display().to_string()))?;
                 f.write_all(&k)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                    .map_err(StartError::io(path.display().to_string()))?;
                 k
             }
         };
@@ -367,20 +371,25 @@ pub async fn serve(
     daemon: Arc<Daemon>,
     cfg: E2bConfig,
     tokens: Arc<Tokens>,
-) -> Result<(), String> {
+) -> Result<(), StartError> {
     let tls = match &daemon.cfg.tls {
         Some(t) => Some(tls_acceptor(t)?),
         None => None,
     };
     let gw = Arc::new(Gateway::new(daemon.clone(), cfg, tokens)?);
     let app = router(gw);
-    let local = listener.local_addr().map_err(|e| e.to_string())?;
+    let local = listener
+        .local_addr()
+        .map_err(StartError::io("[e2b] listen"))?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     info!("E2B gateway on {scheme}://{local}");
     let max = daemon.cfg.max_connections;
     let open = Arc::new(tokio::sync::Semaphore::new(max));
     loop {
-        let (stream, _) = listener.accept().await.map_err(|e| e.to_string())?;
+        let (stream, _) = listener
+            .accept()
+            .await
+            .map_err(StartError::io("[e2b] accepting a connection"))?;
         let Ok(permit) = open.clone().try_acquire_owned() else {
             continue; // over the connection limit: closed at once
         };
@@ -413,21 +422,21 @@ pub async fn serve(
 }
 
 /// The daemon's certificate and key, offering HTTP/2 and HTTP/1.1.
-fn tls_acceptor(t: &crate::config::TlsSettings) -> Result<tokio_rustls::TlsAcceptor, String> {
+fn tls_acceptor(t: &crate::config::TlsSettings) -> Result<tokio_rustls::TlsAcceptor, StartError> {
     use rustls::pki_types::pem::PemObject as _;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     let certs = CertificateDer::pem_file_iter(&t.cert)
         .and_then(Iterator::collect::<Result<Vec<_>, _>>)
-        .map_err(|e| format!("{}: {e}", t.cert.display()))?;
-    let key =
-        PrivateKeyDer::from_pem_file(&t.key).map_err(|e| format!("{}: {e}", t.key.display()))?;
+        .map_err(|e| StartError::Setting(format!("{}: {e}", t.cert.display())))?;
+    let key = PrivateKeyDer::from_pem_file(&t.key)
+        .map_err(|e| StartError::Setting(format!("{}: {e}", t.key.display())))?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
+        .map_err(|e| StartError::Tls(e.to_string()))?
         .with_no_client_auth()
         .with_single_cert(certs, key)
-        .map_err(|e| format!("[e2b] TLS: {e}"))?;
+        .map_err(|e| StartError::Setting(format!("[e2b] TLS: {e}")))?;
     cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(tokio_rustls::TlsAcceptor::from(Arc::new(cfg)))
 }

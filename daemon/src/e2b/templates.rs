@@ -35,6 +35,61 @@ type Gw = State<Arc<Gateway>>;
 const MAX_UPLOAD_BYTES: usize = 3 << 20;
 /// The most all kept uploads hold; the oldest go first.
 const MAX_UPLOADS_BYTES: usize = 64 << 20;
+/// Why E2B's build steps cannot be built here (what the E2B client is told).
+#[derive(Debug, thiserror::Error)]
+enum TranslateError {
+    /// `fromImageRegistry` of a type other than user/password (its `type`, if a string).
+    #[error(
+        "fromImageRegistry of type {0:?} is not served here: use a registry with a username \
+         and password"
+    )]
+    RegistryType(Option<String>),
+    /// A RUN step's argv as JSON.
+    #[error("{0}")]
+    Json(serde_json::Error),
+    #[error("step {0}: COPY without a files hash")]
+    CopyWithoutHash(usize),
+    #[error("step {step}: COPY of a pattern ({src}) is not served here")]
+    CopyPattern { step: usize, src: String },
+    #[error("step {step}: the files of COPY {src} were not uploaded")]
+    NotUploaded { step: usize, src: String },
+    #[error("step {step}: COPY {src}: {why}")]
+    Archive {
+        step: usize,
+        src: String,
+        why: ArchiveError,
+    },
+    #[error("step {step}: {kind} is not served here")]
+    Unsupported { step: usize, kind: String },
+    #[error("the build context: {0}")]
+    Context(std::io::Error),
+    #[error(
+        "the COPY steps' files come to {0} bytes; a build here takes at most {max}",
+        max = MAX_UPLOAD_BYTES
+    )]
+    ContextTooLarge(usize),
+}
+
+/// Why an uploaded archive cannot go into a build's context.
+#[derive(Debug, thiserror::Error)]
+enum ArchiveError {
+    #[error("its gzip: {0}")]
+    Gzip(std::io::Error),
+    #[error("more than {max} bytes unpacked", max = MAX_UPLOAD_BYTES)]
+    TooLarge,
+    #[error("its tar: {0}")]
+    Tar(std::io::Error),
+    /// An entry whose path is empty, absolute or climbs out.
+    #[error("the entry {0:?}")]
+    Entry(String),
+    /// Neither a regular file nor a directory.
+    #[error("{0}: only files and directories are copied here")]
+    Kind(String),
+    /// Copying an entry into the context.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
 /// Builds remembered (the oldest finished ones go first).
 const MAX_BUILDS: usize = 256;
 /// Log entries one status call returns at most (as E2B's).
@@ -311,7 +366,7 @@ async fn start(
     }
     let req = match translate(&b.name, &s, |hash| gw.templates.upload(&tenant, hash)) {
         Ok(r) => r,
-        Err(e) => return json_error(StatusCode::BAD_REQUEST, &e),
+        Err(e) => return json_error(StatusCode::BAD_REQUEST, &e.to_string()),
     };
     gw.templates.update(&build_id, |b| {
         b.status = "building";
@@ -335,13 +390,14 @@ async fn start(
             g.templates
                 .update(&build_id, |b| b.entries.push(entry("info", &line)));
         }
-        let result = build
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| e.to_string()));
-        g.templates.update(&build_id, |b| match result {
-            Ok(_) => b.status = "ready",
-            Err(e) => {
+        let failed = match build.await {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(e) => Some(e.to_string()),
+        };
+        g.templates.update(&build_id, |b| match failed {
+            None => b.status = "ready",
+            Some(e) => {
                 b.entries.push(entry("error", &e));
                 b.status = "error";
                 b.reason = Some(json!({"message": e}));
@@ -357,7 +413,7 @@ fn translate(
     name: &str,
     s: &Start,
     upload: impl Fn(&str) -> Option<Vec<u8>>,
-) -> Result<BuildTemplateRequest, String> {
+) -> Result<BuildTemplateRequest, TranslateError> {
     let from = match (&s.from_template, &s.from_image) {
         (Some(t), _) if !t.is_empty() => t.clone(),
         (_, Some(i)) if i == "e2bdev/base" || i.starts_with("e2bdev/base:") => "base".into(),
@@ -371,12 +427,7 @@ fn translate(
                 username = reg["username"].as_str().unwrap_or_default().to_owned();
                 password = reg["password"].as_str().unwrap_or_default().to_owned();
             }
-            other => {
-                return Err(format!(
-                    "fromImageRegistry of type {other:?} is not served here: use a registry with \
-                     a username and password"
-                ));
-            }
+            other => return Err(TranslateError::RegistryType(other.map(str::to_owned))),
         }
     }
     let mut lines = vec![format!("FROM {from}")];
@@ -398,7 +449,7 @@ fn translate(
                     }
                     _ => vec!["/bin/sh", "-c", cmd],
                 };
-                let exec = serde_json::to_string(&argv).map_err(|e| e.to_string())?;
+                let exec = serde_json::to_string(&argv).map_err(TranslateError::Json)?;
                 let switch = !as_user.is_empty()
                     && argv[0] != "su"
                     && user.as_deref().unwrap_or("root") != as_user;
@@ -415,19 +466,26 @@ fn translate(
                     .files_hash
                     .as_deref()
                     .filter(|h| valid_hash(h))
-                    .ok_or(format!("step {n}: COPY without a files hash"))?;
+                    .ok_or(TranslateError::CopyWithoutHash(n))?;
                 let (src, dest, owner, mode) = (arg(0), arg(1), arg(2), arg(3));
                 if src.contains(['*', '?', '[']) {
-                    return Err(format!(
-                        "step {n}: COPY of a pattern ({src}) is not served here"
-                    ));
+                    return Err(TranslateError::CopyPattern {
+                        step: n,
+                        src: src.to_owned(),
+                    });
                 }
                 if added.insert(hash.to_owned()) {
-                    let archive = upload(hash).ok_or(format!(
-                        "step {n}: the files of COPY {src} were not uploaded"
-                    ))?;
-                    add_archive(&mut context, hash, &archive)
-                        .map_err(|e| format!("step {n}: COPY {src}: {e}"))?;
+                    let archive = upload(hash).ok_or_else(|| TranslateError::NotUploaded {
+                        step: n,
+                        src: src.to_owned(),
+                    })?;
+                    add_archive(&mut context, hash, &archive).map_err(|why| {
+                        TranslateError::Archive {
+                            step: n,
+                            src: src.to_owned(),
+                            why,
+                        }
+                    })?;
                 }
                 let mut line = "COPY".to_owned();
                 if !owner.is_empty() {
@@ -455,17 +513,17 @@ fn translate(
                 lines.push(format!("USER {}", arg(0)));
                 user = Some(arg(0).to_owned());
             }
-            other => return Err(format!("step {n}: {other} is not served here")),
+            other => {
+                return Err(TranslateError::Unsupported {
+                    step: n,
+                    kind: other.to_owned(),
+                });
+            }
         }
     }
-    let context = context
-        .into_inner()
-        .map_err(|e| format!("the build context: {e}"))?;
+    let context = context.into_inner().map_err(TranslateError::Context)?;
     if context.len() > MAX_UPLOAD_BYTES {
-        return Err(format!(
-            "the COPY steps' files come to {} bytes; a build here takes at most {MAX_UPLOAD_BYTES}",
-            context.len()
-        ));
+        return Err(TranslateError::ContextTooLarge(context.len()));
     }
     Ok(BuildTemplateRequest {
         name: name.to_owned(),
@@ -484,26 +542,30 @@ fn translate(
 
 /// Adds the entries of an uploaded archive (tar, gzipped or not) under `h<hash>/`: regular
 /// files and directories only.
-fn add_archive(out: &mut tar::Builder<Vec<u8>>, hash: &str, archive: &[u8]) -> Result<(), String> {
+fn add_archive(
+    out: &mut tar::Builder<Vec<u8>>,
+    hash: &str,
+    archive: &[u8],
+) -> Result<(), ArchiveError> {
     let mut raw = Vec::new();
     if archive.starts_with(&[0x1f, 0x8b]) {
         flate2::read::GzDecoder::new(archive)
             .take(MAX_UPLOAD_BYTES as u64 + 1)
             .read_to_end(&mut raw)
-            .map_err(|e| format!("its gzip: {e}"))?;
+            .map_err(ArchiveError::Gzip)?;
         if raw.len() > MAX_UPLOAD_BYTES {
-            return Err(format!("more than {MAX_UPLOAD_BYTES} bytes unpacked"));
+            return Err(ArchiveError::TooLarge);
         }
     } else {
         raw = archive.to_vec();
     }
     let mut a = tar::Archive::new(raw.as_slice());
-    for e in a.entries().map_err(|e| format!("its tar: {e}"))? {
-        let mut e = e.map_err(|e| format!("its tar: {e}"))?;
-        let path = e.path().map_err(|e| format!("its tar: {e}"))?.into_owned();
+    for e in a.entries().map_err(ArchiveError::Tar)? {
+        let mut e = e.map_err(ArchiveError::Tar)?;
+        let path = e.path().map_err(ArchiveError::Tar)?.into_owned();
         let rel = path.to_string_lossy().trim_start_matches("./").to_owned();
         if rel.is_empty() || rel.split('/').any(|c| c == "..") || rel.starts_with('/') {
-            return Err(format!("the entry {rel:?}"));
+            return Err(ArchiveError::Entry(rel));
         }
         let kind = e.header().entry_type();
         let mut h = tar::Header::new_gnu();
@@ -513,18 +575,16 @@ fn add_archive(out: &mut tar::Builder<Vec<u8>>, hash: &str, archive: &[u8]) -> R
             h.set_entry_type(tar::EntryType::Directory);
             h.set_size(0);
             h.set_cksum();
-            out.append_data(&mut h, &name, std::io::empty())
-                .map_err(|e| e.to_string())?;
+            out.append_data(&mut h, &name, std::io::empty())?;
         } else if kind.is_file() {
             let mut data = Vec::new();
-            e.read_to_end(&mut data).map_err(|e| e.to_string())?;
+            e.read_to_end(&mut data)?;
             h.set_entry_type(tar::EntryType::Regular);
             h.set_size(data.len() as u64);
             h.set_cksum();
-            out.append_data(&mut h, &name, data.as_slice())
-                .map_err(|e| e.to_string())?;
+            out.append_data(&mut h, &name, data.as_slice())?;
         } else {
-            return Err(format!("{rel}: only files and directories are copied here"));
+            return Err(ArchiveError::Kind(rel));
         }
     }
     Ok(())
@@ -643,7 +703,7 @@ mod tests {
         assert_eq!(req.dockerfile, want);
         assert!(req.replace && req.start == "serve");
         crate::templates::dockerfile::parse(&req.dockerfile, &Default::default()).unwrap();
-        let missing = translate("app", &start, |_| None).unwrap_err();
+        let missing = translate("app", &start, |_| None).unwrap_err().to_string();
         assert!(missing.contains("not uploaded"), "{missing}");
         let glob = Start {
             steps: vec![E2bStep {

@@ -33,6 +33,50 @@ use super::NetState;
 
 type Body = BoxBody<Bytes, hyper::Error>;
 
+/// Why a brokered connection stopped early (the proxy's event shows it).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum BrokerError {
+    #[error("the sandbox has no CA for brokering HTTPS")]
+    NoCa,
+    /// The sandbox's CA could not make a certificate for the name.
+    #[error(transparent)]
+    Leaf(#[from] crate::secrets::ca::LeafError),
+    #[error(transparent)]
+    Tls(#[from] rustls::Error),
+    #[error("the guest's TLS: {0}")]
+    GuestTls(io::Error),
+    #[error("name {name:?}: {source}")]
+    Name {
+        name: String,
+        source: rustls::pki_types::InvalidDnsNameError,
+    },
+    #[error("TLS to {name}: {source}")]
+    UpstreamTls { name: String, source: io::Error },
+    #[error("HTTP to {name}: {source}")]
+    UpstreamHttp { name: String, source: hyper::Error },
+    #[error("HTTP from the guest: {0}")]
+    GuestHttp(hyper::Error),
+}
+
+/// Why the broker's TLS client could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamTlsError {
+    /// The operator's extra CA file could not be read as PEM.
+    #[error("{}: {source}", .path.display())]
+    Pem {
+        path: std::path::PathBuf,
+        source: rustls::pki_types::pem::Error,
+    },
+    /// A certificate in it was refused.
+    #[error("{}: {source}", .path.display())]
+    Certificate {
+        path: std::path::PathBuf,
+        source: rustls::Error,
+    },
+    #[error(transparent)]
+    Tls(#[from] rustls::Error),
+}
+
 /// Bytes moved on a brokered connection: from the guest, to the guest.
 #[derive(Debug, Default)]
 pub(super) struct Counts {
@@ -51,7 +95,7 @@ pub(super) async fn serve(
     name: String,
     tls: bool,
     counts: Arc<Counts>,
-) -> Result<(), String> {
+) -> Result<(), BrokerError> {
     let name = airlock_egress::policy::normalise_name(&name).unwrap_or(name);
     let guest = Prefixed {
         head,
@@ -62,29 +106,29 @@ pub(super) async fn serve(
     if !tls {
         return relay(state, guest, upstream, name, false).await;
     }
-    let ca = state
-        .secrets
-        .ca()
-        .cloned()
-        .ok_or("the sandbox has no CA for brokering HTTPS")?;
-    let leaf = ca.leaf(&name)?;
+    let ca = state.secrets.ca().cloned().ok_or(BrokerError::NoCa)?;
+    let leaf = ca.leaf(&name).map_err(BrokerError::Leaf)?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut server = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
+        .with_safe_default_protocol_versions()?
         .with_no_client_auth()
         .with_cert_resolver(Arc::new(OneCert(leaf)));
     server.alpn_protocols = vec![b"http/1.1".to_vec()];
     let guest = tokio_rustls::TlsAcceptor::from(Arc::new(server))
         .accept(guest)
         .await
-        .map_err(|e| format!("the guest's TLS: {e}"))?;
-    let server_name =
-        ServerName::try_from(name.clone()).map_err(|e| format!("name {name:?}: {e}"))?;
+        .map_err(BrokerError::GuestTls)?;
+    let server_name = ServerName::try_from(name.clone()).map_err(|source| BrokerError::Name {
+        name: name.clone(),
+        source,
+    })?;
     let upstream = tokio_rustls::TlsConnector::from(state.egress.broker_tls.clone())
         .connect(server_name, upstream)
         .await
-        .map_err(|e| format!("TLS to {name}: {e}"))?;
+        .map_err(|source| BrokerError::UpstreamTls {
+            name: name.clone(),
+            source,
+        })?;
     relay(state, guest, upstream, name, true).await
 }
 
@@ -95,7 +139,7 @@ async fn relay<G, U>(
     upstream: U,
     name: String,
     tls: bool,
-) -> Result<(), String>
+) -> Result<(), BrokerError>
 where
     G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     U: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -103,7 +147,10 @@ where
     let (sender, conn) =
         hyper::client::conn::http1::handshake::<_, Incoming>(TokioIo::new(upstream))
             .await
-            .map_err(|e| format!("HTTP to {name}: {e}"))?;
+            .map_err(|source| BrokerError::UpstreamHttp {
+                name: name.clone(),
+                source,
+            })?;
     let conn = tokio::spawn(conn);
     let sender = Arc::new(tokio::sync::Mutex::new(sender));
     let name = Arc::new(name);
@@ -116,7 +163,7 @@ where
         .serve_connection(TokioIo::new(guest), svc)
         .await;
     conn.abort();
-    served.map_err(|e| format!("HTTP from the guest: {e}"))
+    served.map_err(BrokerError::GuestHttp)
 }
 
 /// The request's host name (its `Host` header, else its URI's), lowercase, without a port.
@@ -266,24 +313,31 @@ impl AsyncWrite for Prefixed {
 
 /// The TLS client the broker speaks to upstreams with: the public roots, and the operator's
 /// extra CAs (`[network] broker_upstream_ca`, PEM).
-pub fn upstream_tls(extra_ca: Option<&std::path::Path>) -> Result<rustls::ClientConfig, String> {
+pub fn upstream_tls(
+    extra_ca: Option<&std::path::Path>,
+) -> Result<rustls::ClientConfig, UpstreamTlsError> {
     let mut roots = rustls::RootCertStore::empty();
     roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
     if let Some(path) = extra_ca {
         use rustls::pki_types::pem::PemObject as _;
-        let certs = rustls::pki_types::CertificateDer::pem_file_iter(path)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let pem = |source| UpstreamTlsError::Pem {
+            path: path.to_owned(),
+            source,
+        };
+        let certs = rustls::pki_types::CertificateDer::pem_file_iter(path).map_err(pem)?;
         for c in certs {
-            let c = c.map_err(|e| format!("{}: {e}", path.display()))?;
+            let c = c.map_err(pem)?;
             roots
                 .add(c)
-                .map_err(|e| format!("{}: {e}", path.display()))?;
+                .map_err(|source| UpstreamTlsError::Certificate {
+                    path: path.to_owned(),
+                    source,
+                })?;
         }
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
+        .with_safe_default_protocol_versions()?
         .with_root_certificates(roots)
         .with_no_client_auth();
     cfg.alpn_protocols = vec![b"http/1.1".to_vec()];

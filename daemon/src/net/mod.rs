@@ -34,7 +34,7 @@ use airlock_egress::{Policy, Rule};
 use serde::Deserialize;
 use tracing::warn;
 
-use crate::error::{ApiError, ApiResult};
+use crate::error::{ApiError, ApiResult, StartError};
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -215,7 +215,7 @@ pub struct RuleConfig {
 }
 
 impl PolicyConfig {
-    pub fn to_policy(&self) -> Result<Policy, String> {
+    pub fn to_policy(&self) -> ApiResult<Policy> {
         let p = NetworkPolicy {
             allow_internet: self.allow_internet,
             allow: self
@@ -231,7 +231,7 @@ impl PolicyConfig {
                 })
                 .collect(),
         };
-        policy_of(&p).map_err(|e| e.to_string())
+        policy_of(&p)
     }
 }
 
@@ -337,20 +337,20 @@ impl Egress {
         store: Arc<Store>,
         metrics: Arc<Metrics>,
         packages: Arc<crate::pkg::Packages>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, StartError> {
         let default_ceiling = cfg
             .default_ceiling
             .to_policy()
-            .map_err(|e| format!("[network] default_ceiling: {e}"))?;
+            .map_err(|e| StartError::Setting(format!("[network] default_ceiling: {e}")))?;
         let mut ceilings = HashMap::new();
         for (tenant, c) in tenant_ceilings {
-            let p = c
-                .to_policy()
-                .map_err(|e| format!("[tenants.{tenant}] egress_ceiling: {e}"))?;
+            let p = c.to_policy().map_err(|e| {
+                StartError::Setting(format!("[tenants.{tenant}] egress_ceiling: {e}"))
+            })?;
             ceilings.insert(tenant.clone(), p);
         }
         let broker_tls = broker::upstream_tls(cfg.broker_upstream_ca.as_deref())
-            .map_err(|e| format!("[network] broker_upstream_ca: {e}"))?;
+            .map_err(|e| StartError::Setting(format!("[network] broker_upstream_ca: {e}")))?;
         Ok(Self {
             broker_tls: Arc::new(broker_tls),
             cfg,

@@ -74,8 +74,8 @@ pub struct Pulled {
 }
 
 /// Whether the daemon may connect to `host` port `port` for this pull (the tenant's egress
-/// ceiling): `Err` says why not.
-pub type HostCheck = Arc<dyn Fn(&str, u16) -> Result<(), String> + Send + Sync>;
+/// ceiling): `Err` says why not (the refusal the ceiling gives, as for a sandbox's policy).
+pub type HostCheck = Arc<dyn Fn(&str, u16) -> crate::error::ApiResult<()> + Send + Sync>;
 
 /// Where and how to pull.
 #[derive(Clone)]

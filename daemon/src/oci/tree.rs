@@ -52,12 +52,107 @@ pub enum TreeError {
     Entry {
         layer: String,
         entry: String,
-        why: String,
+        why: EntryError,
     },
     #[error("layer {layer}: {why}")]
-    Layer { layer: String, why: String },
+    Layer { layer: String, why: LayerError },
     #[error("writing the image tree: {0}")]
     Io(#[from] io::Error),
+}
+
+/// What is wrong with a layer as a whole.
+#[derive(Debug, thiserror::Error)]
+pub enum LayerError {
+    #[error("not a tar archive: {0}")]
+    NotTar(io::Error),
+    /// The archive could not be read on (malformed, or past the unpacked-size cap).
+    #[error("reading the archive: {0}")]
+    Read(io::Error),
+    #[error("the image has more than {0} entries")]
+    TooManyEntries(u64),
+}
+
+/// Why a name (an entry's, a hard link's target) is refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    #[error("an empty name")]
+    Empty,
+    #[error("a name longer than {max} bytes", max = MAX_PATH)]
+    TooLong,
+    #[error("an absolute name (layers hold names relative to the root)")]
+    Absolute,
+    #[error("a name with a NUL byte")]
+    Nul,
+    #[error("a name with `..` (path traversal)")]
+    Traversal,
+    #[error("a name component longer than {max} bytes", max = MAX_NAME)]
+    ComponentTooLong,
+    #[error("a path deeper than {max} directories", max = MAX_DEPTH)]
+    TooDeep,
+}
+
+/// Why the directory an entry goes in cannot be reached (the path shown is the one walked).
+#[derive(Debug, thiserror::Error)]
+pub enum PathError {
+    #[error("the image's root is not a directory")]
+    RootNotDirectory,
+    #[error("{0} does not exist")]
+    Missing(String),
+    #[error("{0} vanished")]
+    Vanished(String),
+    #[error(
+        "its parent {0} is a symlink earlier in the image (entries are never written through \
+         symlinks)"
+    )]
+    SymlinkParent(String),
+    #[error("its parent {0} is not a directory")]
+    NotDirectory(String),
+}
+
+/// Why one entry of a layer is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum EntryError {
+    #[error(transparent)]
+    Name(#[from] NameError),
+    #[error(transparent)]
+    Path(#[from] PathError),
+    /// A header field (`what`: mode, uid, gid) that cannot be read.
+    #[error("its {what}: {source}")]
+    Header {
+        what: &'static str,
+        source: io::Error,
+    },
+    #[error("its {what} {value} is not a valid id")]
+    InvalidId { what: &'static str, value: u64 },
+    #[error("/{} is reserved for Airlock's guest agent", show(RESERVED))]
+    Reserved,
+    #[error("a whiteout of nothing")]
+    EmptyWhiteout,
+    /// Writing the file's data to the spool (the host's side).
+    #[error("spooling its data: {0}")]
+    Spool(io::Error),
+    /// Reading the file's data from the layer (malformed, or past the unpacked-size cap).
+    #[error("its data: {0}")]
+    Data(io::Error),
+    #[error("a symlink without a target")]
+    SymlinkWithoutTarget,
+    #[error("a symlink with an empty, over-long or NUL-bearing target")]
+    SymlinkTarget,
+    #[error("a symlink to {0:?}, which points out of the image's root")]
+    SymlinkEscapes(String),
+    #[error("a hard link without a target")]
+    HardLinkWithoutTarget,
+    #[error("a hard link to {0}")]
+    HardLinkName(NameError),
+    #[error(
+        "a hard link to {0:?}, which is not a regular file earlier in the image (reached \
+         without symlinks)"
+    )]
+    HardLinkTarget(String),
+    #[error("a device node (images may not carry device nodes)")]
+    Device,
+    #[error("an entry of unsupported type {0:?}")]
+    UnsupportedType(char),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,32 +244,30 @@ type Entries = BTreeMap<Vec<u8>, Node>;
 /// A checked path: its components, none of them empty, `.` or `..`.
 pub(crate) type Components = Vec<Vec<u8>>;
 
-pub(crate) fn split(raw: &[u8]) -> Result<Components, String> {
+pub(crate) fn split(raw: &[u8]) -> Result<Components, NameError> {
     if raw.is_empty() {
-        return Err("an empty name".into());
+        return Err(NameError::Empty);
     }
     if raw.len() > MAX_PATH {
-        return Err(format!("a name longer than {MAX_PATH} bytes"));
+        return Err(NameError::TooLong);
     }
     if raw.starts_with(b"/") {
-        return Err("an absolute name (layers hold names relative to the root)".into());
+        return Err(NameError::Absolute);
     }
     if raw.contains(&0) {
-        return Err("a name with a NUL byte".into());
+        return Err(NameError::Nul);
     }
     let mut out = Vec::new();
     for c in raw.split(|b| *b == b'/') {
         match c {
             b"" | b"." => continue,
-            b".." => return Err("a name with `..` (path traversal)".into()),
-            c if c.len() > MAX_NAME => {
-                return Err(format!("a name component longer than {MAX_NAME} bytes"));
-            }
+            b".." => return Err(NameError::Traversal),
+            c if c.len() > MAX_NAME => return Err(NameError::ComponentTooLong),
             c => out.push(c.to_vec()),
         }
     }
     if out.len() > MAX_DEPTH {
-        return Err(format!("a path deeper than {MAX_DEPTH} directories"));
+        return Err(NameError::TooDeep);
     }
     Ok(out)
 }
@@ -252,21 +345,20 @@ impl Tree {
     }
 
     fn apply_entries<R: Read>(&mut self, layer: &str, tar: &mut R) -> Result<(), TreeError> {
-        let layer_err = |why: String| TreeError::Layer {
+        let layer_err = |why: LayerError| TreeError::Layer {
             layer: layer.to_owned(),
             why,
         };
         let mut archive = tar::Archive::new(tar);
         let entries = archive
             .entries()
-            .map_err(|e| layer_err(format!("not a tar archive: {e}")))?;
+            .map_err(|e| layer_err(LayerError::NotTar(e)))?;
         for entry in entries {
-            let entry = entry.map_err(|e| layer_err(format!("reading the archive: {e}")))?;
+            let entry = entry.map_err(|e| layer_err(LayerError::Read(e)))?;
             self.entries += 1;
             if self.entries > self.limits.max_entries {
-                return Err(layer_err(format!(
-                    "the image has more than {} entries",
-                    self.limits.max_entries
+                return Err(layer_err(LayerError::TooManyEntries(
+                    self.limits.max_entries,
                 )));
             }
             let raw = entry.path_bytes().into_owned();
@@ -279,7 +371,7 @@ impl Tree {
         Ok(())
     }
 
-    fn apply_entry<R: Read>(&mut self, mut entry: tar::Entry<'_, R>) -> Result<(), String> {
+    fn apply_entry<R: Read>(&mut self, mut entry: tar::Entry<'_, R>) -> Result<(), EntryError> {
         let header = entry.header();
         let ty = header.entry_type();
         if ty.is_pax_global_extensions() || ty.is_pax_local_extensions() {
@@ -287,15 +379,18 @@ impl Tree {
         }
         let raw = entry.path_bytes().into_owned();
         let path = split(&raw)?;
-        let id = |v: io::Result<u64>, what: &str| -> Result<u32, String> {
-            let v = v.map_err(|e| format!("its {what}: {e}"))?;
+        let id = |v: io::Result<u64>, what: &'static str| -> Result<u32, EntryError> {
+            let v = v.map_err(|source| EntryError::Header { what, source })?;
             u32::try_from(v)
                 .ok()
                 .filter(|v| *v != u32::MAX)
-                .ok_or_else(|| format!("its {what} {v} is not a valid id"))
+                .ok_or(EntryError::InvalidId { what, value: v })
         };
         let meta = Meta {
-            mode: header.mode().map_err(|e| format!("its mode: {e}"))? & 0o7777,
+            mode: header.mode().map_err(|source| EntryError::Header {
+                what: "mode",
+                source,
+            })? & 0o7777,
             uid: id(header.uid(), "uid")?,
             gid: id(header.gid(), "gid")?,
             mtime: header
@@ -311,10 +406,7 @@ impl Tree {
             return Ok(());
         };
         if path.first().is_some_and(|c| c.as_slice() == RESERVED) {
-            return Err(format!(
-                "/{} is reserved for Airlock's guest agent",
-                show(RESERVED)
-            ));
+            return Err(EntryError::Reserved);
         }
         let layer = self.layer;
         if name.as_slice() == OPAQUE {
@@ -323,7 +415,7 @@ impl Tree {
         }
         if let Some(hidden) = name.strip_prefix(WHITEOUT) {
             if hidden.is_empty() || hidden == b"." || hidden == b".." {
-                return Err("a whiteout of nothing".into());
+                return Err(EntryError::EmptyWhiteout);
             }
             if let Ok(dir) = self.dir_at(parents, false) {
                 dir.remove(hidden);
@@ -343,49 +435,39 @@ impl Tree {
         } else if ty.is_file() || ty == tar::EntryType::Continuous {
             let n = self.next_file;
             self.next_file += 1;
-            let mut out = File::create(self.spool.join(n.to_string()))
-                .map_err(|e| format!("spooling its data: {e}"))?;
-            io::copy(&mut entry, &mut out).map_err(|e| format!("its data: {e}"))?;
+            let mut out =
+                File::create(self.spool.join(n.to_string())).map_err(EntryError::Spool)?;
+            io::copy(&mut entry, &mut out).map_err(EntryError::Data)?;
             self.files.insert(n, meta);
             Kind::File(n)
         } else if ty.is_symlink() {
             let target = entry
                 .link_name_bytes()
-                .ok_or("a symlink without a target")?
+                .ok_or(EntryError::SymlinkWithoutTarget)?
                 .into_owned();
             if target.is_empty() || target.len() > MAX_PATH || target.contains(&0) {
-                return Err("a symlink with an empty, over-long or NUL-bearing target".into());
+                return Err(EntryError::SymlinkTarget);
             }
             if escapes(parents.len(), &target) {
-                return Err(format!(
-                    "a symlink to {:?}, which points out of the image's root",
-                    show(&target)
-                ));
+                return Err(EntryError::SymlinkEscapes(show(&target)));
             }
             Kind::Symlink(target)
         } else if ty.is_hard_link() {
             let target = entry
                 .link_name_bytes()
-                .ok_or("a hard link without a target")?
+                .ok_or(EntryError::HardLinkWithoutTarget)?
                 .into_owned();
-            let to = split(&target).map_err(|e| format!("a hard link to {e}"))?;
-            let n = self.file_at(&to).ok_or_else(|| {
-                format!(
-                    "a hard link to {:?}, which is not a regular file earlier in the image \
-                     (reached without symlinks)",
-                    show(&target)
-                )
-            })?;
+            let to = split(&target).map_err(EntryError::HardLinkName)?;
+            let n = self
+                .file_at(&to)
+                .ok_or_else(|| EntryError::HardLinkTarget(show(&target)))?;
             Kind::File(n)
         } else if ty.is_fifo() {
             Kind::Fifo
         } else if ty.is_character_special() || ty.is_block_special() {
-            return Err("a device node (images may not carry device nodes)".into());
+            return Err(EntryError::Device);
         } else {
-            return Err(format!(
-                "an entry of unsupported type {:?}",
-                ty.as_byte() as char
-            ));
+            return Err(EntryError::UnsupportedType(ty.as_byte() as char));
         };
         self.dir_at(parents, true)?.insert(
             name.clone(),
@@ -401,35 +483,29 @@ impl Tree {
     /// The entries of the directory at `path`, walking only directories: a symlink or file on
     /// the way is an error; missing directories are made (0755, root) when `create`. Marks the
     /// way touched by the current layer.
-    fn dir_at(&mut self, path: &[Vec<u8>], create: bool) -> Result<&mut Entries, String> {
+    fn dir_at(&mut self, path: &[Vec<u8>], create: bool) -> Result<&mut Entries, PathError> {
         let layer = self.layer;
         self.root.touched = self.root.touched.max(layer);
         let Kind::Dir(children) = &mut self.root.kind else {
-            return Err("the image's root is not a directory".into());
+            return Err(PathError::RootNotDirectory);
         };
         let mut children = children;
         for (i, c) in path.iter().enumerate() {
             let here = || show(&path[..=i].join(&b'/'));
             if !children.contains_key(c) {
                 if !create {
-                    return Err(format!("{} does not exist", here()));
+                    return Err(PathError::Missing(here()));
                 }
                 children.insert(c.clone(), Node::dir(Meta::root(0o755), layer));
             }
             let Some(next) = children.get_mut(c) else {
-                return Err(format!("{} vanished", here()));
+                return Err(PathError::Vanished(here()));
             };
             next.touched = next.touched.max(layer);
             children = match &mut next.kind {
                 Kind::Dir(m) => m,
-                Kind::Symlink(_) => {
-                    return Err(format!(
-                        "its parent {} is a symlink earlier in the image (entries are never \
-                         written through symlinks)",
-                        here()
-                    ));
-                }
-                _ => return Err(format!("its parent {} is not a directory", here())),
+                Kind::Symlink(_) => return Err(PathError::SymlinkParent(here())),
+                _ => return Err(PathError::NotDirectory(here())),
             };
         }
         Ok(children)

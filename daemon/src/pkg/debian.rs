@@ -17,7 +17,7 @@
 //! the operator chose, and the guest cannot reach another source.
 
 use std::collections::{HashMap, HashSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,19 +48,76 @@ pub(super) struct State {
 /// How long gpgv may take over one InRelease.
 const GPGV_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Why a registry's keyring is not one gpgv reads.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum KeyringError {
+    #[error("keyring {}: {source}", .path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "keyring {} is ASCII-armored; gpgv reads binary keyrings (`gpg --dearmor`)",
+        .0.display()
+    )]
+    Armored(PathBuf),
+    #[error("keyring {} is empty", .0.display())]
+    Empty(PathBuf),
+}
+
+/// Why an InRelease is refused (its shape, its signature, or gpgv).
+#[derive(Debug, thiserror::Error)]
+enum VerifyError {
+    /// Not one clearsigned message (`airlock_packages`' words).
+    #[error("{0}")]
+    Shape(String),
+    #[error("the registry has no keyring")]
+    NoKeyring,
+    #[error(transparent)]
+    Keyring(#[from] KeyringError),
+    #[error("gpgv could not run ({0}; the host needs Debian's gpgv package)")]
+    Spawn(std::io::Error),
+    #[error("gpgv: no stdin")]
+    NoStdin,
+    #[error("gpgv took over {} s", GPGV_TIMEOUT.as_secs())]
+    Timeout,
+    #[error("gpgv: {0}")]
+    Wait(std::io::Error),
+    /// gpgv's status lines give no good signature, or a bad one (`airlock_packages`' words).
+    #[error("{0}")]
+    Signature(String),
+    #[error("gpgv failed ({0})")]
+    Failed(std::process::ExitStatus),
+    #[error("the signed text is not UTF-8")]
+    NotUtf8,
+    #[error(transparent)]
+    Release(#[from] airlock_packages::ParseError),
+}
+
+/// Why a verified `Packages` index could not be read.
+#[derive(Debug, thiserror::Error)]
+enum IndexError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Parse(#[from] airlock_packages::ParseError),
+    #[error(transparent)]
+    Task(#[from] tokio::task::JoinError),
+}
+
 /// Checks that `path` is a keyring gpgv reads: a readable, binary OpenPGP keyring.
-pub(super) fn check_keyring(path: &Path) -> Result<(), String> {
+pub(super) fn check_keyring(path: &Path) -> Result<(), KeyringError> {
     let head = std::fs::read(path)
         .map(|b| b.get(..32).unwrap_or(&b).to_vec())
-        .map_err(|e| format!("keyring {}: {e}", path.display()))?;
+        .map_err(|source| KeyringError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
     if head.starts_with(b"-----BEGIN PGP") {
-        return Err(format!(
-            "keyring {} is ASCII-armored; gpgv reads binary keyrings (`gpg --dearmor`)",
-            path.display()
-        ));
+        return Err(KeyringError::Armored(path.to_owned()));
     }
     if head.is_empty() {
-        return Err(format!("keyring {} is empty", path.display()));
+        return Err(KeyringError::Empty(path.to_owned()));
     }
     Ok(())
 }
@@ -201,19 +258,16 @@ async fn verified(
     reg: &str,
     registry: &Registry,
     body: &[u8],
-) -> Result<(Arc<Release>, Arc<str>), String> {
-    deb::check_clearsigned(body)?;
+) -> Result<(Arc<Release>, Arc<str>), VerifyError> {
+    deb::check_clearsigned(body).map_err(VerifyError::Shape)?;
     let id = (reg.to_owned(), hex(&Sha256::digest(body)));
     if let Some(r) = pkgs.debian().verified.get(&id) {
         return Ok(r.clone());
     }
-    let keyring = registry
-        .keyring
-        .as_deref()
-        .ok_or_else(|| "the registry has no keyring".to_owned())?;
+    let keyring = registry.keyring.as_deref().ok_or(VerifyError::NoKeyring)?;
     check_keyring(keyring)?;
     let text = gpgv(&pkgs.cache.join("gnupg"), keyring, body).await?;
-    let release = Arc::new(deb::parse_release(&text).map_err(|e| e.to_string())?);
+    let release = Arc::new(deb::parse_release(&text)?);
     let both = (release, Arc::<str>::from(text));
     let mut st = pkgs.debian();
     if st.verified.len() >= 256 {
@@ -224,7 +278,7 @@ async fn verified(
 }
 
 /// Runs gpgv over a clearsigned `body`: the text it verified, if the signature is good.
-async fn gpgv(home: &Path, keyring: &Path, body: &[u8]) -> Result<String, String> {
+async fn gpgv(home: &Path, keyring: &Path, body: &[u8]) -> Result<String, VerifyError> {
     let mut child = tokio::process::Command::new("gpgv")
         .arg("--homedir")
         .arg(home)
@@ -236,8 +290,8 @@ async fn gpgv(home: &Path, keyring: &Path, body: &[u8]) -> Result<String, String
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .map_err(|e| format!("gpgv could not run ({e}; the host needs Debian's gpgv package)"))?;
-    let mut stdin = child.stdin.take().ok_or("gpgv: no stdin")?;
+        .map_err(VerifyError::Spawn)?;
+    let mut stdin = child.stdin.take().ok_or(VerifyError::NoStdin)?;
     let input = body.to_vec();
     let writer = tokio::spawn(async move {
         let _ = stdin.write_all(&input).await;
@@ -245,20 +299,20 @@ async fn gpgv(home: &Path, keyring: &Path, body: &[u8]) -> Result<String, String
     });
     let out = tokio::time::timeout(GPGV_TIMEOUT, child.wait_with_output())
         .await
-        .map_err(|_| format!("gpgv took over {} s", GPGV_TIMEOUT.as_secs()))?
-        .map_err(|e| format!("gpgv: {e}"))?;
+        .map_err(|_| VerifyError::Timeout)?
+        .map_err(VerifyError::Wait)?;
     let _ = writer.await;
     let status = String::from_utf8_lossy(&out.stderr);
-    deb::signature_verdict(&status)?;
+    deb::signature_verdict(&status).map_err(VerifyError::Signature)?;
     if !out.status.success() {
         // A good signature beside one by a key outside the keyring exits 2; anything else is
         // a failure the status lines did not explain.
         let unexplained = !status.contains("[GNUPG:] NO_PUBKEY");
         if unexplained {
-            return Err(format!("gpgv failed ({})", out.status));
+            return Err(VerifyError::Failed(out.status));
         }
     }
-    String::from_utf8(out.stdout).map_err(|_| "the signed text is not UTF-8".to_owned())
+    String::from_utf8(out.stdout).map_err(|_| VerifyError::NotUtf8)
 }
 
 async fn index(
@@ -356,7 +410,7 @@ async fn read_index(
     key: &str,
     listed_path: &str,
     blob: &Path,
-) -> Result<(), String> {
+) -> Result<(), IndexError> {
     let id = (reg.to_owned(), key.to_owned());
     if pkgs.debian().read.contains(&id) {
         return Ok(());
@@ -365,13 +419,12 @@ async fn read_index(
     // amd64: 9 MiB of xz, 45 MiB of text).
     let max = (pkgs.cfg.max_index_mib << 20).saturating_mul(8);
     let (blob, path) = (blob.to_owned(), listed_path.to_owned());
-    let debs = tokio::task::spawn_blocking(move || -> Result<Vec<deb::Deb>, String> {
-        let packed = std::fs::read(&blob).map_err(|e| e.to_string())?;
-        let text = deb::decompress(&path, &packed, max).map_err(|e| e.to_string())?;
-        deb::parse_packages(&String::from_utf8_lossy(&text)).map_err(|e| e.to_string())
+    let debs = tokio::task::spawn_blocking(move || -> Result<Vec<deb::Deb>, IndexError> {
+        let packed = std::fs::read(&blob)?;
+        let text = deb::decompress(&path, &packed, max)?;
+        Ok(deb::parse_packages(&String::from_utf8_lossy(&text))?)
     })
-    .await
-    .map_err(|e| e.to_string())??;
+    .await??;
     let mut refs = Vec::with_capacity(debs.len());
     {
         let mut st = pkgs.debian();

@@ -33,7 +33,7 @@ use serde::Deserialize;
 use tracing::warn;
 use url::Url;
 
-use crate::error::{ApiError, ApiResult};
+use crate::error::{ApiError, ApiResult, StartError};
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -214,7 +214,7 @@ impl Packages {
         tenant_ceilings: &BTreeMap<String, CeilingConfig>,
         store: Arc<Store>,
         metrics: Arc<Metrics>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, StartError> {
         let mut registries = BTreeMap::new();
         for (name, r) in &cfg.registries {
             if name.is_empty()
@@ -222,24 +222,27 @@ impl Packages {
                     .bytes()
                     .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
             {
-                return Err(format!(
+                return Err(StartError::Setting(format!(
                     "[packages.registries] {name:?}: names are letters, digits, - and _"
-                ));
+                )));
             }
-            let mut url = Url::parse(&r.url)
-                .map_err(|e| format!("[packages.registries.{name}] url {:?}: {e}", r.url))?;
+            let mut url = Url::parse(&r.url).map_err(|e| {
+                StartError::Setting(format!("[packages.registries.{name}] url {:?}: {e}", r.url))
+            })?;
             if !matches!(url.scheme(), "http" | "https") {
-                return Err(format!("[packages.registries.{name}] url: http or https"));
+                return Err(StartError::Setting(format!(
+                    "[packages.registries.{name}] url: http or https"
+                )));
             }
             if !url.path().ends_with('/') {
                 url.set_path(&format!("{}/", url.path()));
             }
             match (r.kind, &r.keyring) {
                 (Kind::Debian, None) => {
-                    return Err(format!(
+                    return Err(StartError::Setting(format!(
                         "[packages.registries.{name}] a debian registry needs `keyring`, the \
                          keys that sign its InRelease files"
-                    ));
+                    )));
                 }
                 (Kind::Debian, Some(k)) => {
                     if let Err(e) = debian::check_keyring(k) {
@@ -249,9 +252,9 @@ impl Packages {
                     }
                 }
                 (_, Some(_)) => {
-                    return Err(format!(
+                    return Err(StartError::Setting(format!(
                         "[packages.registries.{name}] `keyring` is for debian registries"
-                    ));
+                    )));
                 }
                 (_, None) => {}
             }
@@ -268,7 +271,7 @@ impl Packages {
         let check = |what: &str, p: &Parts| {
             Policy::combine(p, &Parts::default(), &names)
                 .map(|_| ())
-                .map_err(|e| format!("{what}: {e}"))
+                .map_err(|e| StartError::Setting(format!("{what}: {e}")))
         };
         let default_ceiling = cfg.default_ceiling.to_parts();
         check("[packages] default_ceiling", &default_ceiling)?;
@@ -284,14 +287,14 @@ impl Packages {
             .unwrap_or_else(|| data_dir.join("packages"));
         for sub in ["sha256", "sha512", "tmp", "gnupg"] {
             std::fs::create_dir_all(cache.join(sub))
-                .map_err(|e| format!("{}: {e}", cache.join(sub).display()))?;
+                .map_err(StartError::io(cache.join(sub).display().to_string()))?;
         }
         // gpgv's home (it keeps nothing there, but wants it private).
         {
             use std::os::unix::fs::PermissionsExt as _;
             let home = cache.join("gnupg");
             std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700))
-                .map_err(|e| format!("{}: {e}", home.display()))?;
+                .map_err(StartError::io(home.display().to_string()))?;
         }
         // Partial downloads of a previous daemon.
         if let Ok(rd) = std::fs::read_dir(cache.join("tmp")) {
@@ -308,7 +311,7 @@ impl Packages {
                 env!("CARGO_PKG_VERSION")
             ))
             .build()
-            .map_err(|e| format!("the package proxy's HTTP client: {e}"))?;
+            .map_err(|e| StartError::Setting(format!("the package proxy's HTTP client: {e}")))?;
         Ok(Self {
             cfg,
             registries,

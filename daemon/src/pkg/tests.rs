@@ -146,13 +146,15 @@ fn a_debian_registry_needs_a_binary_keyring_and_only_it_takes_one() {
         )
     };
     let e = new("[registries.d]\nkind = \"debian\"\nurl = \"https://deb.example/debian/\"\n")
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("needs `keyring`"), "{e}");
     let e = new(
         "[registries.p]\nkind = \"pypi\"\nurl = \"https://pypi.example/simple/\"\n\
          keyring = \"/k.gpg\"\n",
     )
-    .unwrap_err();
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("`keyring` is for debian registries"), "{e}");
     // A missing keyring does not stop the daemon (pip and npm still work); it is named when
     // apt asks.
@@ -168,7 +170,7 @@ fn a_debian_registry_needs_a_binary_keyring_and_only_it_takes_one() {
     );
     let armored = dir.join("k.asc");
     std::fs::write(&armored, "-----BEGIN PGP PUBLIC KEY BLOCK-----\n").unwrap();
-    let e = debian::check_keyring(&armored).unwrap_err();
+    let e = debian::check_keyring(&armored).unwrap_err().to_string();
     assert!(
         e.contains("ASCII-armored") && e.contains("gpg --dearmor"),
         "{e}"

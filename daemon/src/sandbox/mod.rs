@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use airlock_api::v1::{FilePolicy, Sandbox, SandboxState};
 
 use crate::config::Config;
-use crate::error::{ApiError, ApiResult};
+use crate::error::{ApiError, ApiResult, StartError};
 use crate::exec::{ExecTarget, Executions};
 use crate::files::FileTarget;
 use crate::host::VmmHost;
@@ -234,7 +234,7 @@ impl Sandboxes {
         pool: Arc<WarmPool>,
         host: Arc<VmmHost>,
         executions: Arc<Executions>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, StartError> {
         let slots = admission::StartSlots::new(cfg.concurrent_starts(), cfg.max_start_queue);
         let packages = Arc::new(crate::pkg::Packages::new(
             cfg.packages.clone(),
@@ -259,7 +259,10 @@ impl Sandboxes {
                 cfg.volume_slots,
                 cfg.max_volume_size_mib,
             )
-            .map_err(|e| format!("volumes: {e}"))?,
+            .map_err(|source| StartError::Part {
+                part: "volumes",
+                source,
+            })?,
         );
         Ok(Self {
             cfg,

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use airlock_api::v1::Sandbox;
-use airlock_proto::Requests;
+use airlock_proto::{ClientError, Requests};
 use tracing::{info, warn};
 
 use super::{SandboxRt, Sandboxes};
@@ -73,8 +73,10 @@ async fn settle_removal(rt: &Arc<SandboxRt>, store: &Store, files: Vec<RemovedFi
     {
         let agent = vmm.agent.clone();
         let removed = tokio::task::spawn_blocking(move || remove_files(&agent, &files)).await;
-        if let Ok(Err(e)) | Err(e) = removed.map_err(|e| e.to_string()) {
-            warn!(sandbox = %rt.id, "deleting secret files in the guest: {e}");
+        match removed {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(sandbox = %rt.id, "deleting secret files in the guest: {e}"),
+            Err(e) => warn!(sandbox = %rt.id, "deleting secret files in the guest: {e}"),
         }
     }
     let info = rt.secrets.info();
@@ -85,9 +87,23 @@ async fn settle_removal(rt: &Arc<SandboxRt>, store: &Store, files: Vec<RemovedFi
     record
 }
 
-fn remove_files(agent: &crate::agent::AgentLink, files: &[RemovedFile]) -> Result<(), String> {
+/// Why a removed secret's file could not be deleted in the guest.
+#[derive(Debug, thiserror::Error)]
+enum RemoveError {
+    /// The guest agent could not be reached.
+    #[error(transparent)]
+    Agent(#[from] ClientError),
+    #[error("{path} ({name}): {source}")]
+    File {
+        path: String,
+        name: String,
+        source: ClientError,
+    },
+}
+
+fn remove_files(agent: &crate::agent::AgentLink, files: &[RemovedFile]) -> Result<(), RemoveError> {
     let deadline = std::time::Instant::now() + CALL_TIMEOUT;
-    let mux = agent.get(deadline).map_err(|e| e.to_string())?;
+    let mux = agent.get(deadline)?;
     let mut client = mux.client(Some(deadline));
     for f in files {
         let req = airlock_proto::pb::Remove {
@@ -96,7 +112,11 @@ fn remove_files(agent: &crate::agent::AgentLink, files: &[RemovedFile]) -> Resul
         };
         client
             .call(airlock_proto::pb::request::Kind::Remove(req))
-            .map_err(|e| format!("{} ({}): {e}", f.path, f.name))?;
+            .map_err(|source| RemoveError::File {
+                path: f.path.clone(),
+                name: f.name.clone(),
+                source,
+            })?;
     }
     Ok(())
 }

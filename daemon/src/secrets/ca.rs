@@ -59,12 +59,12 @@ impl SandboxCa {
     }
 
     /// A server certificate and key for `name`, made on first use.
-    pub fn leaf(&self, name: &str) -> Result<Arc<CertifiedKey>, String> {
+    pub fn leaf(&self, name: &str) -> Result<Arc<CertifiedKey>, LeafError> {
         let mut leaves = self.leaves.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(k) = leaves.get(name) {
             return Ok(k.clone());
         }
-        let made = self.make_leaf(name).map_err(|e| e.to_string())?;
+        let made = self.make_leaf(name)?;
         if leaves.len() >= MAX_LEAVES {
             leaves.clear();
         }
@@ -72,7 +72,7 @@ impl SandboxCa {
         Ok(made)
     }
 
-    fn make_leaf(&self, name: &str) -> Result<Arc<CertifiedKey>, Box<dyn std::error::Error>> {
+    fn make_leaf(&self, name: &str) -> Result<Arc<CertifiedKey>, LeafError> {
         let key = KeyPair::generate()?;
         let mut params = CertificateParams::new(vec![name.to_owned()])?;
         params.distinguished_name.push(DnType::CommonName, name);
@@ -86,6 +86,15 @@ impl SandboxCa {
         ];
         Ok(Arc::new(CertifiedKey::new(chain, signing)))
     }
+}
+
+/// Why the CA made no certificate for a name.
+#[derive(Debug, thiserror::Error)]
+pub enum LeafError {
+    #[error(transparent)]
+    Certificate(#[from] rcgen::Error),
+    #[error(transparent)]
+    Key(#[from] rustls::Error),
 }
 
 #[cfg(test)]

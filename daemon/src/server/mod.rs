@@ -22,9 +22,10 @@ use crate::cluster::Cluster;
 use crate::config::TlsSettings;
 use crate::daemon::Daemon;
 use crate::e2b::E2bConfig;
+use crate::error::StartError;
 use crate::service::Service;
 
-type Servers = JoinSet<Result<(), String>>;
+type Servers = JoinSet<Result<(), StartError>>;
 
 /// Binds a TCP listener; an address still in use is tried again for up to 5 s (a daemon
 /// that was just killed may not have let go of it yet).
@@ -45,7 +46,7 @@ pub async fn listen(
     daemon: &Arc<Daemon>,
     cluster: Option<Arc<Cluster>>,
     e2b: E2bConfig,
-) -> Result<Servers, String> {
+) -> Result<Servers, StartError> {
     let svc = Service {
         daemon: daemon.clone(),
         cluster: cluster.clone(),
@@ -53,7 +54,7 @@ pub async fn listen(
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(airlock_api::FILE_DESCRIPTOR_SET)
         .build_v1()
-        .map_err(|e| format!("reflection: {e}"))?;
+        .map_err(|e| StartError::Serve(format!("reflection: {e}")))?;
     let tokens = Arc::new(Tokens::from_config(&daemon.cfg)?);
     let cfg = &daemon.cfg;
     let mut servers = JoinSet::new();
@@ -76,7 +77,7 @@ pub async fn listen(
         if tcp && let Some(tls) = &cfg.tls {
             builder = builder
                 .tls_config(tls_config(tls)?)
-                .map_err(|e| format!("TLS: {e}"))?;
+                .map_err(|e| StartError::Tls(e.to_string()))?;
         }
         // Reflection describes the API to callers the listener authenticates, like the API.
         let router = builder
@@ -92,13 +93,15 @@ pub async fn listen(
                 router
                     .serve_with_incoming(incoming)
                     .await
-                    .map_err(|e| e.to_string())
+                    .map_err(|e| StartError::Serve(e.to_string()))
             });
         } else if let Some(hostport) = addr.strip_prefix("tcp://") {
             let listener = bind_tcp(hostport)
                 .await
-                .map_err(|e| format!("listening on {hostport}: {e}"))?;
-            let local = listener.local_addr().map_err(|e| e.to_string())?;
+                .map_err(StartError::io(format!("listening on {hostport}")))?;
+            let local = listener
+                .local_addr()
+                .map_err(StartError::io(format!("listening on {hostport}")))?;
             let tls = if cfg.tls.is_some() { "TLS" } else { "no TLS" };
             info!("listening on tcp://{local} (tokens required, {tls})");
             let incoming = limit::connections(listener, cfg.max_connections);
@@ -106,47 +109,47 @@ pub async fn listen(
                 router
                     .serve_with_incoming(incoming)
                     .await
-                    .map_err(|e| e.to_string())
+                    .map_err(|e| StartError::Serve(e.to_string()))
             });
         } else {
-            return Err(format!(
+            return Err(StartError::Setting(format!(
                 "listen address {addr:?}: use unix://PATH or tcp://HOST:PORT"
-            ));
+            )));
         }
     }
     serve_metrics(daemon).await?;
     if !e2b.listen.is_empty() {
         let listener = bind_tcp(&e2b.listen)
             .await
-            .map_err(|e| format!("[e2b] listen {}: {e}", e2b.listen))?;
+            .map_err(StartError::io(format!("[e2b] listen {}", e2b.listen)))?;
         servers.spawn(crate::e2b::serve(listener, daemon.clone(), e2b, tokens));
     }
     Ok(servers)
 }
 
 /// A Unix socket (mode 0660: its permissions are the access control), replacing a stale one.
-fn unix_listener(path: PathBuf) -> Result<tokio_stream::wrappers::UnixListenerStream, String> {
+fn unix_listener(path: PathBuf) -> Result<tokio_stream::wrappers::UnixListenerStream, StartError> {
     use std::os::unix::fs::PermissionsExt;
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(StartError::io(dir.display().to_string()))?;
     }
     let _ = std::fs::remove_file(&path);
     let listener = tokio::net::UnixListener::bind(&path)
-        .map_err(|e| format!("listening on {}: {e}", path.display()))?;
+        .map_err(StartError::io(format!("listening on {}", path.display())))?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o660))
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+        .map_err(StartError::io(path.display().to_string()))?;
     info!("listening on unix://{}", path.display());
     Ok(tokio_stream::wrappers::UnixListenerStream::new(listener))
 }
 
-async fn serve_metrics(daemon: &Arc<Daemon>) -> Result<(), String> {
+async fn serve_metrics(daemon: &Arc<Daemon>) -> Result<(), StartError> {
     let addr = &daemon.cfg.metrics_listen;
     if addr.is_empty() {
         return Ok(());
     }
     let listener = bind_tcp(addr)
         .await
-        .map_err(|e| format!("metrics on {addr}: {e}"))?;
+        .map_err(StartError::io(format!("metrics on {addr}")))?;
     info!("metrics on http://{addr}/metrics");
     let d = daemon.clone();
     let token = (!daemon.cfg.metrics_token.is_empty()).then(|| digest(&daemon.cfg.metrics_token));
@@ -155,8 +158,9 @@ async fn serve_metrics(daemon: &Arc<Daemon>) -> Result<(), String> {
 }
 
 /// The TLS of the TCP listeners, from PEM files.
-fn tls_config(tls: &TlsSettings) -> Result<ServerTlsConfig, String> {
-    let read = |p: &std::path::Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+fn tls_config(tls: &TlsSettings) -> Result<ServerTlsConfig, StartError> {
+    let read =
+        |p: &std::path::Path| std::fs::read(p).map_err(StartError::io(p.display().to_string()));
     let identity = Identity::from_pem(read(&tls.cert)?, read(&tls.key)?);
     let mut config = ServerTlsConfig::new().identity(identity);
     if let Some(ca) = &tls.client_ca {
@@ -166,9 +170,9 @@ fn tls_config(tls: &TlsSettings) -> Result<ServerTlsConfig, String> {
 }
 
 /// Serves until SIGTERM, SIGINT or a listener's failure (its error).
-pub async fn until_stopped(mut servers: Servers) -> Result<(), String> {
+pub async fn until_stopped(mut servers: Servers) -> Result<(), StartError> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|e| e.to_string())?;
+        .map_err(StartError::io("SIGTERM handler"))?;
     tokio::select! {
         _ = tokio::signal::ctrl_c() => Ok(()),
         _ = term.recv() => Ok(()),

@@ -63,9 +63,81 @@ pub struct Dockerfile {
 const SUPPORTED: &str =
     "FROM, RUN, COPY, ADD (local files), ENV, ARG, WORKDIR, USER, ENTRYPOINT, CMD";
 
+/// Why a Dockerfile is refused: its Display is what the user reads (after `Dockerfile: `).
+#[derive(Debug, thiserror::Error)]
+pub enum DockerfileError {
+    /// An instruction that cannot be taken as written.
+    #[error("line {line}: {instr}: {why}")]
+    Instruction {
+        line: usize,
+        instr: String,
+        why: StepError,
+    },
+    #[error("line {line}: {instr} before FROM")]
+    BeforeFrom { line: usize, instr: String },
+    #[error("line {line}: {word} is not supported (supported: {supported})", supported = SUPPORTED)]
+    Unsupported { line: usize, word: String },
+    #[error("the Dockerfile has no FROM")]
+    NoFrom,
+    #[error("build argument {0:?} is not declared by an ARG")]
+    UndeclaredArg(String),
+}
+
+/// What is wrong with one instruction.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error("a second FROM: multi-stage builds are not supported")]
+    SecondFrom,
+    #[error("FROM IMAGE [AS NAME], without flags")]
+    FromForm,
+    #[error("an empty directory")]
+    EmptyWorkdir,
+    #[error("USER NAME[:GROUP] (one word)")]
+    UserForm,
+    #[error("RUN flags (--mount, --network, ...) are not supported")]
+    RunFlags,
+    #[error("{0:?} is not a variable name")]
+    VariableName(String),
+    /// `${` without its `}` in the text.
+    #[error("an unclosed ${{ in {0:?}")]
+    UnclosedBrace(String),
+    #[error("an unclosed quote")]
+    UnclosedQuote,
+    #[error("{0:?} is not KEY=VALUE")]
+    NotKeyValue(String),
+    #[error("ENV KEY=VALUE ... or ENV KEY VALUE")]
+    EnvForm,
+    #[error("ENV KEY=VALUE ...")]
+    EnvEmpty,
+    #[error("no command")]
+    NoCommand,
+    #[error("an empty exec form")]
+    EmptyExec,
+    #[error("its JSON form: {0}")]
+    Json(serde_json::Error),
+    #[error("--chmod={0}: an octal mode")]
+    Chmod(String),
+    #[error("--from: multi-stage builds are not supported")]
+    CopyFrom,
+    #[error("{0} is not supported (--chown, --chmod)")]
+    CopyFlag(String),
+    /// Fewer than a source and a destination (the instruction's name).
+    #[error("{0} SOURCE... DEST")]
+    CopyForm(String),
+    #[error("ADD of a URL ({0}) is not supported: RUN curl under the build's network policy")]
+    AddUrl(String),
+    #[error("ADD of an archive ({0}) would unpack it, which is not supported: COPY it and RUN tar")]
+    AddArchive(String),
+    #[error("{0}: wildcards in sources are not supported")]
+    Wildcard(String),
+}
+
 /// Parses `text` with `build_args` (values for its `ARG`s; one it does not declare is an
 /// error). `user` and `workdir` stay empty until `USER`/`WORKDIR` set them: the base's apply.
-pub fn parse(text: &str, build_args: &HashMap<String, String>) -> Result<Dockerfile, String> {
+pub fn parse(
+    text: &str,
+    build_args: &HashMap<String, String>,
+) -> Result<Dockerfile, DockerfileError> {
     let mut out = Dockerfile::default();
     let mut vars: HashMap<String, String> = HashMap::new();
     let mut declared: Vec<String> = Vec::new();
@@ -75,22 +147,27 @@ pub fn parse(text: &str, build_args: &HashMap<String, String>) -> Result<Dockerf
             .split_once(|c: char| c.is_ascii_whitespace())
             .map_or((logical.as_str(), ""), |(w, r)| (w, r.trim()));
         let instr = word.to_ascii_uppercase();
-        let at = |why: String| format!("line {line}: {instr}: {why}");
+        let at = |why: StepError| DockerfileError::Instruction {
+            line,
+            instr: instr.clone(),
+            why,
+        };
         if from_line.is_none() && !matches!(instr.as_str(), "FROM" | "ARG") {
-            return Err(format!("line {line}: {instr} before FROM"));
+            return Err(DockerfileError::BeforeFrom {
+                line,
+                instr: instr.clone(),
+            });
         }
         match instr.as_str() {
             "FROM" => {
                 if from_line.is_some() {
-                    return Err(at(
-                        "a second FROM: multi-stage builds are not supported".into()
-                    ));
+                    return Err(at(StepError::SecondFrom));
                 }
                 let words: Vec<&str> = rest.split_whitespace().collect();
                 let image = match words.as_slice() {
                     [image] => *image,
                     [image, as_, _name] if as_.eq_ignore_ascii_case("as") => *image,
-                    _ => return Err(at("FROM IMAGE [AS NAME], without flags".into())),
+                    _ => return Err(at(StepError::FromForm)),
                 };
                 out.from = substitute(image, &vars).map_err(at)?;
                 from_line = Some(line);
@@ -118,7 +195,7 @@ pub fn parse(text: &str, build_args: &HashMap<String, String>) -> Result<Dockerf
             "WORKDIR" => {
                 let dir = substitute(&unquote(rest), &vars).map_err(at)?;
                 if dir.is_empty() {
-                    return Err(at("an empty directory".into()));
+                    return Err(at(StepError::EmptyWorkdir));
                 }
                 out.workdir = if dir.starts_with('/') {
                     dir
@@ -134,15 +211,13 @@ pub fn parse(text: &str, build_args: &HashMap<String, String>) -> Result<Dockerf
             "USER" => {
                 let user = substitute(rest, &vars).map_err(at)?;
                 if user.is_empty() || user.contains(char::is_whitespace) {
-                    return Err(at("USER NAME[:GROUP] (one word)".into()));
+                    return Err(at(StepError::UserForm));
                 }
                 out.user = user;
             }
             "RUN" => {
                 if rest.starts_with("--") {
-                    return Err(at(
-                        "RUN flags (--mount, --network, ...) are not supported".into()
-                    ));
+                    return Err(at(StepError::RunFlags));
                 }
                 let command = command(rest).map_err(at)?;
                 let mut env: BTreeMap<String, String> =
@@ -167,19 +242,18 @@ pub fn parse(text: &str, build_args: &HashMap<String, String>) -> Result<Dockerf
             "CMD" => out.cmd = command(rest).map_err(at)?.argv(),
             "" => {}
             _ => {
-                return Err(format!(
-                    "line {line}: {word} is not supported (supported: {SUPPORTED})"
-                ));
+                return Err(DockerfileError::Unsupported {
+                    line,
+                    word: word.to_owned(),
+                });
             }
         }
     }
     if from_line.is_none() {
-        return Err("the Dockerfile has no FROM".into());
+        return Err(DockerfileError::NoFrom);
     }
     if let Some(unused) = build_args.keys().find(|k| !declared.contains(k)) {
-        return Err(format!(
-            "build argument {unused:?} is not declared by an ARG"
-        ));
+        return Err(DockerfileError::UndeclaredArg(unused.clone()));
     }
     Ok(out)
 }
@@ -211,14 +285,14 @@ fn logical_lines(text: &str) -> Vec<(usize, String)> {
     out
 }
 
-fn check_var_name(name: &str) -> Result<(), String> {
+fn check_var_name(name: &str) -> Result<(), StepError> {
     let ok = !name.is_empty()
         && !name.starts_with(|c: char| c.is_ascii_digit())
         && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
     if ok {
         Ok(())
     } else {
-        Err(format!("{name:?} is not a variable name"))
+        Err(StepError::VariableName(name.to_owned()))
     }
 }
 
@@ -233,7 +307,7 @@ fn unquote(s: &str) -> String {
 }
 
 /// `$NAME`, `${NAME}` and `${NAME:-word}` from `vars` (unset: empty); `\$` is a literal `$`.
-fn substitute(s: &str, vars: &HashMap<String, String>) -> Result<String, String> {
+fn substitute(s: &str, vars: &HashMap<String, String>) -> Result<String, StepError> {
     let mut out = String::new();
     let mut chars = s.chars().peekable();
     while let Some(c) = chars.next() {
@@ -249,7 +323,7 @@ fn substitute(s: &str, vars: &HashMap<String, String>) -> Result<String, String>
                     match chars.next() {
                         Some('}') => break,
                         Some(c) => inner.push(c),
-                        None => return Err(format!("an unclosed ${{ in {s:?}")),
+                        None => return Err(StepError::UnclosedBrace(s.to_owned())),
                     }
                 }
                 let (name, default) = match inner.split_once(":-") {
@@ -285,7 +359,7 @@ fn substitute(s: &str, vars: &HashMap<String, String>) -> Result<String, String>
 
 /// Words as a shell splits them: whitespace outside quotes separates, quotes group,
 /// backslash escapes (kept before `$`, for [`substitute`]).
-fn words(s: &str) -> Result<Vec<String>, String> {
+fn words(s: &str) -> Result<Vec<String>, StepError> {
     let mut out = Vec::new();
     let mut cur = String::new();
     let mut in_word = false;
@@ -300,10 +374,10 @@ fn words(s: &str) -> Result<Vec<String>, String> {
                         Some('\\') if c == '"' => match chars.next() {
                             Some('$') => cur.push_str("\\$"),
                             Some(e) => cur.push(e),
-                            None => return Err("an unclosed quote".into()),
+                            None => return Err(StepError::UnclosedQuote),
                         },
                         Some(x) => cur.push(x),
-                        None => return Err("an unclosed quote".into()),
+                        None => return Err(StepError::UnclosedQuote),
                     }
                 }
             }
@@ -334,41 +408,41 @@ fn words(s: &str) -> Result<Vec<String>, String> {
 }
 
 /// `ENV K=V K2="V 2"` or the old `ENV K V with spaces`.
-fn env_pairs(rest: &str) -> Result<Vec<(String, String)>, String> {
+fn env_pairs(rest: &str) -> Result<Vec<(String, String)>, StepError> {
     let ws = words(rest)?;
     let pairs = if ws.first().is_some_and(|w| w.contains('=')) {
         ws.iter()
             .map(|w| {
                 w.split_once('=')
                     .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                    .ok_or_else(|| format!("{w:?} is not KEY=VALUE"))
+                    .ok_or_else(|| StepError::NotKeyValue(w.clone()))
             })
-            .collect::<Result<Vec<_>, String>>()?
+            .collect::<Result<Vec<_>, StepError>>()?
     } else {
         let (k, v) = rest
             .split_once(char::is_whitespace)
-            .ok_or("ENV KEY=VALUE ... or ENV KEY VALUE")?;
+            .ok_or(StepError::EnvForm)?;
         vec![(k.to_owned(), v.trim().to_owned())]
     };
     for (k, _) in &pairs {
         check_var_name(k)?;
     }
     if pairs.is_empty() {
-        return Err("ENV KEY=VALUE ...".into());
+        return Err(StepError::EnvEmpty);
     }
     Ok(pairs)
 }
 
 /// The exec form (a JSON array of strings) or the shell form.
-fn command(rest: &str) -> Result<Command, String> {
+fn command(rest: &str) -> Result<Command, StepError> {
     if rest.is_empty() {
-        return Err("no command".into());
+        return Err(StepError::NoCommand);
     }
     if rest.starts_with('[')
         && let Ok(argv) = serde_json::from_str::<Vec<String>>(rest)
     {
         if argv.is_empty() || argv[0].is_empty() {
-            return Err("an empty exec form".into());
+            return Err(StepError::EmptyExec);
         }
         return Ok(Command::Exec(argv));
     }
@@ -380,9 +454,9 @@ fn copy(
     rest: &str,
     vars: &HashMap<String, String>,
     workdir: &str,
-) -> Result<(Step, String), String> {
+) -> Result<(Step, String), StepError> {
     let mut ws: Vec<String> = if rest.trim_start().starts_with('[') {
-        serde_json::from_str(rest).map_err(|e| format!("its JSON form: {e}"))?
+        serde_json::from_str(rest).map_err(StepError::Json)?
     } else {
         words(rest)?
     };
@@ -396,40 +470,35 @@ fn copy(
                     u32::from_str_radix(v, 8)
                         .ok()
                         .filter(|m| *m <= 0o7777)
-                        .ok_or_else(|| format!("--chmod={v}: an octal mode"))?,
+                        .ok_or_else(|| StepError::Chmod(v.to_owned()))?,
                 );
             }
             Some(("--from", _)) => {
-                return Err("--from: multi-stage builds are not supported".into());
+                return Err(StepError::CopyFrom);
             }
-            _ => return Err(format!("{flag} is not supported (--chown, --chmod)")),
+            _ => return Err(StepError::CopyFlag(flag)),
         }
     }
     let ws = ws
         .iter()
         .map(|w| substitute(w, vars))
-        .collect::<Result<Vec<_>, String>>()?;
+        .collect::<Result<Vec<_>, StepError>>()?;
     let Some((dest, sources)) = ws.split_last().filter(|(_, s)| !s.is_empty()) else {
-        return Err(format!("{instr} SOURCE... DEST"));
+        return Err(StepError::CopyForm(instr.to_owned()));
     };
     for s in sources {
         if instr == "ADD" && (s.contains("://") || s.starts_with("git@")) {
-            return Err(format!(
-                "ADD of a URL ({s}) is not supported: RUN curl under the build's network policy"
-            ));
+            return Err(StepError::AddUrl(s.clone()));
         }
         if instr == "ADD"
             && [".tar", ".tgz", ".tar.gz", ".tar.xz", ".tar.bz2", ".tar.zst"]
                 .iter()
                 .any(|x| s.ends_with(x))
         {
-            return Err(format!(
-                "ADD of an archive ({s}) would unpack it, which is not supported: COPY it and \
-                 RUN tar"
-            ));
+            return Err(StepError::AddArchive(s.clone()));
         }
         if s.contains(['*', '?', '[']) {
-            return Err(format!("{s}: wildcards in sources are not supported"));
+            return Err(StepError::Wildcard(s.clone()));
         }
     }
     let dest = if dest.starts_with('/') {

@@ -396,18 +396,41 @@ impl std::fmt::Display for TemplateRef {
 /// beside the snapshot's files (`state`, `memory`, and a writable root's `layer`, `layer.map`).
 pub const EXPORT_RECORD: &str = "template.pb";
 
+/// Why an exported template was not imported.
+#[derive(Debug, thiserror::Error)]
+pub enum ImportError {
+    #[error("{EXPORT_RECORD}: {0}")]
+    Read(#[source] std::io::Error),
+    #[error("{EXPORT_RECORD}: {0}")]
+    Decode(#[source] prost::DecodeError),
+    #[error("the name {0:?} is not valid")]
+    Name(String),
+    /// The kernel or base image it names changed since it was booted.
+    #[error("its {what} {path} is not the file it was booted from (version {now}, not {version})")]
+    Stale {
+        what: &'static str,
+        path: String,
+        now: String,
+        version: String,
+    },
+    #[error("its files: {0}")]
+    Files(#[source] std::io::Error),
+    #[error("{0}")]
+    Id(#[source] std::io::Error),
+    #[error("{0}")]
+    Registry(#[source] ApiError),
+}
+
 impl Templates {
     /// Adds the template exported in `from` under its name and tenant, with a new id and a copy
     /// of its files; `None` when a template of that name is there already. Refused when the
     /// kernel or base image it names is not the file it was booted from (their versions).
-    pub fn import_exported(&self, from: &Path) -> Result<Option<TemplateRt>, String> {
+    pub fn import_exported(&self, from: &Path) -> Result<Option<TemplateRt>, ImportError> {
         use prost::Message as _;
-        let bytes =
-            std::fs::read(from.join(EXPORT_RECORD)).map_err(|e| format!("{EXPORT_RECORD}: {e}"))?;
-        let mut record =
-            Template::decode(bytes.as_slice()).map_err(|e| format!("{EXPORT_RECORD}: {e}"))?;
+        let bytes = std::fs::read(from.join(EXPORT_RECORD)).map_err(ImportError::Read)?;
+        let mut record = Template::decode(bytes.as_slice()).map_err(ImportError::Decode)?;
         if !ids::valid_name(&record.name) {
-            return Err(format!("the name {:?} is not valid", record.name));
+            return Err(ImportError::Name(record.name));
         }
         if self.all().iter().any(|t| {
             t.record.name == record.name
@@ -422,24 +445,26 @@ impl Templates {
         ] {
             let now = file_version(Path::new(path));
             if &now != version {
-                return Err(format!(
-                    "its {what} {path} is not the file it was booted from (version {now}, \
-                     not {version})"
-                ));
+                return Err(ImportError::Stale {
+                    what,
+                    path: path.clone(),
+                    now,
+                    version: version.clone(),
+                });
             }
         }
-        record.id = ids::new_id(ids::Kind::Template).map_err(|e| e.to_string())?;
+        record.id = ids::new_id(ids::Kind::Template).map_err(ImportError::Id)?;
         record.created_unix_ms = ids::now_ms();
         let dir = self.dir_of(&record.id);
         if let Err(e) = import::import(from, &dir) {
             let _ = std::fs::remove_dir_all(&dir);
-            return Err(format!("its files: {e}"));
+            return Err(ImportError::Files(e));
         }
         record.memory_file_bytes = disk_bytes(&dir.join("memory"));
         match self.add(record, dir, false) {
             Ok(t) => Ok(Some(t)),
             Err(ApiError::TemplateExists(_)) => Ok(None),
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(ImportError::Registry(e)),
         }
     }
 }
@@ -637,7 +662,17 @@ mod tests {
         std::fs::create_dir_all(dir2.join("t")).unwrap();
         std::fs::write(&rootfs, b"another rootfs").unwrap();
         let err = t2.import_exported(&exported).unwrap_err();
-        assert!(err.contains("base image"), "{err}");
+        assert!(
+            matches!(
+                err,
+                ImportError::Stale {
+                    what: "base image",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("base image"), "{err}");
         assert!(t2.list().is_empty());
         assert!(t2.import_exported(&dir.join("missing")).is_err());
         let _ = std::fs::remove_dir_all(&dir);

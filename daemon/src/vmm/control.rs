@@ -134,19 +134,29 @@ pub async fn status(path: &Path) -> Result<StatusReply, ControlError> {
     call_within(path, &Request::Status, Duration::from_secs(10)).await
 }
 
+/// Why a starting VMM never answered.
+#[derive(Debug, thiserror::Error)]
+pub enum NotReady {
+    /// It ended first (the tail of its log).
+    #[error("the VMM exited before it was ready: {0}")]
+    Exited(String),
+    #[error("the VMM did not come up within {:?}", START_TIMEOUT)]
+    TimedOut,
+}
+
 /// Waits until a starting VMM's control socket answers `status` (its KVM VM is prepared);
 /// `gone` says whether it has ended meanwhile (its log is then the error).
-pub async fn wait_ready(path: &Path, gone: impl Fn() -> Option<String>) -> Result<(), String> {
+pub async fn wait_ready(path: &Path, gone: impl Fn() -> Option<String>) -> Result<(), NotReady> {
     let deadline = tokio::time::Instant::now() + START_TIMEOUT;
     loop {
         if status(path).await.is_ok() {
             return Ok(());
         }
         if let Some(why) = gone() {
-            return Err(format!("the VMM exited before it was ready: {why}"));
+            return Err(NotReady::Exited(why));
         }
         if tokio::time::Instant::now() > deadline {
-            return Err(format!("the VMM did not come up within {START_TIMEOUT:?}"));
+            return Err(NotReady::TimedOut);
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
