@@ -357,6 +357,78 @@ pub fn assert_acyclic(manifest_dir: &str, skip: &[&str]) -> Graph {
     graph
 }
 
+/// Import cycles among sibling files of a module directory (`src/a/b.rs` naming
+/// `super::c` and `src/a/c.rs` naming `super::b`), for every directory under the crate's `src/`:
+/// `DIR: b -> c -> b` each. `mod.rs` is the directory's root and no node; test files are left
+/// out.
+pub fn sibling_cycles(manifest_dir: &Path) -> Vec<String> {
+    let mut dirs = Vec::new();
+    collect_dirs(&manifest_dir.join("src"), &mut dirs);
+    let mut found = Vec::new();
+    for dir in dirs {
+        let mut sources = BTreeMap::new();
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "rs") && !is_test_file(&p) {
+                let name = p.file_stem().map(|s| s.to_string_lossy().into_owned());
+                if let Some(name) = name.filter(|n| n != "mod") {
+                    sources.insert(name, non_test(&read_file(&p)));
+                }
+            }
+        }
+        let mut graph = Graph::new();
+        for (module, text) in &sources {
+            let uses = sources
+                .keys()
+                .filter(|other| *other != module && names_sibling(text, other))
+                .cloned()
+                .collect();
+            graph.insert(module.clone(), uses);
+        }
+        if let Some(cycle) = find_cycle(&graph) {
+            found.push(format!("{}: {}", dir.display(), cycle.join(" -> ")));
+        }
+    }
+    found
+}
+
+/// Whether `text`'s non-comment lines name `super::NAME` (alone or in a `super::{...}` group).
+fn names_sibling(text: &str, name: &str) -> bool {
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .any(|l| {
+            let direct = l.match_indices("super::").any(|(i, _)| {
+                let rest = &l[i + "super::".len()..];
+                rest.strip_prefix(name)
+                    .is_some_and(|after| !after.starts_with(is_ident))
+            });
+            let grouped = l.split("super::{").skip(1).any(|g| {
+                g.split('}')
+                    .next()
+                    .unwrap_or_default()
+                    .split(',')
+                    .any(|item| item.trim().split("::").next() == Some(name))
+            });
+            direct || grouped
+        })
+}
+
+/// Every directory under `dir`, `dir` included.
+fn collect_dirs(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    out.push(dir.to_path_buf());
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.path().is_dir() {
+            collect_dirs(&e.path(), out);
+        }
+    }
+}
+
 /// The `Result<_, String>` types in the non-test code of the crate at `manifest_dir`
 /// (`file: Result<...>` each), for crates whose errors are types.
 pub fn string_errors(manifest_dir: &Path) -> Vec<String> {
@@ -587,5 +659,14 @@ mod tests {
             generic_args("HashMap<String, String>, io::Error>"),
             ["HashMap<String, String>", " io::Error"]
         );
+    }
+
+    #[test]
+    fn sibling_references_are_read_alone_and_in_groups() {
+        assert!(names_sibling("use super::request::{A, B};", "request"));
+        assert!(names_sibling("use super::{device::X, layered};", "device"));
+        assert!(!names_sibling("use super::requests::A;", "request"));
+        assert!(!names_sibling("// see super::request", "request"));
+        assert!(!names_sibling("use super::*;", "request"));
     }
 }

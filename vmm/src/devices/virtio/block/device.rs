@@ -13,13 +13,11 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::layered::LayeredDisk;
 use super::metrics::BlockMetrics;
-use super::request::{Backing, Disk, RequestType, execute};
+use super::request::{Backing, Disk, RequestType, SECTOR_SIZE, execute};
 use crate::devices::virtio::{
     ActivateError, TYPE_BLOCK, VIRTIO_F_VERSION_1, VirtioDevice, VirtioInterrupt, read_config_bytes,
 };
 
-/// Bytes per virtio-blk sector.
-pub const SECTOR_SIZE: u64 = 512;
 /// One request queue of 256 descriptors.
 const QUEUE_SIZES: &[u16] = &[256];
 

@@ -11,7 +11,7 @@ pub mod layered;
 mod metrics;
 mod request;
 
-pub use device::{Block, BlockError, SECTOR_SIZE};
+pub use device::{Block, BlockError};
 pub use event_handler::BlockEventHandler;
 pub use metrics::BlockMetrics;
-pub use request::{RequestHeader, RequestType};
+pub use request::{RequestHeader, RequestType, SECTOR_SIZE};

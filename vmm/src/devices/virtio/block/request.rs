@@ -11,8 +11,10 @@ use virtio_bindings::virtio_blk::{
 use virtio_queue::{Reader, Writer};
 use vm_memory::ByteValued;
 
-use super::device::SECTOR_SIZE;
 use super::layered::{LayeredDisk, WriteError};
+
+/// Bytes per virtio-blk sector.
+pub const SECTOR_SIZE: u64 = 512;
 
 /// The request header the driver puts first in every chain.
 #[derive(Clone, Copy, Debug, Default)]
