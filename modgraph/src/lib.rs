@@ -432,33 +432,8 @@ fn collect_dirs(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
 /// The `Result<_, String>` types in the non-test code of the crate at `manifest_dir`
 /// (`file: Result<...>` each), for crates whose errors are types.
 pub fn string_errors(manifest_dir: &Path) -> Vec<String> {
-    let src = manifest_dir.join("src");
-    let root = ["lib.rs", "main.rs"]
-        .iter()
-        .map(|f| src.join(f))
-        .find(|p| p.is_file())
-        .map(|p| read_file(&p))
-        .unwrap_or_default();
-    // Modules the root declares for tests only are test code.
-    let (_, test_only) = declarations(&root);
-    let mut files = Vec::new();
-    collect_rs(&src, &mut files);
     let mut found = Vec::new();
-    for path in files {
-        let module = path
-            .strip_prefix(&src)
-            .ok()
-            .and_then(|p| p.components().next())
-            .map(|c| {
-                c.as_os_str()
-                    .to_string_lossy()
-                    .trim_end_matches(".rs")
-                    .to_owned()
-            });
-        if module.is_some_and(|m| test_only.contains(&m)) {
-            continue;
-        }
-        let text = non_test(&read_file(&path));
+    for (path, text) in production_files(manifest_dir) {
         for (i, _) in text.match_indices("Result<") {
             if i > 0 && text[..i].ends_with(|c: char| is_ident(c) || c == ':') {
                 // `ApiResult<`, `io::Result<`: a name of its own, not this one.
@@ -473,6 +448,106 @@ pub fn string_errors(manifest_dir: &Path) -> Vec<String> {
         }
     }
     found
+}
+
+/// The crate's production sources: every `.rs` file under `src/` but test files and the
+/// modules the root declares for tests only, each with its test code cut (see [`read`]).
+fn production_files(manifest_dir: &Path) -> Vec<(std::path::PathBuf, String)> {
+    let src = manifest_dir.join("src");
+    let root = ["lib.rs", "main.rs"]
+        .iter()
+        .map(|f| src.join(f))
+        .find(|p| p.is_file())
+        .map(|p| read_file(&p))
+        .unwrap_or_default();
+    let (_, test_only) = declarations(&root);
+    let mut files = Vec::new();
+    collect_rs(&src, &mut files);
+    files.sort();
+    files
+        .into_iter()
+        .filter(|path| {
+            let module = path
+                .strip_prefix(&src)
+                .ok()
+                .and_then(|p| p.components().next())
+                .map(|c| {
+                    c.as_os_str()
+                        .to_string_lossy()
+                        .trim_end_matches(".rs")
+                        .to_owned()
+                });
+            !module.is_some_and(|m| test_only.contains(&m))
+        })
+        .map(|path| {
+            let text = non_test(&read_file(&path));
+            (path, text)
+        })
+        .collect()
+}
+
+/// The production functions of the crate at `manifest_dir` longer than `max` lines (from the
+/// `fn` line to its closing brace) whose comment above does not say why (a line with
+/// `Long:`), as `(file:line name, lines)`.
+pub fn long_functions(manifest_dir: &Path, max: usize) -> Vec<(String, usize)> {
+    let mut found = Vec::new();
+    for (path, text) in production_files(manifest_dir) {
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            let Some(name) = fn_name(line) else {
+                continue;
+            };
+            let indent = line.len() - line.trim_start().len();
+            let Some(open) = (i..lines.len()).find(|&j| {
+                let l = lines[j].trim_end();
+                l.ends_with('{') || l.ends_with(';')
+            }) else {
+                continue;
+            };
+            if lines[open].trim_end().ends_with(';') {
+                continue; // a declaration without a body
+            }
+            let close = format!("{}}}", " ".repeat(indent));
+            let Some(end) = (open + 1..lines.len()).find(|&j| lines[j].trim_end() == close) else {
+                continue;
+            };
+            let len = end - i + 1;
+            let reasoned = lines[..i]
+                .iter()
+                .rev()
+                .take_while(|l| {
+                    let t = l.trim_start();
+                    t.starts_with("//") || t.starts_with("#[")
+                })
+                .any(|l| l.contains("Long:"));
+            if len > max && !reasoned {
+                found.push((format!("{}:{} {name}", path.display(), i + 1), len));
+            }
+        }
+    }
+    found
+}
+
+/// The name a `fn` item line declares (`pub(crate) async fn name(`, ...).
+fn fn_name(line: &str) -> Option<&str> {
+    let mut rest = line.trim_start();
+    for prefix in [
+        "pub(crate) ",
+        "pub(super) ",
+        "pub ",
+        "const ",
+        "async ",
+        "unsafe ",
+        "extern \"C\" ",
+    ] {
+        rest = rest.strip_prefix(prefix).unwrap_or(rest);
+    }
+    for prefix in ["const ", "async ", "unsafe "] {
+        rest = rest.strip_prefix(prefix).unwrap_or(rest);
+    }
+    let rest = rest.strip_prefix("fn ")?;
+    let end = rest.find(|c: char| !is_ident(c))?;
+    (end > 0).then(|| &rest[..end])
 }
 
 /// Every non-test `.rs` file under `dir`.
@@ -668,5 +743,14 @@ mod tests {
         assert!(!names_sibling("use super::requests::A;", "request"));
         assert!(!names_sibling("// see super::request", "request"));
         assert!(!names_sibling("use super::*;", "request"));
+    }
+
+    #[test]
+    fn function_lines_are_recognised() {
+        assert_eq!(fn_name("    pub(crate) async fn run(x: u8) {"), Some("run"));
+        assert_eq!(fn_name("fn main() {"), Some("main"));
+        assert_eq!(fn_name("    pub const fn new<T>() -> Self {"), Some("new"));
+        assert_eq!(fn_name("    let f = |x| x; // fn not"), None);
+        assert_eq!(fn_name("    /// fn documented()"), None);
     }
 }
