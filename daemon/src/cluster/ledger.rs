@@ -18,7 +18,7 @@ use tracing::warn;
 
 use super::ClusterConfig;
 use super::ClusterError;
-use super::members::NodeInfo;
+use super::records::NodeInfo;
 use crate::config::Config;
 use crate::error::{ApiError, ApiResult};
 use crate::reason::EndReason;

@@ -6,12 +6,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use super::ledger::EtcdLedger;
 use super::peers::Peers;
-use super::templates::{Manifest, TemplateEntry};
+use super::records::{Manifest, NodeInfo, TemplateEntry};
 use super::{ClusterConfig, ClusterError, Placement};
 use crate::daemon::Daemon;
 use crate::ids;
@@ -24,41 +23,6 @@ const PLACED_WINDOW: Duration = Duration::from_secs(2);
 /// How often, at the latest, records of sandboxes this node no longer runs are dropped and old
 /// lost records pruned.
 const RECONCILE_EVERY: Duration = Duration::from_secs(30);
-
-/// A node as etcd holds it.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct NodeInfo {
-    pub name: String,
-    pub tag: String,
-    pub address: String,
-    pub version: String,
-    pub sandboxes: u32,
-    pub max_sandboxes: u32,
-    pub committed_mib: u64,
-    pub capacity_mib: u64,
-    pub templates: Vec<TemplateEntry>,
-    pub started_unix_ms: i64,
-}
-
-impl NodeInfo {
-    /// Whether it holds template `name` as `tenant` sees it (its own or a shared one).
-    pub fn template_for(&self, tenant_owner: &str, name: &str) -> Option<&TemplateEntry> {
-        // Entries name a version as users do: NAME for its `latest`, else NAME:TAG.
-        let name = name.strip_suffix(":latest").unwrap_or(name);
-        let mine = |t: &&TemplateEntry| t.name == name && t.owner == tenant_owner;
-        let shared = |t: &&TemplateEntry| t.name == name && t.owner.is_empty();
-        self.templates
-            .iter()
-            .find(mine)
-            .or_else(|| self.templates.iter().find(shared))
-    }
-
-    /// Whether a sandbox of `memory_mib` fits.
-    fn has_room(&self, memory_mib: u64) -> bool {
-        self.sandboxes < self.max_sandboxes
-            && self.committed_mib.saturating_add(memory_mib) <= self.capacity_mib
-    }
-}
 
 /// What this node knows of the others.
 #[derive(Debug, Default)]

@@ -20,10 +20,13 @@
 //! - **Templates** (`templates.rs`): a node asked for a template it lacks fetches it from a
 //!   node that holds it, verifies every file's SHA-256 and the manifest's hash published in
 //!   etcd, and imports it.
+//! - **Records** (`records.rs`): the data the others exchange, below them all: a node's
+//!   record, its template entries, a template's manifest and content hash.
 
 mod ledger;
 mod members;
 mod peers;
+mod records;
 mod route;
 mod templates;
 
@@ -33,7 +36,8 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 pub use ledger::EtcdLedger;
-pub use members::{Cluster, NodeInfo};
+pub use members::Cluster;
+pub use records::NodeInfo;
 pub use route::RouteLayer;
 
 /// Why this node cannot join or stay in its cluster.

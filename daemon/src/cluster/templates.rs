@@ -13,12 +13,12 @@ use std::path::{Path, PathBuf};
 use base64::Engine as _;
 use bytes::{Buf as _, Bytes, BytesMut};
 use http_body_util::BodyExt as _;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 use tonic::body::Body;
 use tracing::{info, warn};
 
 use super::members::Cluster;
+use super::records::{FileEntry, Manifest, TemplateEntry, content_hash, hex};
 use crate::error::{ApiError, ApiResult};
 use crate::templates::EXPORT_RECORD;
 
@@ -54,51 +54,6 @@ enum ReceiveError {
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Task(#[from] tokio::task::JoinError),
-}
-
-/// A template a node holds, as its record in etcd lists it.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct TemplateEntry {
-    /// Its owner (empty: shared).
-    pub owner: String,
-    pub name: String,
-    /// Its id on that node.
-    pub id: String,
-    /// The content hash ([`Manifest::hash`]).
-    pub hash: String,
-    pub memory_mib: u32,
-}
-
-/// One file of a template.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct FileEntry {
-    pub name: String,
-    pub size: u64,
-    pub sha256: String,
-}
-
-/// What a node serves about one of its templates.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Manifest {
-    /// SHA-256 over the owner, the name and every file's name, size and SHA-256.
-    pub hash: String,
-    /// Its record (`Template`, protobuf, base64).
-    pub record: String,
-    pub files: Vec<FileEntry>,
-}
-
-fn hex(d: &[u8]) -> String {
-    d.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The content hash of a template of `owner` and `name` with `files`.
-pub fn content_hash(owner: &str, name: &str, files: &[FileEntry]) -> String {
-    let mut h = Sha256::new();
-    h.update(format!("airlock-template-v1\n{owner}\n{name}\n"));
-    for f in files {
-        h.update(format!("{} {} {}\n", f.name, f.size, f.sha256));
-    }
-    hex(&h.finalize())
 }
 
 /// Block size of a file's digest.
