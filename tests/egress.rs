@@ -9,8 +9,8 @@
 #![allow(clippy::unwrap_used)] // a failed step is a failed test
 
 use airlock_api::v1::{
-    CreateSandboxRequest, EgressKind, EgressRule, FileToPlace, NetworkPolicy, Sandbox,
-    SetNetworkPolicyRequest, egress_rule,
+    CreateSandboxRequest, EgressKind, EgressRule, FileToPlace, GetEgressLogRequest, NetworkPolicy,
+    Sandbox, SetNetworkPolicyRequest, egress_rule,
 };
 use airlock_system_tests::harness::Client;
 use airlock_system_tests::shared::{Shared, scenario};
@@ -124,6 +124,32 @@ async fn an_allowed_domain_is_reached_over_http_and_https_and_logged() {
         log.windows(2).all(|w| w[0].seq < w[1].seq),
         "ordered by seq"
     );
+    // The log is queried as the audit trail is: by kind and time.
+    let first_tcp = tcp.iter().map(|e| e.time_unix_ms).min().unwrap_or(0);
+    let filtered = c
+        .get_egress_log(GetEgressLogRequest {
+            sandbox_id: sb.id.clone(),
+            kinds: vec!["tcp".into()],
+            since_unix_ms: first_tcp,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .events;
+    let want: Vec<u64> = tcp.iter().map(|e| e.seq).collect();
+    assert_eq!(filtered.iter().map(|e| e.seq).collect::<Vec<_>>(), want);
+    let before_all = c
+        .get_egress_log(GetEgressLogRequest {
+            sandbox_id: sb.id.clone(),
+            until_unix_ms: log[0].time_unix_ms,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .events;
+    assert!(before_all.is_empty(), "{before_all:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

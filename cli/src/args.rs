@@ -122,10 +122,10 @@ pub enum Command {
     /// Replace a running or paused sandbox's egress policy and show its record
     Net(NetArgs),
     /// Show a sandbox's egress log: its DNS queries and connection attempts, allowed or not
-    Egress(EgressArgs),
+    Egress(LogArgs),
     /// Show a sandbox's install log: the package files (and refused index pages) its pip or
     /// npm asked the daemon's package proxy for, with the outcome
-    Installs(InstallsArgs),
+    Installs(LogArgs),
     /// Your tenant's audit trail: what its sandboxes did, hash-chained (`audit verify` checks
     /// it; `audit export` writes it as JSON lines)
     Audit(AuditArgs),
@@ -601,9 +601,10 @@ impl NetArgs {
     }
 }
 
-/// `egress`: `GetEgressLogRequest`, paged.
+/// `egress`, `installs`: a sandbox's log (`GetEgressLogRequest`, `GetInstallLogRequest`),
+/// paged.
 #[derive(Debug, Args)]
-pub struct EgressArgs {
+pub struct LogArgs {
     /// The sandbox's id
     pub id: String,
     /// Only events after this sequence number (the first column) [default: 0, from the first]
@@ -621,28 +622,66 @@ pub struct EgressArgs {
     /// then prints one record per line
     #[arg(long, short)]
     pub follow: bool,
+    #[command(flatten)]
+    pub filter: EventFilter,
 }
 
-/// `installs`: `GetInstallLogRequest`, paged.
-#[derive(Debug, Args)]
-pub struct InstallsArgs {
-    /// The sandbox's id
-    pub id: String,
-    /// Only events after this sequence number (the first column) [default: 0, from the first]
-    #[arg(
-        long,
-        value_name = "SEQ",
-        default_value_t = 0,
-        hide_default_value = true
-    )]
-    pub after: u64,
-    /// At most this many events [default: all]
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "follow")]
-    pub limit: Option<u32>,
-    /// Keep polling every second for new events until the sandbox ends (or Ctrl-C); --json
-    /// then prints one record per line
-    #[arg(long, short)]
-    pub follow: bool,
+/// Which events of a log to show, as every log (egress, installs, audit) is queried.
+#[derive(Clone, Debug, Default, Args)]
+pub struct EventFilter {
+    /// Only events of this kind (repeatable): egress dns, tcp or expose; installs their
+    /// outcome (cached, fetched, denied, hash_mismatch, over_cap, upstream_error,
+    /// bad_signature); audit sandbox.create, exec.start, denial, ...
+    #[arg(long = "kind", value_name = "KIND")]
+    pub kinds: Vec<String>,
+    /// Only events at or after this time: Unix seconds, or an age such as 90s, 10m, 2h, 7d
+    #[arg(long, value_name = "WHEN", value_parser = parse_when)]
+    pub since: Option<When>,
+    /// Only events before this time (as --since)
+    #[arg(long, value_name = "WHEN", value_parser = parse_when)]
+    pub until: Option<When>,
+}
+
+/// A point in time as the filters take it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum When {
+    /// Unix time in seconds.
+    At(i64),
+    /// This many seconds before now.
+    Ago(u64),
+}
+
+impl When {
+    /// Unix time in milliseconds, `now_ms` being now.
+    pub fn unix_ms(self, now_ms: i64) -> i64 {
+        match self {
+            When::At(s) => s.saturating_mul(1000),
+            When::Ago(s) => {
+                now_ms.saturating_sub(i64::try_from(s.saturating_mul(1000)).unwrap_or(i64::MAX))
+            }
+        }
+    }
+}
+
+/// `1733560000` (Unix seconds) or an age: a number with `s`, `m`, `h` or `d`.
+pub fn parse_when(s: &str) -> Result<When, String> {
+    let bad = || format!("{s:?}: expected Unix seconds or an age such as 90s, 10m, 2h, 7d");
+    let unit = match s.chars().last() {
+        Some('s') => 1,
+        Some('m') => 60,
+        Some('h') => 3600,
+        Some('d') => 86_400,
+        _ => {
+            return s
+                .parse::<i64>()
+                .ok()
+                .filter(|n| *n > 0)
+                .map(When::At)
+                .ok_or_else(bad);
+        }
+    };
+    let n: u64 = s[..s.len() - 1].parse().map_err(|_| bad())?;
+    n.checked_mul(unit).map(When::Ago).ok_or_else(bad)
 }
 
 /// `audit`: `ListAuditEventsRequest`, every page.
@@ -663,12 +702,11 @@ pub struct AuditArgs {
         hide_default_value = true
     )]
     pub after: u64,
-    /// Only events of this kind (sandbox.create, exec.start, denial, ...) (repeatable)
-    #[arg(long = "kind", value_name = "KIND")]
-    pub kinds: Vec<String>,
     /// Only this sandbox's events
     #[arg(long, value_name = "ID")]
     pub sandbox: Option<String>,
+    #[command(flatten)]
+    pub filter: EventFilter,
 }
 
 /// `expose`: `ExposePortRequest`.

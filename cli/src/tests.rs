@@ -13,8 +13,8 @@ use clap::Parser;
 use clap::error::ErrorKind;
 
 use crate::args::{
-    Cli, Command, FileSpec, TemplateCommand, parse_cidr, parse_domain, parse_file_spec, parse_kv,
-    parse_mode,
+    Cli, Command, FileSpec, TemplateCommand, When, parse_cidr, parse_domain, parse_file_spec,
+    parse_kv, parse_mode, parse_when,
 };
 use crate::commands::exec::exit_code;
 use crate::commands::files::{Remote, write_messages};
@@ -701,6 +701,39 @@ fn audit_and_secret_flags_parse() {
         other => panic!("{other:?}"),
     }
     assert!(matches!(parse(&["audit"]).command, Command::Audit(a) if a.action == "list"));
+    match parse(&[
+        "audit", "--kind", "denial", "--since", "2h", "--until", "7d",
+    ])
+    .command
+    {
+        Command::Audit(a) => {
+            assert_eq!(a.filter.kinds, ["denial"]);
+            assert_eq!(a.filter.since, Some(When::Ago(7200)));
+            assert_eq!(a.filter.until, Some(When::Ago(7 * 86_400)));
+        }
+        other => panic!("{other:?}"),
+    }
+    match parse(&[
+        "installs",
+        "sb-1",
+        "--kind",
+        "denied",
+        "--since",
+        "1733560000",
+    ])
+    .command
+    {
+        Command::Installs(a) => {
+            assert_eq!(a.filter.kinds, ["denied"]);
+            assert_eq!(a.filter.since, Some(When::At(1_733_560_000)));
+            assert_eq!(When::At(2).unix_ms(0), 2000);
+            assert_eq!(When::Ago(2).unix_ms(5000), 3000);
+        }
+        other => panic!("{other:?}"),
+    }
+    for bad in ["", "m", "-5", "0", "10x", "1.5h", "99999999999999999999d"] {
+        assert!(parse_when(bad).is_err(), "{bad:?}");
+    }
     match parse(&[
         "create",
         "--secret",

@@ -10,7 +10,10 @@
 
 use std::sync::{Arc, OnceLock};
 
-use airlock_api::v1::{AuditEvent, ListAuditEventsRequest, ListAuditEventsResponse};
+use airlock_api::v1::{
+    AuditEvent, EgressEvent, InstallEvent, InstallOutcome, ListAuditEventsRequest,
+    ListAuditEventsResponse,
+};
 use rusqlite::{OptionalExtension, params};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -19,7 +22,7 @@ use tracing::warn;
 
 pub use airlock_api::audit::{ZERO_HASH, canonical, hash_of, hex};
 
-use crate::error::ApiResult;
+use crate::error::{ApiError, ApiResult};
 use crate::ids;
 use crate::store::Store;
 
@@ -157,6 +160,61 @@ pub fn packages(policy: Option<&airlock_api::v1::PackagePolicy>) -> Value {
     })
 }
 
+/// An event of a sandbox's log (`crate::events`) as the trail records it: its kind (what it
+/// was, or `denial`) and its detail.
+pub trait Audited {
+    fn audit(&self) -> (Kind, Value);
+}
+
+impl Audited for EgressEvent {
+    fn audit(&self) -> (Kind, Value) {
+        let kind = match self.allowed {
+            true => Kind::Egress,
+            false => Kind::Denial,
+        };
+        let detail = json!({
+            "egress_seq": self.seq,
+            "type": crate::events::Event::kind(self),
+            "name": self.name,
+            "address": self.address,
+            "port": self.port,
+            "allowed": self.allowed,
+            "verdict": self.verdict,
+            "bytes_out": self.bytes_out,
+            "bytes_in": self.bytes_in,
+        });
+        (kind, detail)
+    }
+}
+
+impl Audited for InstallEvent {
+    fn audit(&self) -> (Kind, Value) {
+        let kind = match self.outcome() {
+            InstallOutcome::Denied => Kind::Denial,
+            _ => Kind::Package,
+        };
+        let detail = json!({
+            "install_seq": self.seq,
+            "registry": self.registry,
+            "type": self.kind,
+            "package": self.package,
+            "version": self.version,
+            "file": self.file,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+            "outcome": crate::events::Event::kind(self),
+            "message": self.message,
+        });
+        (kind, detail)
+    }
+}
+
+/// Records `e`, just kept in sandbox `sandbox_id`'s log, in `tenant`'s trail.
+pub fn logged(tenant: &str, sandbox_id: &str, e: &impl Audited) {
+    let (kind, detail) = e.audit();
+    emit(tenant, kind, sandbox_id, "", detail);
+}
+
 /// Appends an event to `tenant`'s trail (a failure is logged: the call it records goes on).
 pub fn emit(tenant: &str, kind: Kind, sandbox_id: &str, execution_id: &str, detail: Value) {
     let Some((store, _)) = SINK.get() else {
@@ -224,10 +282,7 @@ pub fn list(
     tenant: &str,
     req: &ListAuditEventsRequest,
 ) -> ApiResult<ListAuditEventsResponse> {
-    let limit = match req.limit {
-        0 => 1000,
-        n => n.min(10_000),
-    };
+    let q = crate::events::Query::from(req);
     let db = store.db();
     let (head_seq, head_hash, first_seq): (i64, String, i64) = db.query_row(
         "SELECT COALESCE(MAX(seq), 0), \
@@ -236,11 +291,12 @@ pub fn list(
         params![tenant],
         |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
     )?;
-    let mut q = db.prepare_cached(
+    let mut stmt = db.prepare_cached(
         "SELECT seq, time_ms, kind, sandbox_id, execution_id, detail, prev_hash, hash \
-         FROM audit_events WHERE tenant = ?1 AND seq > ?2 ORDER BY seq",
+         FROM audit_events WHERE tenant = ?1 AND seq > ?2 \
+         AND (?3 = '' OR sandbox_id = ?3) ORDER BY seq",
     )?;
-    let rows = q.query_map(params![tenant, req.after_seq as i64], |r| {
+    let rows = stmt.query_map(params![tenant, q.after_seq as i64, req.sandbox_id], |r| {
         Ok(AuditEvent {
             seq: r.get::<_, i64>(0)? as u64,
             time_unix_ms: r.get(1)?,
@@ -253,23 +309,8 @@ pub fn list(
             hash: r.get(7)?,
         })
     })?;
-    let mut events = Vec::new();
-    let mut next_after_seq = 0;
-    for row in rows {
-        let e = row?;
-        let wanted = (req.kinds.is_empty() || req.kinds.contains(&e.kind))
-            && (req.sandbox_id.is_empty() || req.sandbox_id == e.sandbox_id)
-            && (req.since_unix_ms == 0 || e.time_unix_ms >= req.since_unix_ms)
-            && (req.until_unix_ms == 0 || e.time_unix_ms < req.until_unix_ms);
-        if !wanted {
-            continue;
-        }
-        if events.len() as u32 == limit {
-            next_after_seq = events.last().map_or(0, |l: &AuditEvent| l.seq);
-            break;
-        }
-        events.push(e);
-    }
+    let (events, next_after_seq) =
+        crate::events::select(&q, rows.map(|r| r.map_err(ApiError::from)))?;
     Ok(ListAuditEventsResponse {
         events,
         next_after_seq,

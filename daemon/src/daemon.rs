@@ -115,6 +115,10 @@ impl Daemon {
         let cfg = Arc::new(cfg);
         let db = data_dir.join("airlock.db");
         let store = Arc::new(Store::open(&db)?);
+        let moved = crate::events::migrate(&store)?;
+        if moved > 0 {
+            tracing::info!(events = moved, "sandbox logs moved to the one event table");
+        }
         crate::audit::init(store.clone(), cfg.audit.clone());
         private(&db, 0o600)?;
         let metrics = Arc::new(Metrics::default());

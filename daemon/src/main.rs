@@ -21,6 +21,7 @@ mod config;
 mod daemon;
 mod e2b;
 mod error;
+mod events;
 mod exec;
 mod fileinfo;
 mod files;

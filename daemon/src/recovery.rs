@@ -164,7 +164,6 @@ impl Recovery<'_> {
                 warn!(sandbox = %id, "its network policy: {e}; denying all egress");
                 airlock_egress::Policy::DenyAll
             });
-            let logged = egress.logged(&rt.id);
             let asked = spec.packages.clone().unwrap_or_default();
             let pkg = egress.packages.policy_for(&rt.tenant, &asked).or_else(|e| {
                 warn!(sandbox = %id, "its package policy: {e}; offline");
@@ -185,7 +184,7 @@ impl Recovery<'_> {
                 &rt.tenant,
                 exits,
                 policy,
-                Some(logged),
+                true,
                 crate::net::Uses {
                     packages: pkg,
                     secrets: rt.secrets.clone(),

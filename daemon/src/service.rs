@@ -577,10 +577,11 @@ impl Airlock for Service {
         let tenant = authorize(&req, &rpc::GET_EGRESS_LOG)?;
         let r = req.into_inner();
         traced(&rpc::GET_EGRESS_LOG, &tenant, async {
-            let (events, dropped) =
-                self.daemon
-                    .sandboxes
-                    .egress_log(&tenant, &r.sandbox_id, r.after_seq, r.limit)?;
+            let q = crate::events::Query::from(&r);
+            let (events, dropped) = self
+                .daemon
+                .sandboxes
+                .egress_log(&tenant, &r.sandbox_id, &q)?;
             Ok(GetEgressLogResponse { events, dropped })
         })
         .await
@@ -624,10 +625,11 @@ impl Airlock for Service {
         let tenant = authorize(&req, &rpc::GET_INSTALL_LOG)?;
         let r = req.into_inner();
         traced(&rpc::GET_INSTALL_LOG, &tenant, async {
+            let q = crate::events::Query::from(&r);
             let (events, dropped) =
                 self.daemon
                     .sandboxes
-                    .install_log(&tenant, &r.sandbox_id, r.after_seq, r.limit)?;
+                    .install_log(&tenant, &r.sandbox_id, &q)?;
             Ok(GetInstallLogResponse { events, dropped })
         })
         .await

@@ -1,14 +1,13 @@
 //! Records that survive the daemon: templates, sandboxes, executions (each stored as its
 //! protobuf record with the columns it is looked up by) and the VMM processes the daemon
-//! started, and every sandbox's egress log, in one SQLite database (`DATA_DIR/airlock.db`). Execution output lives in files next
-//! to it (`DATA_DIR/output/`).
+//! started, in one SQLite database (`DATA_DIR/airlock.db`), with the tables of the sandboxes'
+//! logs (`crate::events`) and of the audit trail (`crate::audit`), whose statements are their
+//! own. Execution output lives in files next to it (`DATA_DIR/output/`).
 
 use std::path::Path;
 use std::sync::Mutex;
 
-use airlock_api::v1::{
-    CreateSandboxRequest, EgressEvent, Execution, InstallEvent, Sandbox, Template, Volume,
-};
+use airlock_api::v1::{CreateSandboxRequest, Execution, Sandbox, Template, Volume};
 use prost::Message;
 use rusqlite::{Connection, OptionalExtension, params};
 
@@ -100,14 +99,12 @@ CREATE TABLE IF NOT EXISTS vmms (
 CREATE TABLE IF NOT EXISTS sandbox_specs (id TEXT PRIMARY KEY, spec BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS execution_agents (
     id TEXT PRIMARY KEY, agent_exec_id INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS egress_events (
-    sandbox_id TEXT NOT NULL, seq INTEGER NOT NULL, event BLOB NOT NULL,
-    PRIMARY KEY (sandbox_id, seq));
-CREATE TABLE IF NOT EXISTS egress_dropped (sandbox_id TEXT PRIMARY KEY, n INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS install_events (
-    sandbox_id TEXT NOT NULL, seq INTEGER NOT NULL, event BLOB NOT NULL,
-    PRIMARY KEY (sandbox_id, seq));
-CREATE TABLE IF NOT EXISTS install_dropped (sandbox_id TEXT PRIMARY KEY, n INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS sandbox_events (
+    log TEXT NOT NULL, sandbox_id TEXT NOT NULL, seq INTEGER NOT NULL, time_ms INTEGER NOT NULL,
+    kind TEXT NOT NULL, event BLOB NOT NULL, PRIMARY KEY (log, sandbox_id, seq));
+CREATE TABLE IF NOT EXISTS sandbox_events_dropped (
+    log TEXT NOT NULL, sandbox_id TEXT NOT NULL, n INTEGER NOT NULL,
+    PRIMARY KEY (log, sandbox_id));
 CREATE TABLE IF NOT EXISTS audit_events (
     tenant TEXT NOT NULL, seq INTEGER NOT NULL, time_ms INTEGER NOT NULL, kind TEXT NOT NULL,
     sandbox_id TEXT NOT NULL, execution_id TEXT NOT NULL, detail TEXT NOT NULL,
@@ -132,7 +129,7 @@ impl Store {
         Ok(Self { db: Mutex::new(db) })
     }
 
-    /// The connection, for the audit trail's own statements (`crate::audit`).
+    /// The connection, for the statements of the logs (`crate::events`, `crate::audit`).
     pub(crate) fn db(&self) -> std::sync::MutexGuard<'_, Connection> {
         self.db.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -324,142 +321,18 @@ impl Store {
         )?;
         tx.execute("DELETE FROM executions WHERE sandbox_id = ?1", params![id])?;
         tx.execute("DELETE FROM sandbox_specs WHERE id = ?1", params![id])?;
+        // Its logs (`crate::events`) go with its record.
         tx.execute(
-            "DELETE FROM egress_events WHERE sandbox_id = ?1",
+            "DELETE FROM sandbox_events WHERE sandbox_id = ?1",
             params![id],
         )?;
         tx.execute(
-            "DELETE FROM egress_dropped WHERE sandbox_id = ?1",
-            params![id],
-        )?;
-        tx.execute(
-            "DELETE FROM install_events WHERE sandbox_id = ?1",
-            params![id],
-        )?;
-        tx.execute(
-            "DELETE FROM install_dropped WHERE sandbox_id = ?1",
+            "DELETE FROM sandbox_events_dropped WHERE sandbox_id = ?1",
             params![id],
         )?;
         tx.execute("DELETE FROM sandboxes WHERE id = ?1", params![id])?;
         tx.commit()?;
         Ok(())
-    }
-
-    /// Appends one event to a sandbox's egress log.
-    pub fn put_egress(&self, sandbox_id: &str, e: &EgressEvent) -> ApiResult<()> {
-        self.db().execute(
-            "INSERT OR REPLACE INTO egress_events (sandbox_id, seq, event) VALUES (?1, ?2, ?3)",
-            params![sandbox_id, e.seq as i64, e.encode_to_vec()],
-        )?;
-        Ok(())
-    }
-
-    /// A sandbox's egress events after `after_seq`, at most `limit`, oldest first.
-    pub fn egress(
-        &self,
-        sandbox_id: &str,
-        after_seq: u64,
-        limit: u32,
-    ) -> ApiResult<Vec<EgressEvent>> {
-        let db = self.db();
-        let mut q = db.prepare_cached(
-            "SELECT event FROM egress_events WHERE sandbox_id = ?1 AND seq > ?2 \
-             ORDER BY seq LIMIT ?3",
-        )?;
-        let rows = q.query_map(params![sandbox_id, after_seq as i64, limit], |r| {
-            decode::<EgressEvent>(r.get(0)?)
-        })?;
-        Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
-    }
-
-    /// The last sequence number and the count of a sandbox's egress events (a restarted
-    /// daemon goes on from there).
-    pub fn egress_tail(&self, sandbox_id: &str) -> ApiResult<(u64, u64)> {
-        let (last, n): (i64, i64) = self.db().query_row(
-            "SELECT COALESCE(MAX(seq), 0), COUNT(*) FROM egress_events WHERE sandbox_id = ?1",
-            params![sandbox_id],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )?;
-        Ok((last as u64, n as u64))
-    }
-
-    /// Events of a sandbox's egress that were counted but not kept (beyond the log's cap).
-    pub fn set_egress_dropped(&self, sandbox_id: &str, n: u64) -> ApiResult<()> {
-        self.db().execute(
-            "INSERT OR REPLACE INTO egress_dropped (sandbox_id, n) VALUES (?1, ?2)",
-            params![sandbox_id, n as i64],
-        )?;
-        Ok(())
-    }
-
-    pub fn egress_dropped(&self, sandbox_id: &str) -> ApiResult<u64> {
-        let n: Option<i64> = self
-            .db()
-            .query_row(
-                "SELECT n FROM egress_dropped WHERE sandbox_id = ?1",
-                params![sandbox_id],
-                |r| r.get(0),
-            )
-            .optional()?;
-        Ok(n.unwrap_or(0) as u64)
-    }
-
-    /// Appends one event to a sandbox's install log.
-    pub fn put_install(&self, sandbox_id: &str, e: &InstallEvent) -> ApiResult<()> {
-        self.db().execute(
-            "INSERT OR REPLACE INTO install_events (sandbox_id, seq, event) VALUES (?1, ?2, ?3)",
-            params![sandbox_id, e.seq as i64, e.encode_to_vec()],
-        )?;
-        Ok(())
-    }
-
-    /// A sandbox's install events after `after_seq`, at most `limit`, oldest first.
-    pub fn installs(
-        &self,
-        sandbox_id: &str,
-        after_seq: u64,
-        limit: u32,
-    ) -> ApiResult<Vec<InstallEvent>> {
-        let db = self.db();
-        let mut q = db.prepare_cached(
-            "SELECT event FROM install_events WHERE sandbox_id = ?1 AND seq > ?2 \
-             ORDER BY seq LIMIT ?3",
-        )?;
-        let rows = q.query_map(params![sandbox_id, after_seq as i64, limit], |r| {
-            decode::<InstallEvent>(r.get(0)?)
-        })?;
-        Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
-    }
-
-    /// The last sequence number and the count of a sandbox's install events.
-    pub fn installs_tail(&self, sandbox_id: &str) -> ApiResult<(u64, u64)> {
-        let (last, n): (i64, i64) = self.db().query_row(
-            "SELECT COALESCE(MAX(seq), 0), COUNT(*) FROM install_events WHERE sandbox_id = ?1",
-            params![sandbox_id],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )?;
-        Ok((last as u64, n as u64))
-    }
-
-    /// Install events counted but not kept (beyond the log's cap).
-    pub fn set_installs_dropped(&self, sandbox_id: &str, n: u64) -> ApiResult<()> {
-        self.db().execute(
-            "INSERT OR REPLACE INTO install_dropped (sandbox_id, n) VALUES (?1, ?2)",
-            params![sandbox_id, n as i64],
-        )?;
-        Ok(())
-    }
-
-    pub fn installs_dropped(&self, sandbox_id: &str) -> ApiResult<u64> {
-        let n: Option<i64> = self
-            .db()
-            .query_row(
-                "SELECT n FROM install_dropped WHERE sandbox_id = ?1",
-                params![sandbox_id],
-                |r| r.get(0),
-            )
-            .optional()?;
-        Ok(n.unwrap_or(0) as u64)
     }
 
     pub fn put_vmm(&self, v: &VmmRecord) -> ApiResult<()> {

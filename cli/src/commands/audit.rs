@@ -4,8 +4,9 @@
 use airlock_api::v1::{AuditEvent, ListAuditEventsRequest, ListAuditEventsResponse};
 use serde_json::{Value, json};
 
+use super::log::Page;
 use super::{Ctx, fail};
-use crate::args::AuditArgs;
+use crate::args::{AuditArgs, EventFilter};
 
 /// An event as `export` writes it (and `verify --file` reads it).
 fn event_json(e: &AuditEvent) -> Value {
@@ -39,17 +40,20 @@ async fn fetch(
 ) -> Result<(Vec<AuditEvent>, ListAuditEventsResponse), String> {
     let mut events = Vec::new();
     let mut after = args.after;
+    let none = EventFilter::default();
+    let filter = Page::of(if filtered { &args.filter } else { &none });
     loop {
         let req = ListAuditEventsRequest {
             after_seq: after,
             limit: 10_000,
-            kinds: if filtered { args.kinds.clone() } else { vec![] },
+            kinds: filter.kinds.to_vec(),
             sandbox_id: if filtered {
                 args.sandbox.clone().unwrap_or_default()
             } else {
                 String::new()
             },
-            ..Default::default()
+            since_unix_ms: filter.since_ms,
+            until_unix_ms: filter.until_ms,
         };
         let mut page = ctx
             .client

@@ -1,13 +1,15 @@
 //! The logs a sandbox keeps, read the same way (`egress`, `installs`): from `--after` on, all
-//! of it or `--limit` events, as lines or a JSON list; `--follow` then polls for new events
-//! until the sandbox ends, printing them as they come (JSON: one record per line).
+//! of it or `--limit` events, of `--kind`, `--since` and `--until` (as the audit trail is
+//! filtered: [`Page`]), as lines or a JSON list; `--follow` then polls for new events until the
+//! sandbox ends, printing them as they come (JSON: one record per line).
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use airlock_api::v1::{GetSandboxRequest, SandboxState};
 use serde_json::Value;
 
 use super::{Client, Ctx, fail};
+use crate::args::{EventFilter, LogArgs};
 use crate::output::print_json;
 
 /// The most events one call answers.
@@ -22,13 +24,11 @@ pub(super) trait Log {
     type Event;
     /// What the note on dropped events calls them ("egress", "install").
     const NAME: &'static str;
-    /// The events after `after_seq`, at most `limit` (0: the daemon's default), and the count
-    /// of events the log did not keep.
+    /// The events `page` asks for, and the count of events the log did not keep.
     async fn page(
         client: &mut Client,
         id: &str,
-        after_seq: u64,
-        limit: u32,
+        page: &Page<'_>,
     ) -> Result<(Vec<Self::Event>, u64), tonic::Status>;
     /// An event's sequence number.
     fn seq(e: &Self::Event) -> u64;
@@ -40,13 +40,55 @@ pub(super) trait Log {
     fn json(e: &Self::Event) -> Value;
 }
 
-/// What to read of a log: the sandbox, where to start, how many, and whether to follow it.
+/// One call's question to a log: the events after `after_seq`, at most `limit` (0: the
+/// daemon's default), of `kinds` (empty: all), at or after `since_ms` and before `until_ms` (0:
+/// unbounded), as every log's request takes them.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Page<'a> {
+    pub after_seq: u64,
+    pub limit: u32,
+    pub kinds: &'a [String],
+    pub since_ms: i64,
+    pub until_ms: i64,
+}
+
+impl<'a> Page<'a> {
+    /// The first page of what `filter` selects, its times read against now.
+    pub fn of(filter: &'a EventFilter) -> Self {
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64);
+        Page {
+            after_seq: 0,
+            limit: 0,
+            kinds: &filter.kinds,
+            since_ms: filter.since.map_or(0, |w| w.unix_ms(now_ms)),
+            until_ms: filter.until.map_or(0, |w| w.unix_ms(now_ms)),
+        }
+    }
+}
+
+/// What to read of a log: the sandbox, where to start, how many, which, and whether to follow
+/// it.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Range<'a> {
     pub id: &'a str,
     pub after: u64,
     pub limit: Option<u32>,
     pub follow: bool,
+    pub filter: &'a EventFilter,
+}
+
+impl<'a> From<&'a LogArgs> for Range<'a> {
+    fn from(a: &'a LogArgs) -> Self {
+        Range {
+            id: &a.id,
+            after: a.after,
+            limit: a.limit,
+            follow: a.follow,
+            filter: &a.filter,
+        }
+    }
 }
 
 /// Where the reading stands: the last event printed, what is left of `--limit`, and the count
@@ -80,8 +122,9 @@ pub(super) async fn show<L: Log>(ctx: &mut Ctx, range: Range<'_>) -> Result<u8, 
         (true, false) => collected.push(L::json(e)),
     };
     let mut ended = false;
+    let filter = Page::of(range.filter);
     loop {
-        catch_up::<L>(&mut ctx.client, range.id, &mut cur, &mut print).await?;
+        catch_up::<L>(&mut ctx.client, range.id, &filter, &mut cur, &mut print).await?;
         if !range.follow || ended {
             break;
         }
@@ -122,6 +165,7 @@ async fn sandbox_ended(ctx: &mut Ctx, id: &str) -> Result<bool, String> {
 async fn catch_up<L: Log>(
     client: &mut Client,
     id: &str,
+    filter: &Page<'_>,
     cur: &mut Cursor,
     print: &mut dyn FnMut(&L::Event),
 ) -> Result<(), String> {
@@ -130,7 +174,12 @@ async fn catch_up<L: Log>(
             return Ok(());
         }
         let limit = cur.left.map_or(0, |n| n.min(MAX_PAGE));
-        let (events, dropped) = L::page(client, id, cur.after, limit).await.map_err(fail)?;
+        let page = Page {
+            after_seq: cur.after,
+            limit,
+            ..*filter
+        };
+        let (events, dropped) = L::page(client, id, &page).await.map_err(fail)?;
         if dropped > cur.dropped {
             eprintln!(
                 "airlock: note: {dropped} {} events of this sandbox were not kept (the log is \

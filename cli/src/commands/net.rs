@@ -4,9 +4,9 @@
 use airlock_api::v1::{EgressEvent, GetEgressLogRequest};
 use serde_json::Value;
 
-use super::log::{self, Log, Range};
+use super::log::{self, Log, Page, Range};
 use super::{Client, Ctx, fail};
-use crate::args::{EgressArgs, ExposeArgs, NetArgs};
+use crate::args::{ExposeArgs, LogArgs, NetArgs};
 use crate::output::{
     egress_header, egress_json, egress_line, exposure_json, exposure_text, print_json,
     sandbox_json, sandbox_text,
@@ -56,13 +56,15 @@ impl Log for Egress {
     async fn page(
         client: &mut Client,
         id: &str,
-        after_seq: u64,
-        limit: u32,
+        page: &Page<'_>,
     ) -> Result<(Vec<EgressEvent>, u64), tonic::Status> {
         let req = GetEgressLogRequest {
             sandbox_id: id.to_owned(),
-            after_seq,
-            limit,
+            after_seq: page.after_seq,
+            limit: page.limit,
+            kinds: page.kinds.to_vec(),
+            since_unix_ms: page.since_ms,
+            until_unix_ms: page.until_ms,
         };
         let r = client.get_egress_log(req).await?.into_inner();
         Ok((r.events, r.dropped))
@@ -84,12 +86,6 @@ impl Log for Egress {
 /// `egress`: the log from `--after` on (all of it, or `--limit` events), as lines or a JSON
 /// list; `--follow` then polls for new events until the sandbox ends, printing them as they
 /// come (JSON: one record per line).
-pub async fn egress(ctx: &mut Ctx, args: &EgressArgs) -> Result<u8, String> {
-    let range = Range {
-        id: &args.id,
-        after: args.after,
-        limit: args.limit,
-        follow: args.follow,
-    };
-    log::show::<Egress>(ctx, range).await
+pub async fn egress(ctx: &mut Ctx, args: &LogArgs) -> Result<u8, String> {
+    log::show::<Egress>(ctx, Range::from(args)).await
 }

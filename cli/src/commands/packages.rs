@@ -4,9 +4,9 @@
 use airlock_api::v1::{GetInstallLogRequest, InstallEvent};
 use serde_json::Value;
 
-use super::log::{self, Log, Range};
+use super::log::{self, Log, Page, Range};
 use super::{Client, Ctx};
-use crate::args::InstallsArgs;
+use crate::args::LogArgs;
 use crate::output::{install_header, install_json, install_line};
 
 /// The install log.
@@ -20,13 +20,15 @@ impl Log for Installs {
     async fn page(
         client: &mut Client,
         id: &str,
-        after_seq: u64,
-        limit: u32,
+        page: &Page<'_>,
     ) -> Result<(Vec<InstallEvent>, u64), tonic::Status> {
         let req = GetInstallLogRequest {
             sandbox_id: id.to_owned(),
-            after_seq,
-            limit,
+            after_seq: page.after_seq,
+            limit: page.limit,
+            kinds: page.kinds.to_vec(),
+            since_unix_ms: page.since_ms,
+            until_unix_ms: page.until_ms,
         };
         let r = client.get_install_log(req).await?.into_inner();
         Ok((r.events, r.dropped))
@@ -48,12 +50,6 @@ impl Log for Installs {
 /// `installs`: the log from `--after` on (all of it, or `--limit` events), as lines or a JSON
 /// list; `--follow` then polls for new events until the sandbox ends, printing them as they
 /// come (JSON: one record per line).
-pub async fn installs(ctx: &mut Ctx, args: &InstallsArgs) -> Result<u8, String> {
-    let range = Range {
-        id: &args.id,
-        after: args.after,
-        limit: args.limit,
-        follow: args.follow,
-    };
-    log::show::<Installs>(ctx, range).await
+pub async fn installs(ctx: &mut Ctx, args: &LogArgs) -> Result<u8, String> {
+    log::show::<Installs>(ctx, Range::from(args)).await
 }

@@ -160,6 +160,38 @@ async fn egress_prints_the_log() {
     assert_eq!(reqs.len(), 1);
     assert_eq!(reqs[0].limit, 2);
 
+    // Filters go with every page's request, as the audit trail's do.
+    d.seen().egress.clear();
+    let p = d
+        .airlock(&[
+            "egress",
+            "sb-1",
+            "--kind",
+            "dns",
+            "--kind",
+            "tcp",
+            "--since",
+            "1733560000",
+            "--until",
+            "10m",
+        ])
+        .await;
+    assert_eq!(p.status.code(), Some(0), "{}", text(&p.stderr));
+    let reqs = d.seen().egress.clone();
+    assert_eq!(reqs.len(), 2, "{reqs:?}");
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    for r in &reqs {
+        assert_eq!(r.kinds, ["dns", "tcp"]);
+        assert_eq!(r.since_unix_ms, 1_733_560_000_000);
+        let ago = now_ms - r.until_unix_ms;
+        assert!((590_000..=660_000).contains(&ago), "until: {ago} ms ago");
+    }
+    let p = d.airlock(&["egress", "sb-1", "--since", "soon"]).await;
+    assert_eq!(p.status.code(), Some(2), "a bad time is a usage error");
+
     // --follow: new events as they come, until the sandbox has ended.
     let p = d
         .airlock(&["--json", "egress", "sb-ending", "--follow"])

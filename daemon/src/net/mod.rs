@@ -25,7 +25,6 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{self, Write as _};
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -35,6 +34,7 @@ use serde::Deserialize;
 use tracing::warn;
 
 use crate::error::{ApiError, ApiResult, StartError};
+use crate::events::{self, Query, SandboxLog};
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -381,42 +381,30 @@ impl Egress {
             })
     }
 
-    /// Where a sandbox's stored egress log stands (an adopted sandbox's log goes on from there).
-    pub fn logged(&self, sandbox_id: &str) -> Logged {
-        let (last_seq, kept) = self.store.egress_tail(sandbox_id).unwrap_or((0, 0));
-        Logged {
-            last_seq,
-            kept,
-            dropped: self.store.egress_dropped(sandbox_id).unwrap_or(0),
-        }
-    }
-
     /// Starts serving a sandbox's exits under `policy`: its proxy and DNS server run until the
-    /// returned handle is dropped. Its log goes on from `logged` (an adopted sandbox's; a new
-    /// one's is empty, and nothing is read for it on the create path).
+    /// returned handle is dropped. An `adopted` sandbox's egress log goes on from what the store
+    /// holds (a new one's is empty, and nothing is read for it on the create path).
     pub fn start(
         self: &Arc<Self>,
         sandbox_id: &str,
         tenant: &str,
         exits: NetExits,
         policy: Policy,
-        logged: Option<Logged>,
+        adopted: bool,
         uses: Uses,
     ) -> io::Result<SandboxNet> {
         let Uses { packages, secrets } = uses;
-        let Logged {
-            last_seq,
-            kept,
-            dropped,
-        } = logged.unwrap_or_default();
+        let (store, cap) = (self.store.clone(), self.cfg.max_log_events);
+        let log = match adopted {
+            true => SandboxLog::resume(store, tenant, sandbox_id, cap),
+            false => SandboxLog::new(store, tenant, sandbox_id, cap),
+        };
         let state = Arc::new(NetState {
             sandbox_id: sandbox_id.to_owned(),
             tenant: tenant.to_owned(),
             policy: RwLock::new(Arc::new(policy)),
             resolved: Mutex::new(HashMap::new()),
-            seq: AtomicU64::new(last_seq),
-            kept: AtomicU64::new(kept),
-            dropped: AtomicU64::new(dropped),
+            log,
             egress: self.clone(),
             packages,
             secrets,
@@ -434,21 +422,9 @@ impl Egress {
         })
     }
 
-    /// A sandbox's stored egress log and its count of events not kept.
-    pub fn log(
-        &self,
-        sandbox_id: &str,
-        after_seq: u64,
-        limit: u32,
-    ) -> ApiResult<(Vec<EgressEvent>, u64)> {
-        let limit = match limit {
-            0 => 1000,
-            n => n.min(10_000),
-        };
-        Ok((
-            self.store.egress(sandbox_id, after_seq, limit)?,
-            self.store.egress_dropped(sandbox_id)?,
-        ))
+    /// What `q` selects of a sandbox's stored egress log, and its count of events not kept.
+    pub fn log(&self, sandbox_id: &str, q: &Query) -> ApiResult<(Vec<EgressEvent>, u64)> {
+        events::read(&self.store, sandbox_id, q)
     }
 }
 
@@ -458,14 +434,6 @@ impl Egress {
 pub struct Uses {
     pub packages: Arc<crate::pkg::Session>,
     pub secrets: Arc<crate::secrets::SandboxSecrets>,
-}
-
-/// Where a sandbox's stored egress log stands.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Logged {
-    pub last_seq: u64,
-    pub kept: u64,
-    pub dropped: u64,
 }
 
 /// One sandbox's network as the daemon serves it; dropping it stops the proxy and the DNS
@@ -538,14 +506,6 @@ impl Drop for SandboxNet {
         {
             t.abort();
         }
-        let dropped = self.state.dropped.load(Ordering::Relaxed);
-        if dropped > 0 {
-            let _ = self
-                .state
-                .egress
-                .store
-                .set_egress_dropped(&self.state.sandbox_id, dropped);
-        }
     }
 }
 
@@ -558,9 +518,8 @@ struct NetState {
     /// What this sandbox's DNS answered, by name (the proxy accepts these addresses for the
     /// name besides its own fresh resolution). Bounded by [`MAX_RESOLVED`].
     resolved: Mutex<HashMap<String, Vec<IpAddr>>>,
-    seq: AtomicU64,
-    kept: AtomicU64,
-    dropped: AtomicU64,
+    /// Its egress log.
+    log: SandboxLog<EgressEvent>,
     egress: Arc<Egress>,
     /// Its use of the package proxy (its package policy, downloads, install log).
     packages: Arc<crate::pkg::Session>,
@@ -616,42 +575,14 @@ impl NetState {
     }
 
     /// Logs one event: counted in the metrics, stored while the sandbox's log has room.
-    fn record(&self, mut e: EgressEvent) {
-        let kind = if e.kind == airlock_api::v1::EgressKind::Dns as i32 {
-            "dns"
-        } else {
-            "tcp"
-        };
+    fn record(&self, e: EgressEvent) {
+        let kind = events::egress_kind_label(e.kind());
         self.egress
             .metrics
             .egress_event(&self.tenant, kind, e.allowed, e.bytes_out, e.bytes_in);
-        if self.kept.fetch_add(1, Ordering::Relaxed) >= self.cfg().max_log_events {
-            self.dropped.fetch_add(1, Ordering::Relaxed);
-            return;
+        if let Some(e) = self.log.append(e) {
+            crate::audit::logged(&self.tenant, &self.sandbox_id, &e);
         }
-        e.seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
-        if e.time_unix_ms == 0 {
-            e.time_unix_ms = now_ms();
-        }
-        if let Err(err) = self.egress.store.put_egress(&self.sandbox_id, &e) {
-            warn!(sandbox = %self.sandbox_id, "egress log: {err}");
-        }
-        let detail = serde_json::json!({
-            "egress_seq": e.seq,
-            "type": kind,
-            "name": e.name,
-            "address": e.address,
-            "port": e.port,
-            "allowed": e.allowed,
-            "verdict": e.verdict,
-            "bytes_out": e.bytes_out,
-            "bytes_in": e.bytes_in,
-        });
-        let audit_kind = match e.allowed {
-            true => crate::audit::Kind::Egress,
-            false => crate::audit::Kind::Denial,
-        };
-        crate::audit::emit(&self.tenant, audit_kind, &self.sandbox_id, "", detail);
     }
 }
 

@@ -27,13 +27,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use airlock_api::v1::{InstallEvent, InstallOutcome, PackagePolicy};
+use airlock_api::v1::{InstallEvent, PackagePolicy};
 use airlock_packages::policy::{Parts, Policy, PolicyError};
 use serde::Deserialize;
 use tracing::warn;
 use url::Url;
 
 use crate::error::{ApiError, ApiResult, StartError};
+use crate::events::{self, Query, SandboxLog};
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -391,21 +392,9 @@ impl Packages {
             .then(|| self.cache.join(algo).join(&hex[..2]).join(hex))
     }
 
-    /// A sandbox's install log.
-    pub fn log(
-        &self,
-        sandbox_id: &str,
-        after_seq: u64,
-        limit: u32,
-    ) -> ApiResult<(Vec<InstallEvent>, u64)> {
-        let limit = match limit {
-            0 => 1000,
-            n => n.min(10_000),
-        };
-        Ok((
-            self.store.installs(sandbox_id, after_seq, limit)?,
-            self.store.installs_dropped(sandbox_id)?,
-        ))
+    /// What `q` selects of a sandbox's install log, and its count of events not kept.
+    pub fn log(&self, sandbox_id: &str, q: &Query) -> ApiResult<(Vec<InstallEvent>, u64)> {
+        events::read(&self.store, sandbox_id, q)
     }
 
     /// A session for a sandbox; an adopted sandbox's log goes on from its stored tail.
@@ -416,20 +405,17 @@ impl Packages {
         policy: Policy,
         adopted: bool,
     ) -> Arc<Session> {
-        let (last, kept) = if adopted {
-            self.store.installs_tail(sandbox_id).unwrap_or((0, 0))
-        } else {
-            (0, 0)
+        let (store, cap) = (self.store.clone(), self.cfg.max_log_events);
+        let log = match adopted {
+            true => SandboxLog::resume(store, tenant, sandbox_id, cap),
+            false => SandboxLog::new(store, tenant, sandbox_id, cap),
         };
         Arc::new(Session {
             pkgs: self.clone(),
             tenant: tenant.to_owned(),
-            sandbox_id: sandbox_id.to_owned(),
             policy,
             downloaded: AtomicU64::new(0),
-            seq: AtomicU64::new(last),
-            kept: AtomicU64::new(kept),
-            dropped: AtomicU64::new(0),
+            log,
         })
     }
 }
@@ -439,13 +425,11 @@ impl Packages {
 pub struct Session {
     pub(crate) pkgs: Arc<Packages>,
     pub tenant: String,
-    pub sandbox_id: String,
     pub policy: Policy,
     /// Bytes of files served to it (counted against `policy.max_download_bytes`).
     pub(crate) downloaded: AtomicU64,
-    seq: AtomicU64,
-    kept: AtomicU64,
-    dropped: AtomicU64,
+    /// Its install log.
+    log: SandboxLog<InstallEvent>,
 }
 
 impl Session {
@@ -473,54 +457,14 @@ impl Session {
     }
 
     /// Logs one event: counted in the metrics, stored while the log has room.
-    pub(crate) fn record(&self, mut e: InstallEvent) {
-        let outcome = InstallOutcome::try_from(e.outcome).unwrap_or(InstallOutcome::Unspecified);
+    pub(crate) fn record(&self, e: InstallEvent) {
+        let outcome = events::outcome_label(e.outcome());
         self.pkgs
             .metrics
-            .package_event(&self.tenant, &e.registry, outcome_label(outcome), e.bytes);
-        if self.kept.fetch_add(1, Ordering::Relaxed) >= self.pkgs.cfg.max_log_events {
-            let n = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
-            let _ = self.pkgs.store.set_installs_dropped(&self.sandbox_id, n);
-            return;
+            .package_event(&self.tenant, &e.registry, outcome, e.bytes);
+        if let Some(e) = self.log.append(e) {
+            crate::audit::logged(&self.tenant, &e.sandbox_id, &e);
         }
-        e.seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
-        e.tenant = self.tenant.clone();
-        e.sandbox_id = self.sandbox_id.clone();
-        e.time_unix_ms = crate::ids::now_ms();
-        if let Err(err) = self.pkgs.store.put_install(&self.sandbox_id, &e) {
-            warn!(sandbox = %self.sandbox_id, "install log: {err}");
-        }
-        let detail = serde_json::json!({
-            "install_seq": e.seq,
-            "registry": e.registry,
-            "type": e.kind,
-            "package": e.package,
-            "version": e.version,
-            "file": e.file,
-            "bytes": e.bytes,
-            "sha256": e.sha256,
-            "outcome": outcome_label(outcome),
-            "message": e.message,
-        });
-        let kind = match outcome == InstallOutcome::Denied {
-            true => crate::audit::Kind::Denial,
-            false => crate::audit::Kind::Package,
-        };
-        crate::audit::emit(&self.tenant, kind, &self.sandbox_id, "", detail);
-    }
-}
-
-/// The metric label of an outcome.
-pub fn outcome_label(o: InstallOutcome) -> &'static str {
-    match o {
-        InstallOutcome::Cached => "cached",
-        InstallOutcome::Fetched => "fetched",
-        InstallOutcome::Denied => "denied",
-        InstallOutcome::HashMismatch => "hash_mismatch",
-        InstallOutcome::OverCap => "over_cap",
-        InstallOutcome::UpstreamError => "upstream_error",
-        InstallOutcome::BadSignature => "bad_signature",
-        InstallOutcome::Unspecified => "unspecified",
     }
 }
 

@@ -1,6 +1,7 @@
 #![allow(clippy::unwrap_used)]
 
 use super::*;
+use airlock_api::v1::InstallOutcome;
 
 fn packages(tenants: &str) -> Packages {
     // A directory (and database) of its own per call: tests run in parallel.
@@ -107,7 +108,7 @@ fn events_are_logged_in_order_and_counted() {
             ..Default::default()
         });
     }
-    let (events, dropped) = p.log("sb-2", 0, 0).unwrap();
+    let (events, dropped) = p.log("sb-2", &Query::default()).unwrap();
     assert_eq!(dropped, 0);
     assert_eq!(events.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![1, 2]);
     assert_eq!(events[0].tenant, "t");
@@ -120,7 +121,19 @@ fn events_are_logged_in_order_and_counted() {
         true,
     );
     again.record(InstallEvent::default());
-    assert_eq!(p.log("sb-2", 2, 0).unwrap().0[0].seq, 3);
+    assert_eq!(
+        p.log(
+            "sb-2",
+            &Query {
+                after_seq: 2,
+                ..Default::default()
+            }
+        )
+        .unwrap()
+        .0[0]
+            .seq,
+        3
+    );
     let text = p.metrics.render(&Default::default(), &[]);
     assert!(
         text.contains(

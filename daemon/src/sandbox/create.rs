@@ -202,7 +202,7 @@ impl Sandboxes {
                     &rt.tenant,
                     exits,
                     spec.egress.clone(),
-                    None,
+                    false,
                     crate::net::Uses {
                         packages: self.egress.packages.session(&rt.tenant, &rt.id, pkg, false),
                         secrets: rt.secrets.clone(),

@@ -463,28 +463,28 @@ impl Sandboxes {
         })
     }
 
-    /// GetEgressLog: a sandbox of `tenant` (live or ended) and its egress log.
+    /// GetEgressLog: a sandbox of `tenant` (live or ended) and what `q` selects of its egress
+    /// log.
     pub fn egress_log(
         &self,
         tenant: &str,
         id: &str,
-        after_seq: u64,
-        limit: u32,
+        q: &crate::events::Query,
     ) -> ApiResult<(Vec<airlock_api::v1::EgressEvent>, u64)> {
         self.get(tenant, id)?;
-        self.egress.log(id, after_seq, limit)
+        self.egress.log(id, q)
     }
 
-    /// GetInstallLog: a sandbox of `tenant` (live or ended) and its install log.
+    /// GetInstallLog: a sandbox of `tenant` (live or ended) and what `q` selects of its
+    /// install log.
     pub fn install_log(
         &self,
         tenant: &str,
         id: &str,
-        after_seq: u64,
-        limit: u32,
+        q: &crate::events::Query,
     ) -> ApiResult<(Vec<airlock_api::v1::InstallEvent>, u64)> {
         self.get(tenant, id)?;
-        self.egress.packages.log(id, after_seq, limit)
+        self.egress.packages.log(id, q)
     }
 
     /// A live, running sandbox of `tenant` (errors say why not).

@@ -760,23 +760,63 @@ class EgressEvent:
         )
 
 
-class EgressLog(List[EgressEvent]):
-    """The events :meth:`~airlock.Sandbox.egress_log` returned (a list), and ``dropped``: how
-    many events the sandbox made beyond what its log keeps (counted, not stored)."""
+class SandboxLog(list):
+    """A page of one of a sandbox's logs (a list of its events, oldest first), and
+    ``dropped``: how many events the sandbox made beyond what the log keeps (counted, not
+    stored). :class:`EgressLog` and :class:`InstallLog` are its two kinds."""
 
-    def __init__(self, events: Iterable[EgressEvent] = (), dropped: int = 0) -> None:
+    #: The event class of the log.
+    event: Any = None
+
+    def __init__(self, events: Iterable[Any] = (), dropped: int = 0) -> None:
         super().__init__(events)
         self.dropped = dropped
 
     @classmethod
-    def from_pb(cls, resp: "pb.GetEgressLogResponse") -> "EgressLog":
-        return cls((EgressEvent.from_pb(e) for e in resp.events), resp.dropped)
+    def from_pb(cls, resp: Any) -> Any:
+        return cls((cls.event.from_pb(e) for e in resp.events), resp.dropped)
 
 
-def egress_log_request(sandbox_id: str, after_seq: int, limit: int) -> "pb.GetEgressLogRequest":
+def log_query(
+    after_seq: int,
+    limit: int,
+    kinds: Optional[Sequence[str]],
+    since: "TimeSpec",
+    until: "TimeSpec",
+) -> Dict[str, Any]:
+    """The fields every log's request shares (the egress and install logs, the audit trail):
+    the events after ``after_seq``, at most ``limit`` (0: the daemon's default), of ``kinds``
+    (empty: all), at or after ``since`` and before ``until``."""
     if after_seq < 0 or limit < 0:
         raise errors.InvalidArgument("after_seq and limit cannot be negative", "INVALID_ARGUMENT")
-    return pb.GetEgressLogRequest(sandbox_id=sandbox_id, after_seq=after_seq, limit=limit)
+    return dict(
+        after_seq=after_seq,
+        limit=limit,
+        kinds=list(_strings("kinds", kinds or ())),
+        since_unix_ms=_unix_ms("since", since),
+        until_unix_ms=_unix_ms("until", until),
+    )
+
+
+class EgressLog(SandboxLog):
+    """The events :meth:`~airlock.Sandbox.egress_log` returned (a list of
+    :class:`EgressEvent`), and ``dropped``: how many events the sandbox made beyond what its log
+    keeps (counted, not stored)."""
+
+    event = EgressEvent
+
+
+def egress_log_request(
+    sandbox_id: str,
+    after_seq: int,
+    limit: int,
+    kinds: Optional[Sequence[str]] = None,
+    since: "TimeSpec" = None,
+    until: "TimeSpec" = None,
+) -> "pb.GetEgressLogRequest":
+    return pb.GetEgressLogRequest(
+        sandbox_id=sandbox_id, **log_query(after_seq, limit, kinds, since, until)
+    )
 
 
 # ---- packages ----
@@ -918,23 +958,25 @@ class InstallEvent:
         )
 
 
-class InstallLog(List[InstallEvent]):
-    """The events :meth:`~airlock.Sandbox.install_log` returned (a list), and ``dropped``: how
-    many events the sandbox made beyond what its log keeps (counted, not stored)."""
+class InstallLog(SandboxLog):
+    """The events :meth:`~airlock.Sandbox.install_log` returned (a list of
+    :class:`InstallEvent`), and ``dropped``: how many events the sandbox made beyond what its
+    log keeps (counted, not stored)."""
 
-    def __init__(self, events: Iterable[InstallEvent] = (), dropped: int = 0) -> None:
-        super().__init__(events)
-        self.dropped = dropped
-
-    @classmethod
-    def from_pb(cls, resp: "pb.GetInstallLogResponse") -> "InstallLog":
-        return cls((InstallEvent.from_pb(e) for e in resp.events), resp.dropped)
+    event = InstallEvent
 
 
-def install_log_request(sandbox_id: str, after_seq: int, limit: int) -> "pb.GetInstallLogRequest":
-    if after_seq < 0 or limit < 0:
-        raise errors.InvalidArgument("after_seq and limit cannot be negative", "INVALID_ARGUMENT")
-    return pb.GetInstallLogRequest(sandbox_id=sandbox_id, after_seq=after_seq, limit=limit)
+def install_log_request(
+    sandbox_id: str,
+    after_seq: int,
+    limit: int,
+    kinds: Optional[Sequence[str]] = None,
+    since: "TimeSpec" = None,
+    until: "TimeSpec" = None,
+) -> "pb.GetInstallLogRequest":
+    return pb.GetInstallLogRequest(
+        sandbox_id=sandbox_id, **log_query(after_seq, limit, kinds, since, until)
+    )
 
 
 # ---- secrets ----
@@ -1250,15 +1292,8 @@ def audit_request(
     since: TimeSpec,
     until: TimeSpec,
 ) -> "pb.ListAuditEventsRequest":
-    if after_seq < 0 or limit < 0:
-        raise errors.InvalidArgument("after_seq and limit cannot be negative", "INVALID_ARGUMENT")
     return pb.ListAuditEventsRequest(
-        after_seq=after_seq,
-        limit=limit,
-        kinds=list(_strings("kinds", kinds or ())),
-        sandbox_id=sandbox_id or "",
-        since_unix_ms=_unix_ms("since", since),
-        until_unix_ms=_unix_ms("until", until),
+        sandbox_id=sandbox_id or "", **log_query(after_seq, limit, kinds, since, until)
     )
 
 

@@ -608,14 +608,30 @@ class AsyncSandbox(c.SandboxInfo):
         self._info = await self._c._unary("RemoveSecrets", c.remove_secrets_request(self.id, names))
         return self
 
-    async def egress_log(self, after_seq: int = 0, limit: int = 0) -> EgressLog:
+    async def egress_log(
+        self,
+        after_seq: int = 0,
+        limit: int = 0,
+        *,
+        kinds: Optional[Sequence[str]] = None,
+        since: c.TimeSpec = None,
+        until: c.TimeSpec = None,
+    ) -> EgressLog:
         """As :meth:`airlock.client.Sandbox.egress_log`."""
-        req = c.egress_log_request(self.id, after_seq, limit)
+        req = c.egress_log_request(self.id, after_seq, limit, kinds, since, until)
         return EgressLog.from_pb(await self._c._unary("GetEgressLog", req))
 
-    async def install_log(self, after_seq: int = 0, limit: int = 0) -> InstallLog:
+    async def install_log(
+        self,
+        after_seq: int = 0,
+        limit: int = 0,
+        *,
+        kinds: Optional[Sequence[str]] = None,
+        since: c.TimeSpec = None,
+        until: c.TimeSpec = None,
+    ) -> InstallLog:
         """As :meth:`airlock.client.Sandbox.install_log`."""
-        req = c.install_log_request(self.id, after_seq, limit)
+        req = c.install_log_request(self.id, after_seq, limit, kinds, since, until)
         return InstallLog.from_pb(await self._c._unary("GetInstallLog", req))
 
     async def expose_port(self, port: int, ttl: Optional[float] = None) -> Exposure:

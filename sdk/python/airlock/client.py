@@ -707,22 +707,43 @@ class Sandbox(c.SandboxInfo):
         self._info = self._c._unary("RemoveSecrets", c.remove_secrets_request(self.id, names))
         return self
 
-    def egress_log(self, after_seq: int = 0, limit: int = 0) -> EgressLog:
+    def egress_log(
+        self,
+        after_seq: int = 0,
+        limit: int = 0,
+        *,
+        kinds: Optional[Sequence[str]] = None,
+        since: c.TimeSpec = None,
+        until: c.TimeSpec = None,
+    ) -> EgressLog:
         """Its egress log, oldest first: every DNS query and connection attempt (allowed or
         not) after sequence number ``after_seq``, at most ``limit`` of them (0: the daemon's
-        default, 1000). A list of :class:`~airlock.EgressEvent`; its ``dropped`` counts the
-        events beyond what the log keeps. Kept after the sandbox ended, with its record."""
-        req = c.egress_log_request(self.id, after_seq, limit)
+        default, 1000), only of ``kinds`` (``"dns"``, ``"tcp"``, ``"expose"``; default: all),
+        at or after ``since`` and before ``until`` (datetimes, or Unix time in seconds), as
+        :meth:`Client.audit_events` filters the audit trail. A list of
+        :class:`~airlock.EgressEvent`; its ``dropped`` counts the events beyond what the log
+        keeps. Kept after the sandbox ended, with its record."""
+        req = c.egress_log_request(self.id, after_seq, limit, kinds, since, until)
         return EgressLog.from_pb(self._c._unary("GetEgressLog", req))
 
-    def install_log(self, after_seq: int = 0, limit: int = 0) -> InstallLog:
+    def install_log(
+        self,
+        after_seq: int = 0,
+        limit: int = 0,
+        *,
+        kinds: Optional[Sequence[str]] = None,
+        since: c.TimeSpec = None,
+        until: c.TimeSpec = None,
+    ) -> InstallLog:
         """Its install log, oldest first: every package file (and every refused index page)
         its pip or npm asked the daemon's package proxy for, with the outcome (``"cached"``,
         ``"fetched"``, ``"denied"``, ``"hash_mismatch"``, ``"over_cap"``,
-        ``"upstream_error"``), after sequence number ``after_seq``, at most ``limit`` of them
-        (0: the daemon's default, 1000). A list of :class:`~airlock.InstallEvent`; its
-        ``dropped`` counts the events beyond what the log keeps. Kept with its record."""
-        req = c.install_log_request(self.id, after_seq, limit)
+        ``"upstream_error"``, ``"bad_signature"``), after sequence number ``after_seq``, at most
+        ``limit`` of them (0: the daemon's default, 1000), only of the outcomes ``kinds``
+        (default: all), at or after ``since`` and before ``until``. A list of
+        :class:`~airlock.InstallEvent`; its ``dropped`` counts the events beyond what the log
+        keeps. Kept with its record."""
+        req = c.install_log_request(self.id, after_seq, limit, kinds, since, until)
         return InstallLog.from_pb(self._c._unary("GetInstallLog", req))
 
     def expose_port(self, port: int, ttl: Optional[float] = None) -> Exposure:

@@ -327,6 +327,27 @@ def test_audit_requests():
             bad()
 
 
+def test_every_log_is_queried_alike():
+    """The egress and install logs take the audit trail's filters, built by one function."""
+    when = datetime.datetime(2024, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+    for build in (c.egress_log_request, c.install_log_request):
+        req = build("sb-1", 3, 10, ["dns", "tcp"], 1_700_000_000, when)
+        assert (req.sandbox_id, req.after_seq, req.limit, list(req.kinds)) == ("sb-1", 3, 10, ["dns", "tcp"])
+        assert (req.since_unix_ms, req.until_unix_ms) == (1_700_000_000_000, int(when.timestamp() * 1000))
+        assert list(build("sb-1", 0, 0).kinds) == [] and build("sb-1", 0, 0).since_unix_ms == 0
+        for bad in (
+            lambda: build("sb-1", -1, 0),
+            lambda: build("sb-1", 0, 0, "dns"),
+            lambda: build("sb-1", 0, 0, None, "an hour ago"),
+        ):
+            with pytest.raises(airlock.InvalidArgument):
+                bad()
+    log = c.EgressLog.from_pb(pb.GetEgressLogResponse(events=[pb.EgressEvent(seq=4, name="a.example")], dropped=2))
+    assert isinstance(log, c.SandboxLog) and log[0].seq == 4 and log.dropped == 2
+    log = c.InstallLog.from_pb(pb.GetInstallLogResponse(events=[pb.InstallEvent(seq=1, package="demo")]))
+    assert isinstance(log[0], airlock.InstallEvent) and log.dropped == 0
+
+
 def test_paging_collects_the_head_of_the_last_page():
     events = chain(DETAILS)
     trail = AuditLog()
