@@ -244,6 +244,50 @@ pub fn restore_microvm(
     let mut marks = StepTimer::new(restore_started);
     let snap = Snapshot::read_state(&config.snapshot_dir)?;
     marks.mark("state");
+    check_cpu_template(config, &snap)?;
+    let (vm, vcpu_fds) = open_restored_vm(config, &snap, prepared, &mut marks)?;
+    marks.mark("kvm-vm");
+    let evts = VmEvents::new(started)?;
+    let mut devices = DeviceSet::new();
+    attach_legacy_devices(
+        &vm,
+        &mut devices,
+        &config.console,
+        config.console_limit,
+        Some(&snap.serial),
+        &evts,
+    )?;
+    restore_virtio_devices(&vm, &mut devices, config, &snap)?;
+    marks.mark("devices");
+    snap.vm
+        .restore(vm.fd())
+        .map_err(|e| BuildError::Snapshot(e.into()))?;
+    marks.mark("vm-state");
+    crate::kick::register_handler().map_err(BuildError::Signal)?;
+    let (pio, mmio) = (Arc::new(devices.pio), Arc::new(devices.mmio));
+    let vcpus = restore_vcpus(&vm, &snap, vcpu_fds, &pio, &mmio, &evts)?;
+    marks.mark("vcpus");
+    reset_after_restore(&devices.vsock, &devices.virtio);
+    marks.mark("reset");
+    log::info!("restore steps (us): {}", marks.report());
+    let parts = VmParts {
+        vm,
+        vcpus,
+        evts,
+        blocks: devices.blocks,
+        serial: devices.serial,
+        virtio: devices.virtio,
+        subscribers: devices.subscribers,
+        machine: snap.machine,
+        boot_timeout: None,
+        started,
+        restore_started: Some(restore_started),
+    };
+    assemble(parts)
+}
+
+/// Restore step: the snapshot's CPU template must be this host's.
+fn check_cpu_template(config: &RestoreConfig, snap: &Snapshot) -> Result<(), BuildError> {
     let template = config.cpu_template.unwrap_or_else(CpuTemplate::detect);
     if snap.machine.cpu_template != template_name(template) {
         return Err(BuildError::Restore(format!(
@@ -252,8 +296,19 @@ pub fn restore_microvm(
             template_name(template)
         )));
     }
+    Ok(())
+}
+
+/// Restore step: the KVM VM over the snapshot's memory and one vCPU fd per saved vCPU, from
+/// the prepared VM when there is one, else mapped and created here (marks "map").
+fn open_restored_vm(
+    config: &RestoreConfig,
+    snap: &Snapshot,
+    prepared: Option<crate::vm::PreparedVm>,
+    marks: &mut StepTimer,
+) -> Result<(Vm, Vec<kvm_ioctls::VcpuFd>), BuildError> {
     let memory_file = config.snapshot_dir.join(MEMORY_FILE);
-    let (vm, vcpu_fds) = match prepared {
+    Ok(match prepared {
         Some(prepared) => {
             if prepared.vcpu_count() != snap.vcpus.len() {
                 return Err(BuildError::Restore(format!(
@@ -276,18 +331,17 @@ pub fn restore_microvm(
                 .collect::<Result<_, _>>()?;
             (vm, fds)
         }
-    };
-    marks.mark("kvm-vm");
-    let evts = VmEvents::new(started)?;
-    let mut devices = DeviceSet::new();
-    attach_legacy_devices(
-        &vm,
-        &mut devices,
-        &config.console,
-        config.console_limit,
-        Some(&snap.serial),
-        &evts,
-    )?;
+    })
+}
+
+/// Restore step: every virtio device of the snapshot in its slot, with its transport state;
+/// slots that got media are told their capacity changed.
+fn restore_virtio_devices(
+    vm: &Vm,
+    devices: &mut DeviceSet,
+    config: &RestoreConfig,
+    snap: &Snapshot,
+) -> Result<(), BuildError> {
     if config.slot_media.len() > snap.virtio.len() {
         return Err(BuildError::Restore(
             "more slot media than the snapshot has slots".into(),
@@ -295,63 +349,8 @@ pub fn restore_microvm(
     }
     let (mut slots, mut changed) = (0usize, Vec::new());
     for v in &snap.virtio {
-        let transport = match &v.kind {
-            DeviceKind::Block {
-                path,
-                read_only,
-                id,
-            } => attach_block_device(
-                &vm,
-                &mut devices,
-                &DiskConfig {
-                    path: path.clone(),
-                    read_only: *read_only,
-                    id: id.clone(),
-                    overlay: None,
-                },
-                None,
-            )?,
-            DeviceKind::Slot { id } => {
-                let media = config.slot_media.get(slots).cloned().flatten();
-                slots += 1;
-                let with_media = media.is_some();
-                let t = attach_slot_device(&vm, &mut devices, id, media)?;
-                if with_media {
-                    changed.push(t.clone());
-                }
-                t
-            }
-            DeviceKind::LayeredBlock { base, id } => {
-                let overlay = config.root_overlay.clone().ok_or_else(|| {
-                    BuildError::Restore(
-                        "the snapshot has a copy-on-write disk: give its overlay".into(),
-                    )
-                })?;
-                let disk = DiskConfig {
-                    path: base.clone(),
-                    read_only: true,
-                    id: id.clone(),
-                    overlay: Some(overlay),
-                };
-                attach_block_device(&vm, &mut devices, &disk, Some(&config.snapshot_dir))?
-            }
-            DeviceKind::Vsock { guest_cid } => {
-                let uds_path = config.vsock_uds.clone().ok_or_else(|| {
-                    BuildError::Restore("the snapshot has a vsock device: give its socket".into())
-                })?;
-                let cfg = VsockConfig {
-                    guest_cid: *guest_cid,
-                    uds_path,
-                };
-                attach_vsock_device(&vm, &mut devices, &cfg)?
-            }
-            DeviceKind::Net { mac } => {
-                let tap = config.net_tap.clone().ok_or_else(|| {
-                    BuildError::Restore("the snapshot has a network card: give its TAP".into())
-                })?;
-                attach_net_device(&vm, &mut devices, &NetConfig { tap, mac: *mac })?
-            }
-        };
+        let transport =
+            attach_saved_device(vm, devices, config, &v.kind, &mut slots, &mut changed)?;
         transport
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -368,57 +367,123 @@ pub fn restore_microvm(
     for t in changed {
         t.lock().unwrap_or_else(|e| e.into_inner()).config_changed();
     }
-    marks.mark("devices");
-    snap.vm
-        .restore(vm.fd())
-        .map_err(|e| BuildError::Snapshot(e.into()))?;
-    marks.mark("vm-state");
-    crate::kick::register_handler().map_err(BuildError::Signal)?;
-    let (pio, mmio) = (Arc::new(devices.pio), Arc::new(devices.mmio));
+    Ok(())
+}
+
+/// Restore step: attaches the device a snapshot entry of `kind` describes, with what `config`
+/// gives it (overlay, socket, TAP, the next slot's media: `slots` counts the slots so far, and
+/// a slot that gets media goes on `changed`).
+fn attach_saved_device(
+    vm: &Vm,
+    devices: &mut DeviceSet,
+    config: &RestoreConfig,
+    kind: &DeviceKind,
+    slots: &mut usize,
+    changed: &mut Vec<Arc<Mutex<MmioTransport>>>,
+) -> Result<Arc<Mutex<MmioTransport>>, BuildError> {
+    Ok(match kind {
+        DeviceKind::Block {
+            path,
+            read_only,
+            id,
+        } => attach_block_device(
+            vm,
+            devices,
+            &DiskConfig {
+                path: path.clone(),
+                read_only: *read_only,
+                id: id.clone(),
+                overlay: None,
+            },
+            None,
+        )?,
+        DeviceKind::Slot { id } => {
+            let media = config.slot_media.get(*slots).cloned().flatten();
+            *slots += 1;
+            let with_media = media.is_some();
+            let t = attach_slot_device(vm, devices, id, media)?;
+            if with_media {
+                changed.push(t.clone());
+            }
+            t
+        }
+        DeviceKind::LayeredBlock { base, id } => {
+            let overlay = config.root_overlay.clone().ok_or_else(|| {
+                BuildError::Restore(
+                    "the snapshot has a copy-on-write disk: give its overlay".into(),
+                )
+            })?;
+            let disk = DiskConfig {
+                path: base.clone(),
+                read_only: true,
+                id: id.clone(),
+                overlay: Some(overlay),
+            };
+            attach_block_device(vm, devices, &disk, Some(&config.snapshot_dir))?
+        }
+        DeviceKind::Vsock { guest_cid } => {
+            let uds_path = config.vsock_uds.clone().ok_or_else(|| {
+                BuildError::Restore("the snapshot has a vsock device: give its socket".into())
+            })?;
+            let cfg = VsockConfig {
+                guest_cid: *guest_cid,
+                uds_path,
+            };
+            attach_vsock_device(vm, devices, &cfg)?
+        }
+        DeviceKind::Net { mac } => {
+            let tap = config.net_tap.clone().ok_or_else(|| {
+                BuildError::Restore("the snapshot has a network card: give its TAP".into())
+            })?;
+            attach_net_device(vm, devices, &NetConfig { tap, mac: *mac })?
+        }
+    })
+}
+
+/// Restore step: a vCPU per saved state on its prepared fd, its KVM state restored, started
+/// paused.
+fn restore_vcpus(
+    vm: &Vm,
+    snap: &Snapshot,
+    vcpu_fds: Vec<kvm_ioctls::VcpuFd>,
+    pio: &Arc<Bus>,
+    mmio: &Arc<Bus>,
+    evts: &VmEvents,
+) -> Result<Vec<crate::vcpu::VcpuHandle>, BuildError> {
     let mut vcpus = Vec::with_capacity(snap.vcpus.len());
     for (state, fd) in snap.vcpus.iter().zip(vcpu_fds) {
         // The MSRs the snapshot holds are the ones KVM could read: save the same ones again
         // (no index-list query on the restore path).
         let msrs: Vec<u32> = state.msrs.iter().map(|(i, _)| *i).collect();
-        let vcpu = new_vcpu(&vm, fd, state.index, &pio, &mmio, &evts, &msrs)?;
+        let vcpu = new_vcpu(vm, fd, state.index, pio, mmio, evts, &msrs)?;
         state
             .restore(vcpu.fd())
             .map_err(|e| BuildError::Snapshot(e.into()))?;
         vcpus.push(vcpu.start_paused().map_err(BuildError::SpawnVcpu)?);
     }
-    marks.mark("vcpus");
-    // Host connections from before the snapshot are gone; tell the guest (it resets its
-    // sockets), and let every device look at its queues once in case a notification was in
-    // flight when the snapshot was taken.
-    if let Some(vsock) = &devices.vsock {
+    Ok(vcpus)
+}
+
+/// Restore step: host connections from before the snapshot are gone; tell the guest (it
+/// resets its sockets), and let every device look at its queues once in case a notification
+/// was in flight when the snapshot was taken.
+fn reset_after_restore(
+    vsock: &Option<Arc<Mutex<Vsock>>>,
+    virtio: &[(Arc<Mutex<MmioTransport>>, DeviceKind)],
+) {
+    if let Some(vsock) = vsock {
         let mut dev = vsock.lock().unwrap_or_else(|e| e.into_inner());
         if !dev.send_transport_reset() {
             log::warn!("vsock: the guest driver had no event buffer for the transport reset");
         }
     }
-    for (t, _) in &devices.virtio {
+    for (t, _) in virtio {
         let t = t.lock().unwrap_or_else(|e| e.into_inner());
         let dev = t.device().lock().unwrap_or_else(|e| e.into_inner());
         for evt in dev.queue_events() {
             let _ = evt.write(1);
         }
     }
-    marks.mark("reset");
-    log::info!("restore steps (us): {}", marks.report());
-    let parts = VmParts {
-        vm,
-        vcpus,
-        evts,
-        blocks: devices.blocks,
-        serial: devices.serial,
-        virtio: devices.virtio,
-        subscribers: devices.subscribers,
-        machine: snap.machine,
-        boot_timeout: None,
-        started,
-        restore_started: Some(restore_started),
-    };
-    assemble(parts)
 }
 
 fn attach_legacy_devices(
