@@ -97,7 +97,6 @@ const KNOWN_LONG: &[&str] = &[
     "daemon/src/exec/mod.rs start",
     "daemon/src/imagebuild.rs copy",
     "daemon/src/imagebuild.rs run",
-    "daemon/src/jail/sys.rs enter_jail",
     "daemon/src/metrics.rs render",
     "daemon/src/net/dns.rs serve",
     "daemon/src/net/expose.rs handle",

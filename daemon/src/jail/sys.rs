@@ -400,47 +400,66 @@ fn child_main(plan: &Plan, go: RawFd, errors: RawFd) -> ! {
     fail(errors, step)
 }
 
+/// Runs one jail step: a system call returning -1 on failure, reported as step `*$step`
+/// through `$errors` (the child then exits).
+macro_rules! jail_step {
+    ($errors:expr, $step:expr, $call:expr) => {{
+        // SAFETY: as in `child_main`: async-signal-safe system calls on `plan` memory.
+        let rc = unsafe { $call };
+        if rc == -1 {
+            fail($errors, *$step);
+        }
+    }};
+}
+
 /// The jail steps of [`child_main`]: the mount tree, then limits and credentials.
 ///
-/// Longer than the daemon's other functions on purpose (a documented exception): it is one
-/// ordered list of system calls, each numbered for the error report, run in the cloned child
-/// where nothing may allocate; split into helpers, the order and the step numbers would be
-/// harder to follow, not easier.
+/// One ordered list of system calls, each numbered for the error report, run in the cloned
+/// child where nothing may allocate: each helper below takes the step counter and advances
+/// it past its own steps (in [`STEPS`] order), and none of them allocates.
 fn enter_jail(j: &JailPlan, errors: RawFd, step: &mut usize) {
-    macro_rules! try_step {
-        ($call:expr) => {{
-            // SAFETY: as in `child_main`: async-signal-safe system calls on `plan` memory.
-            let rc = unsafe { $call };
-            if rc == -1 {
-                fail(errors, *step);
-            }
-        }};
-    }
+    mount_jail_tmpfs(j, errors, step);
+    bind_host_paths(j, errors, step);
+    make_kvm_node(j, errors, step);
+    pivot_into_jail(j, errors, step);
+    drop_privileges(j, errors, step);
+}
+
+/// Jail steps: a private mount tree, the jail's tmpfs on its root, and the directories and
+/// empty mount-point files in it.
+fn mount_jail_tmpfs(j: &JailPlan, errors: RawFd, step: &mut usize) {
     let none = std::ptr::null::<libc::c_char>();
     let root = c"/".as_ptr();
-    let dot = c".".as_ptr();
     // The jail's directories get the modes asked for here, whatever the daemon's own umask
     // (0077) is: the VMM's uid must traverse them. umask(2) cannot fail.
     // SAFETY: async-signal-safe; only sets this process's file-creation mask.
     unsafe { libc::umask(0o022) };
-    try_step!(libc::mount(
-        none,
-        root,
-        none,
-        libc::MS_REC | libc::MS_PRIVATE,
-        std::ptr::null()
-    ));
+    jail_step!(
+        errors,
+        step,
+        libc::mount(
+            none,
+            root,
+            none,
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null()
+        )
+    );
     *step += 1;
-    try_step!(libc::mount(
-        c"airlock-jail".as_ptr(),
-        j.root.as_ptr(),
-        c"tmpfs".as_ptr(),
-        libc::MS_NOSUID,
-        j.tmpfs_options.as_ptr().cast()
-    ));
+    jail_step!(
+        errors,
+        step,
+        libc::mount(
+            c"airlock-jail".as_ptr(),
+            j.root.as_ptr(),
+            c"tmpfs".as_ptr(),
+            libc::MS_NOSUID,
+            j.tmpfs_options.as_ptr().cast()
+        )
+    );
     *step += 1;
     for d in &j.dirs {
-        // SAFETY: as above.
+        // SAFETY: as in `child_main`: an async-signal-safe system call on `plan` memory.
         let rc = unsafe { libc::mkdir(d.as_ptr(), 0o755) };
         if rc == -1 && errno() != libc::EEXIST {
             fail(errors, *step);
@@ -449,7 +468,7 @@ fn enter_jail(j: &JailPlan, errors: RawFd, step: &mut usize) {
     *step += 1;
     for f in &j.files {
         let flags = libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC;
-        // SAFETY: as above; the descriptor is closed right away.
+        // SAFETY: as for mkdir above; the descriptor is closed right away.
         let fd = unsafe { libc::open(f.as_ptr(), flags, 0o600) };
         if fd == -1 {
             fail(errors, *step);
@@ -458,65 +477,108 @@ fn enter_jail(j: &JailPlan, errors: RawFd, step: &mut usize) {
         unsafe { libc::close(fd) };
     }
     *step += 1;
+}
+
+/// Jail steps: each host path bind-mounted into the jail, then each bind remounted with its
+/// flags.
+fn bind_host_paths(j: &JailPlan, errors: RawFd, step: &mut usize) {
+    let none = std::ptr::null::<libc::c_char>();
     for b in &j.binds {
-        try_step!(libc::mount(
-            b.source.as_ptr(),
-            b.target.as_ptr(),
-            none,
-            libc::MS_BIND,
-            std::ptr::null()
-        ));
+        jail_step!(
+            errors,
+            step,
+            libc::mount(
+                b.source.as_ptr(),
+                b.target.as_ptr(),
+                none,
+                libc::MS_BIND,
+                std::ptr::null()
+            )
+        );
     }
     *step += 1;
     for b in &j.binds {
-        try_step!(libc::mount(
-            none,
-            b.target.as_ptr(),
-            none,
-            libc::MS_BIND | libc::MS_REMOUNT | b.flags,
-            std::ptr::null()
-        ));
+        jail_step!(
+            errors,
+            step,
+            libc::mount(
+                none,
+                b.target.as_ptr(),
+                none,
+                libc::MS_BIND | libc::MS_REMOUNT | b.flags,
+                std::ptr::null()
+            )
+        );
     }
     *step += 1;
-    try_step!(libc::mknod(
-        j.kvm_node.as_ptr(),
-        libc::S_IFCHR | 0o600,
-        j.kvm_rdev
-    ));
+}
+
+/// Jail steps: `/dev/kvm` made in the jail and handed to the jail's uid.
+fn make_kvm_node(j: &JailPlan, errors: RawFd, step: &mut usize) {
+    jail_step!(
+        errors,
+        step,
+        libc::mknod(j.kvm_node.as_ptr(), libc::S_IFCHR | 0o600, j.kvm_rdev)
+    );
     *step += 1;
-    try_step!(libc::chown(j.kvm_node.as_ptr(), j.uid, j.gid));
+    jail_step!(errors, step, libc::chown(j.kvm_node.as_ptr(), j.uid, j.gid));
     *step += 1;
-    try_step!(libc::chdir(j.root.as_ptr()));
+}
+
+/// Jail steps: the jail's directory becomes the root (the old one detached), read-only.
+fn pivot_into_jail(j: &JailPlan, errors: RawFd, step: &mut usize) {
+    let none = std::ptr::null::<libc::c_char>();
+    let root = c"/".as_ptr();
+    let dot = c".".as_ptr();
+    jail_step!(errors, step, libc::chdir(j.root.as_ptr()));
     *step += 1;
     // pivot_root(".", "."): the old root ends up stacked on the new one and is detached next,
     // so the jail needs no directory for it.
-    try_step!(libc::syscall(libc::SYS_pivot_root, dot, dot) as i32);
+    jail_step!(
+        errors,
+        step,
+        libc::syscall(libc::SYS_pivot_root, dot, dot) as i32
+    );
     *step += 1;
-    try_step!(libc::umount2(dot, libc::MNT_DETACH));
+    jail_step!(errors, step, libc::umount2(dot, libc::MNT_DETACH));
     *step += 1;
-    try_step!(libc::chdir(root));
+    jail_step!(errors, step, libc::chdir(root));
     *step += 1;
-    try_step!(libc::mount(
-        none,
-        root,
-        none,
-        // Not nodev: /dev/kvm lives on this tmpfs (the uid cannot make device nodes).
-        libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID,
-        std::ptr::null()
-    ));
+    jail_step!(
+        errors,
+        step,
+        libc::mount(
+            none,
+            root,
+            none,
+            // Not nodev: /dev/kvm lives on this tmpfs (the uid cannot make device nodes).
+            libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID,
+            std::ptr::null()
+        )
+    );
     *step += 1;
+}
+
+/// Jail steps: resource limits, no_new_privs, no capabilities left, and the jail's gid and
+/// uid.
+fn drop_privileges(j: &JailPlan, errors: RawFd, step: &mut usize) {
     for (resource, value) in &j.rlimits {
         let limit = libc::rlimit {
             rlim_cur: *value,
             rlim_max: *value,
         };
-        try_step!(libc::setrlimit(*resource, &limit));
+        jail_step!(errors, step, libc::setrlimit(*resource, &limit));
     }
     *step += 1;
-    try_step!(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0));
+    jail_step!(
+        errors,
+        step,
+        libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    );
     *step += 1;
     for cap in 0..64 {
-        // SAFETY: as above. EINVAL past the kernel's last capability ends the loop.
+        // SAFETY: as in `child_main`: an async-signal-safe system call. EINVAL past the
+        // kernel's last capability ends the loop.
         if unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) } == -1 {
             if errno() == libc::EINVAL {
                 break;
@@ -525,21 +587,37 @@ fn enter_jail(j: &JailPlan, errors: RawFd, step: &mut usize) {
         }
     }
     *step += 1;
-    try_step!(libc::prctl(
-        libc::PR_CAP_AMBIENT,
-        libc::PR_CAP_AMBIENT_CLEAR_ALL,
-        0,
-        0,
-        0
-    ));
+    jail_step!(
+        errors,
+        step,
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL,
+            0,
+            0,
+            0
+        )
+    );
     *step += 1;
     // Raw system calls, not glibc's wrappers: those would try to change the credentials of
     // every thread glibc remembers from the parent (threads this child does not have).
-    try_step!(libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) as i32);
+    jail_step!(
+        errors,
+        step,
+        libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) as i32
+    );
     *step += 1;
-    try_step!(libc::syscall(libc::SYS_setresgid, j.gid, j.gid, j.gid) as i32);
+    jail_step!(
+        errors,
+        step,
+        libc::syscall(libc::SYS_setresgid, j.gid, j.gid, j.gid) as i32
+    );
     *step += 1;
-    try_step!(libc::syscall(libc::SYS_setresuid, j.uid, j.uid, j.uid) as i32);
+    jail_step!(
+        errors,
+        step,
+        libc::syscall(libc::SYS_setresuid, j.uid, j.uid, j.uid) as i32
+    );
     *step += 1;
     // Leaving uid 0 cleared the permitted and effective sets; clear the inheritable one too.
     let header = CapHeader {
@@ -547,7 +625,11 @@ fn enter_jail(j: &JailPlan, errors: RawFd, step: &mut usize) {
         pid: 0,
     };
     let data = [CapData::default(); 2];
-    try_step!(libc::syscall(libc::SYS_capset, &header, data.as_ptr()) as i32);
+    jail_step!(
+        errors,
+        step,
+        libc::syscall(libc::SYS_capset, &header, data.as_ptr()) as i32
+    );
     *step += 1;
 }
 
