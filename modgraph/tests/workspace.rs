@@ -100,7 +100,6 @@ const KNOWN_LONG: &[&str] = &[
     "daemon/src/metrics.rs render",
     "daemon/src/net/dns.rs serve",
     "daemon/src/net/expose.rs handle",
-    "daemon/src/net/proxy.rs handle",
     "daemon/src/oci/mod.rs assemble",
     "daemon/src/oci/mod.rs import",
     "daemon/src/oci/pull.rs open",

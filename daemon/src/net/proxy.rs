@@ -106,6 +106,8 @@ fn allowance_text(a: &Allowance) -> String {
     }
 }
 
+/// One guest connection: decide it, connect upstream, serve it (brokered or relayed), and
+/// record what happened.
 async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
     let t0 = Instant::now();
     let mut ev = event(&guest);
@@ -123,9 +125,60 @@ async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
         crate::pkg::serve(state.packages.clone(), guest).await;
         return;
     }
-    let policy = state.policy();
     let mut head = Vec::new();
     let mut sniffed_tls = false;
+    let verdict = decide(
+        &state,
+        &mut guest,
+        dst,
+        &mut ev,
+        &mut head,
+        &mut sniffed_tls,
+    )
+    .await;
+    let allowance = match verdict {
+        Ok(a) => a,
+        Err(d) => {
+            ev.verdict = d.to_string();
+            reset(guest);
+            finish(&state, ev, t0);
+            return;
+        }
+    };
+    ev.allowed = true;
+    ev.verdict = allowance_text(&allowance);
+    let brokered = is_brokered(&state, &mut guest, &mut ev, &mut head, &mut sniffed_tls).await;
+    let upstream = match connect(&state, dst).await {
+        Ok(u) => u,
+        Err(e) => {
+            ev.verdict = format!("{}; {e}", ev.verdict);
+            reset(guest);
+            finish(&state, ev, t0);
+            return;
+        }
+    };
+    let _ = upstream.set_nodelay(true);
+    let _ = guest.set_nodelay(true);
+    if brokered {
+        serve_brokered(&state, guest, head, upstream, sniffed_tls, &mut ev).await;
+    } else {
+        relay(guest, &head, upstream, &mut ev).await;
+    }
+    finish(&state, ev, t0);
+}
+
+/// Decide step: the policy's verdict on the destination alone, or, when a name could change
+/// it, on the name the guest's first bytes state (read into `head`; `ev.name` and
+/// `sniffed_tls` say what they stated) and the daemon's resolution of that name.
+async fn decide(
+    state: &NetState,
+    guest: &mut TcpStream,
+    dst: SocketAddr,
+    ev: &mut EgressEvent,
+    head: &mut Vec<u8>,
+    sniffed_tls: &mut bool,
+) -> Result<Allowance, Denial> {
+    let policy = state.policy();
     let bare = Attempt {
         addr: dst.ip(),
         port: dst.port(),
@@ -134,13 +187,13 @@ async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
         pinned: false,
         host: state.egress.host_addrs.contains(dst.ip()),
     };
-    let verdict = match policy.check(&bare) {
+    match policy.check(&bare) {
         Err(d @ (Denial::NoName | Denial::Guarded(_) | Denial::HostAddress(_)))
             if wants_name(&policy) =>
         {
             let wait = Duration::from_millis(state.cfg().sniff_timeout_ms);
-            let sniffed = read_name(&mut guest, &mut head, wait).await;
-            sniffed_tls = sniffed.as_ref().is_some_and(|(_, tls)| *tls);
+            let sniffed = read_name(guest, head, wait).await;
+            *sniffed_tls = sniffed.as_ref().is_some_and(|(_, tls)| *tls);
             match sniffed.map(|(name, _)| name) {
                 // A name no rule allows is never resolved: the guest must not make the
                 // daemon's resolver query names of its choosing (a tunnel through `Host`).
@@ -163,78 +216,94 @@ async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
             }
         }
         other => other,
-    };
-    let allowance = match verdict {
-        Ok(a) => a,
-        Err(d) => {
-            ev.verdict = d.to_string();
-            reset(guest);
-            ev.duration_ms = t0.elapsed().as_secs_f64() * 1000.0;
-            state.record(ev);
-            return;
-        }
-    };
-    ev.allowed = true;
-    ev.verdict = allowance_text(&allowance);
-    // A sandbox with brokered secrets: every allowed connection's name is learnt (if its
-    // policy did not need it), to tell whether the proxy serves it itself.
+    }
+}
+
+/// Broker step: whether the proxy serves this allowed connection itself. A sandbox with
+/// brokered secrets learns every allowed connection's name (if its policy did not need it).
+async fn is_brokered(
+    state: &NetState,
+    guest: &mut TcpStream,
+    ev: &mut EgressEvent,
+    head: &mut Vec<u8>,
+    sniffed_tls: &mut bool,
+) -> bool {
     if state.secrets.brokers() && head.is_empty() {
         let wait = Duration::from_millis(state.cfg().sniff_timeout_ms);
-        if let Some((name, tls)) = read_name(&mut guest, &mut head, wait).await {
+        if let Some((name, tls)) = read_name(guest, head, wait).await {
             ev.name = name;
-            sniffed_tls = tls;
+            *sniffed_tls = tls;
         }
     }
     // (A sandbox without brokered secrets asks nothing more of its secrets.)
-    let brokered = state.secrets.brokers()
+    state.secrets.brokers()
         && !ev.name.is_empty()
-        && !state.secrets.headers_for(&ev.name, sniffed_tls).is_empty();
-    let wait = Duration::from_millis(state.cfg().connect_timeout_ms);
-    let upstream = match tokio::time::timeout(wait, TcpStream::connect(dst)).await {
-        Ok(Ok(u)) => u,
-        Ok(Err(e)) => {
-            ev.verdict = format!("{}; connecting failed: {e}", ev.verdict);
-            reset(guest);
-            ev.duration_ms = t0.elapsed().as_secs_f64() * 1000.0;
-            state.record(ev);
-            return;
+        && !state.secrets.headers_for(&ev.name, *sniffed_tls).is_empty()
+}
+
+/// Why the daemon's own connection to the guest's destination failed.
+#[derive(Debug)]
+enum ConnectError {
+    Failed(io::Error),
+    TimedOut(Duration),
+}
+
+impl std::fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Failed(e) => write!(f, "connecting failed: {e}"),
+            Self::TimedOut(wait) => write!(f, "connecting timed out after {wait:?}"),
         }
-        Err(_) => {
-            ev.verdict = format!("{}; connecting timed out after {wait:?}", ev.verdict);
-            reset(guest);
-            ev.duration_ms = t0.elapsed().as_secs_f64() * 1000.0;
-            state.record(ev);
-            return;
-        }
-    };
-    let _ = upstream.set_nodelay(true);
-    let _ = guest.set_nodelay(true);
-    if brokered {
-        let counts = Arc::new(super::broker::Counts::default());
-        let name = ev.name.clone();
-        let served = super::broker::serve(
-            state.clone(),
-            guest,
-            head,
-            upstream,
-            name,
-            sniffed_tls,
-            counts.clone(),
-        )
-        .await;
-        ev.verdict = match served {
-            Ok(()) => format!("{}; brokered", ev.verdict),
-            Err(e) => format!("{}; brokered: {e}", ev.verdict),
-        };
-        ev.bytes_out = counts.from_guest.load(std::sync::atomic::Ordering::Relaxed);
-        ev.bytes_in = counts.to_guest.load(std::sync::atomic::Ordering::Relaxed);
-        ev.duration_ms = t0.elapsed().as_secs_f64() * 1000.0;
-        state.record(ev);
-        return;
     }
+}
+
+/// Connect step: the daemon's connection to `dst`, from its own namespace, within the
+/// configured connect timeout.
+async fn connect(state: &NetState, dst: SocketAddr) -> Result<TcpStream, ConnectError> {
+    let wait = Duration::from_millis(state.cfg().connect_timeout_ms);
+    match tokio::time::timeout(wait, TcpStream::connect(dst)).await {
+        Ok(Ok(u)) => Ok(u),
+        Ok(Err(e)) => Err(ConnectError::Failed(e)),
+        Err(_) => Err(ConnectError::TimedOut(wait)),
+    }
+}
+
+/// Serve step (brokered): the secrets broker serves the connection; `ev` gets its outcome and
+/// byte counts.
+async fn serve_brokered(
+    state: &Arc<NetState>,
+    guest: TcpStream,
+    head: Vec<u8>,
+    upstream: TcpStream,
+    sniffed_tls: bool,
+    ev: &mut EgressEvent,
+) {
+    let counts = Arc::new(super::broker::Counts::default());
+    let name = ev.name.clone();
+    let served = super::broker::serve(
+        state.clone(),
+        guest,
+        head,
+        upstream,
+        name,
+        sniffed_tls,
+        counts.clone(),
+    )
+    .await;
+    ev.verdict = match served {
+        Ok(()) => format!("{}; brokered", ev.verdict),
+        Err(e) => format!("{}; brokered: {e}", ev.verdict),
+    };
+    ev.bytes_out = counts.from_guest.load(std::sync::atomic::Ordering::Relaxed);
+    ev.bytes_in = counts.to_guest.load(std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Serve step (relayed): the bytes already read from the guest go upstream first, then both
+/// directions are copied until they end; `ev` gets the byte counts.
+async fn relay(guest: TcpStream, head: &[u8], upstream: TcpStream, ev: &mut EgressEvent) {
     let (g_read, g_write) = guest.into_split();
     let (u_read, mut u_write) = upstream.into_split();
-    let sent_head = if u_write.write_all(&head).await.is_ok() {
+    let sent_head = if u_write.write_all(head).await.is_ok() {
         head.len() as u64
     } else {
         0
@@ -242,6 +311,10 @@ async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
     let (out, inn) = tokio::join!(pump(g_read, u_write), pump(u_read, g_write));
     ev.bytes_out = sent_head + out;
     ev.bytes_in = inn;
+}
+
+/// Finish step: the event gets the connection's duration and is recorded.
+fn finish(state: &NetState, mut ev: EgressEvent, t0: Instant) {
     ev.duration_ms = t0.elapsed().as_secs_f64() * 1000.0;
     state.record(ev);
 }
