@@ -107,8 +107,6 @@ const KNOWN_LONG: &[&str] = &[
     "daemon/src/oci/tree.rs apply_entry",
     "daemon/src/pkg/debian.rs index",
     "daemon/src/pkg/mod.rs new",
-    "daemon/src/pkg/serve.rs file",
-    "daemon/src/pkg/serve.rs pypi_index",
     "daemon/src/recovery.rs adopt_sandbox",
     "daemon/src/sandbox/create.rs greet",
     "daemon/src/sandbox/create.rs start",

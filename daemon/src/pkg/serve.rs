@@ -198,6 +198,8 @@ fn registry_of<'a>(
     }
 }
 
+/// A PyPI project page (PEP 503 HTML or PEP 691 JSON, as `accept` asks), its files pointing
+/// at this proxy; a refused project is answered as `refuse_index` does.
 async fn pypi_index(
     s: &Session,
     reg: &str,
@@ -244,29 +246,7 @@ async fn pypi_index(
         Ok(f) => f,
         Err(e) => return upstream_failed(s, ev, &FetchError::Upstream(e.to_string()), false),
     };
-    let mut served = Vec::with_capacity(files.len());
-    for f in &files {
-        let Some(sha) = f.sha256.as_deref() else {
-            continue;
-        };
-        let key = format!("sha256-{sha}");
-        s.pkgs.remember(
-            key.clone(),
-            FileRef {
-                registry: reg.to_owned(),
-                kind: Kind::Pypi,
-                package: name.clone(),
-                version: pypi::version_of(&f.filename),
-                filename: f.filename.clone(),
-                url: f.url.clone(),
-            },
-        );
-        served.push(pypi::Served {
-            file: f,
-            sha256: sha,
-            url: format!("/f/{key}/{}", url_segment(&f.filename)),
-        });
-    }
+    let served = serve_pypi_files(s, reg, &name, &files);
     if accept.contains(pypi::JSON_TYPE) {
         respond(
             StatusCode::OK,
@@ -280,6 +260,40 @@ async fn pypi_index(
             pypi::render_html(&name, &served),
         )
     }
+}
+
+/// Index step: the project's files with a digest, each remembered under its digest key and
+/// listed with this proxy's URL for it (files without a digest are left out).
+fn serve_pypi_files<'a>(
+    s: &Session,
+    reg: &str,
+    name: &str,
+    files: &'a [pypi::IndexFile],
+) -> Vec<pypi::Served<'a>> {
+    let mut served = Vec::with_capacity(files.len());
+    for f in files {
+        let Some(sha) = f.sha256.as_deref() else {
+            continue;
+        };
+        let key = format!("sha256-{sha}");
+        s.pkgs.remember(
+            key.clone(),
+            FileRef {
+                registry: reg.to_owned(),
+                kind: Kind::Pypi,
+                package: name.to_owned(),
+                version: pypi::version_of(&f.filename),
+                filename: f.filename.clone(),
+                url: f.url.clone(),
+            },
+        );
+        served.push(pypi::Served {
+            file: f,
+            sha256: sha,
+            url: format!("/f/{key}/{}", url_segment(&f.filename)),
+        });
+    }
+    served
 }
 
 /// A file name as one URL path segment.
@@ -376,6 +390,8 @@ pub(super) fn upstream_failed(
     fail(StatusCode::BAD_GATEWAY, &msg, npm)
 }
 
+/// A package file by its digest key: checked against the policy and the download cap, from
+/// the cache or the registry, recorded, and streamed.
 pub(super) async fn file(s: &Session, key: &str, npm_client: bool) -> Response<Body> {
     let Some(r) = s.pkgs.file_ref(key) else {
         return fail(
@@ -397,44 +413,18 @@ pub(super) async fn file(s: &Session, key: &str, npm_client: bool) -> Response<B
         .package(&r.registry, r.kind == Kind::Pypi, &r.package)
     {
         let msg = refusal.to_string();
-        ev.outcome = InstallOutcome::Denied as i32;
-        ev.message = msg.clone();
-        s.record(ev);
-        return fail(StatusCode::FORBIDDEN, &msg, npm_client);
+        return refuse(
+            s,
+            ev,
+            InstallOutcome::Denied,
+            StatusCode::FORBIDDEN,
+            msg,
+            npm_client,
+        );
     }
-    let left = s.left();
-    let max_file = s.pkgs.cfg.max_file_mib << 20;
-    let (limit, is_cap) = if left < max_file {
-        (left, true)
-    } else {
-        (max_file, false)
-    };
-    let (found, outcome) = match cached_or_fetch(&s.pkgs, key, &r, limit, is_cap).await {
-        Ok((f, true)) => (f, InstallOutcome::Fetched),
-        Ok((f, false)) => (f, InstallOutcome::Cached),
-        Err(FetchError::TooLarge { limit, cap: true }) => {
-            let msg = format!(
-                "{} is larger than the {limit} bytes left of the sandbox's download cap of {} \
-                 bytes",
-                r.filename, s.policy.max_download_bytes
-            );
-            ev.outcome = InstallOutcome::OverCap as i32;
-            ev.message = msg.clone();
-            s.record(ev);
-            return fail(StatusCode::FORBIDDEN, &msg, npm_client);
-        }
-        Err(FetchError::Mismatch { expected, got }) => {
-            let msg = format!(
-                "{} from registry {} does not match its index: the index states {expected}, \
-                 the file has {got}; refused, not cached",
-                r.filename, r.registry
-            );
-            ev.outcome = InstallOutcome::HashMismatch as i32;
-            ev.message = msg.clone();
-            s.record(ev);
-            return fail(StatusCode::BAD_GATEWAY, &msg, npm_client);
-        }
-        Err(e) => return upstream_failed(s, ev, &e, npm_client),
+    let (found, outcome) = match fetch_file(s, key, &r).await {
+        Ok(f) => f,
+        Err(e) => return fetch_failed(s, ev, &r, e, npm_client),
     };
     let (size, sha256) = found;
     ev.bytes = size;
@@ -444,10 +434,14 @@ pub(super) async fn file(s: &Session, key: &str, npm_client: bool) -> Response<B
             "{} ({size} bytes) would cross the sandbox's download cap of {} bytes ({left} left)",
             r.filename, s.policy.max_download_bytes
         );
-        ev.outcome = InstallOutcome::OverCap as i32;
-        ev.message = msg.clone();
-        s.record(ev);
-        return fail(StatusCode::FORBIDDEN, &msg, npm_client);
+        return refuse(
+            s,
+            ev,
+            InstallOutcome::OverCap,
+            StatusCode::FORBIDDEN,
+            msg,
+            npm_client,
+        );
     }
     let f = match tokio::fs::File::open(&blob).await {
         Ok(f) => f,
@@ -467,6 +461,81 @@ pub(super) async fn file(s: &Session, key: &str, npm_client: bool) -> Response<B
     };
     s.record(ev);
     stream(f, size)
+}
+
+/// File step: the file's size and digest from the cache or the registry, within the smaller
+/// of what is left of the sandbox's download cap and the proxy's file limit; whether it was
+/// fetched or cached.
+async fn fetch_file(
+    s: &Session,
+    key: &str,
+    r: &FileRef,
+) -> Result<((u64, String), InstallOutcome), FetchError> {
+    let left = s.left();
+    let max_file = s.pkgs.cfg.max_file_mib << 20;
+    let (limit, is_cap) = if left < max_file {
+        (left, true)
+    } else {
+        (max_file, false)
+    };
+    match cached_or_fetch(&s.pkgs, key, r, limit, is_cap).await {
+        Ok((f, true)) => Ok((f, InstallOutcome::Fetched)),
+        Ok((f, false)) => Ok((f, InstallOutcome::Cached)),
+        Err(e) => Err(e),
+    }
+}
+
+/// File step: the answer (and the recorded event) when [`fetch_file`] failed: over the
+/// download cap, a digest that does not match the index, or the registry's failure.
+fn fetch_failed(
+    s: &Session,
+    ev: InstallEvent,
+    r: &FileRef,
+    e: FetchError,
+    npm_client: bool,
+) -> Response<Body> {
+    match e {
+        FetchError::TooLarge { limit, cap: true } => {
+            let msg = format!(
+                "{} is larger than the {limit} bytes left of the sandbox's download cap of {} \
+                 bytes",
+                r.filename, s.policy.max_download_bytes
+            );
+            refuse(
+                s,
+                ev,
+                InstallOutcome::OverCap,
+                StatusCode::FORBIDDEN,
+                msg,
+                npm_client,
+            )
+        }
+        FetchError::Mismatch { expected, got } => {
+            let msg = format!(
+                "{} from registry {} does not match its index: the index states {expected}, \
+                 the file has {got}; refused, not cached",
+                r.filename, r.registry
+            );
+            let outcome = InstallOutcome::HashMismatch;
+            refuse(s, ev, outcome, StatusCode::BAD_GATEWAY, msg, npm_client)
+        }
+        e => upstream_failed(s, ev, &e, npm_client),
+    }
+}
+
+/// Records `ev` with `outcome` and `msg`, and answers `msg` with `status`.
+fn refuse(
+    s: &Session,
+    mut ev: InstallEvent,
+    outcome: InstallOutcome,
+    status: StatusCode,
+    msg: String,
+    npm_client: bool,
+) -> Response<Body> {
+    ev.outcome = outcome as i32;
+    ev.message = msg.clone();
+    s.record(ev);
+    fail(status, &msg, npm_client)
 }
 
 /// A cached file's response: its bytes streamed as they are read.
