@@ -125,24 +125,7 @@ pub fn parse_vm_options(
     args: &[String],
     allow_run: bool,
 ) -> Result<(VmConfig, RunOptions), String> {
-    let mut kernel = None;
-    let mut rootfs = None;
-    let mut cfg = VmConfig::new(PathBuf::new(), PathBuf::new());
-    let mut run = RunOptions {
-        vm: VmConfig::new(PathBuf::new(), PathBuf::new()),
-        snapshot: None,
-        control: None,
-        argv: Vec::new(),
-        timeout: None,
-        cwd: String::new(),
-        user: String::new(),
-        env: Vec::new(),
-        console_given: false,
-    };
-    let mut vsock_cid = 3;
-    let mut mac = None;
-    let mut root_overlay = None;
-    let mut disk_quota = None;
+    let mut opts = VmOptions::new();
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut value = || {
@@ -150,18 +133,76 @@ pub fn parse_vm_options(
                 .cloned()
                 .ok_or_else(|| format!("{flag} needs a value"))
         };
-        let num = |v: String| {
-            v.parse::<u64>()
-                .map_err(|_| format!("{flag}: not a number: {v}"))
-        };
+        if opts.vm_flag(flag, &mut value)? || (allow_run && opts.run_flag(flag, &mut value)?) {
+            continue;
+        }
         match flag.as_str() {
-            "--kernel" => kernel = Some(PathBuf::from(value()?)),
-            "--root-overlay" => root_overlay = Some(PathBuf::from(value()?)),
-            "--disk-quota-mib" => disk_quota = Some(num(value()?)?),
+            "-h" | "--help" => return Err(String::new()),
+            other => return Err(format!("unknown option {other}")),
+        }
+    }
+    opts.finish()
+}
+
+/// `flag`'s value as a number.
+fn num(flag: &str, v: String) -> Result<u64, String> {
+    v.parse::<u64>()
+        .map_err(|_| format!("{flag}: not a number: {v}"))
+}
+
+/// What [`parse_vm_options`] has seen so far, before the checks that need every option.
+struct VmOptions {
+    kernel: Option<PathBuf>,
+    rootfs: Option<PathBuf>,
+    cfg: VmConfig,
+    run: RunOptions,
+    vsock_cid: u64,
+    mac: Option<[u8; 6]>,
+    root_overlay: Option<PathBuf>,
+    disk_quota: Option<u64>,
+}
+
+impl VmOptions {
+    /// Nothing seen yet: the defaults.
+    fn new() -> Self {
+        Self {
+            kernel: None,
+            rootfs: None,
+            cfg: VmConfig::new(PathBuf::new(), PathBuf::new()),
+            run: RunOptions {
+                vm: VmConfig::new(PathBuf::new(), PathBuf::new()),
+                snapshot: None,
+                control: None,
+                argv: Vec::new(),
+                timeout: None,
+                cwd: String::new(),
+                user: String::new(),
+                env: Vec::new(),
+                console_given: false,
+            },
+            vsock_cid: 3,
+            mac: None,
+            root_overlay: None,
+            disk_quota: None,
+        }
+    }
+
+    /// Takes one VM option (`value` gives its value); false: `flag` is not one.
+    fn vm_flag(
+        &mut self,
+        flag: &str,
+        value: &mut impl FnMut() -> Result<String, String>,
+    ) -> Result<bool, String> {
+        let cfg = &mut self.cfg;
+        match flag {
+            "--kernel" => self.kernel = Some(PathBuf::from(value()?)),
+            "--root-overlay" => self.root_overlay = Some(PathBuf::from(value()?)),
+            "--disk-quota-mib" => self.disk_quota = Some(num(flag, value()?)?),
             "--disk-slots" => {
-                cfg.slots = u8::try_from(num(value()?)?).map_err(|_| "--disk-slots: too many")?
+                cfg.slots =
+                    u8::try_from(num(flag, value()?)?).map_err(|_| "--disk-slots: too many")?
             }
-            "--rootfs" => rootfs = Some(PathBuf::from(value()?)),
+            "--rootfs" => self.rootfs = Some(PathBuf::from(value()?)),
             "--scratch" => cfg.disks.push(DiskConfig {
                 path: PathBuf::from(value()?),
                 read_only: false,
@@ -169,19 +210,21 @@ pub fn parse_vm_options(
                 overlay: None,
             }),
             "--vcpus" => {
-                cfg.vcpus = u8::try_from(num(value()?)?).map_err(|_| "--vcpus: too many")?;
+                cfg.vcpus = u8::try_from(num(flag, value()?)?).map_err(|_| "--vcpus: too many")?;
             }
-            "--mem-mib" => cfg.mem_mib = num(value()?)?,
+            "--mem-mib" => cfg.mem_mib = num(flag, value()?)?,
             "--console" => {
                 cfg.console = ConsoleOutput::File(PathBuf::from(value()?));
-                run.console_given = true;
+                self.run.console_given = true;
             }
             "--cmdline-extra" => cfg.cmdline_extra = value()?,
             "--boot-timeout" => {
-                let s = num(value()?)?;
+                let s = num(flag, value()?)?;
                 cfg.boot_timeout = (s > 0).then(|| Duration::from_secs(s));
             }
-            "--console-limit-mib" => cfg.console_limit = num(value()?)?.saturating_mul(1 << 20),
+            "--console-limit-mib" => {
+                cfg.console_limit = num(flag, value()?)?.saturating_mul(1 << 20)
+            }
             "--cpu-template" => cfg.cpu_template = parse_template(&value()?)?,
             "--vsock" => {
                 cfg.vsock = Some(VsockConfig {
@@ -189,7 +232,7 @@ pub fn parse_vm_options(
                     uds_path: PathBuf::from(value()?),
                 })
             }
-            "--vsock-cid" => vsock_cid = num(value()?)?,
+            "--vsock-cid" => self.vsock_cid = num(flag, value()?)?,
             "--net-fd" => {
                 if cfg.net.is_some() {
                     return Err("--net-fd: one network card at most".into());
@@ -200,50 +243,78 @@ pub fn parse_vm_options(
                 });
             }
             "--mac" => {
-                mac = Some(
+                self.mac = Some(
                     vmm::devices::virtio::net::parse_mac(&value()?)
                         .ok_or("--mac: a unicast address like 02:a1:0c:00:00:02")?,
                 )
             }
-            "--control" => run.control = Some(PathBuf::from(value()?)),
-            "--snapshot" if allow_run => run.snapshot = Some(PathBuf::from(value()?)),
-            "--timeout" if allow_run => {
-                run.timeout = Some(Duration::from_secs(num(value()?)?)).filter(|d| !d.is_zero())
+            "--control" => self.run.control = Some(PathBuf::from(value()?)),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Takes one run option (`value` gives its value); false: `flag` is not one.
+    fn run_flag(
+        &mut self,
+        flag: &str,
+        value: &mut impl FnMut() -> Result<String, String>,
+    ) -> Result<bool, String> {
+        let run = &mut self.run;
+        match flag {
+            "--snapshot" => run.snapshot = Some(PathBuf::from(value()?)),
+            "--timeout" => {
+                run.timeout =
+                    Some(Duration::from_secs(num(flag, value()?)?)).filter(|d| !d.is_zero())
             }
-            "--cwd" if allow_run => run.cwd = value()?,
-            "--user" if allow_run => run.user = value()?,
-            "--env" if allow_run => {
+            "--cwd" => run.cwd = value()?,
+            "--user" => run.user = value()?,
+            "--env" => {
                 let kv = value()?;
                 let (k, v) = kv
                     .split_once('=')
                     .ok_or(format!("--env {kv}: expected KEY=VALUE"))?;
                 run.env.push((k.to_owned(), v.to_owned()));
             }
-            "-h" | "--help" => return Err(String::new()),
-            other => return Err(format!("unknown option {other}")),
+            _ => return Ok(false),
         }
+        Ok(true)
     }
-    if run.snapshot.is_some() {
-        // The snapshot says which kernel ran and which disks are attached.
-        if kernel.is_some() || rootfs.is_some() {
-            return Err("--snapshot replaces --kernel and --rootfs".into());
+
+    /// The checks that need every option, and the config they complete.
+    fn finish(self) -> Result<(VmConfig, RunOptions), String> {
+        let Self {
+            mut kernel,
+            mut rootfs,
+            mut cfg,
+            run,
+            vsock_cid,
+            mac,
+            root_overlay,
+            disk_quota,
+        } = self;
+        if run.snapshot.is_some() {
+            // The snapshot says which kernel ran and which disks are attached.
+            if kernel.is_some() || rootfs.is_some() {
+                return Err("--snapshot replaces --kernel and --rootfs".into());
+            }
+            kernel = Some(PathBuf::from("(snapshot)"));
+            rootfs = Some(PathBuf::from("(snapshot)"));
         }
-        kernel = Some(PathBuf::from("(snapshot)"));
-        rootfs = Some(PathBuf::from("(snapshot)"));
+        cfg.kernel = kernel.ok_or("--kernel is required")?;
+        cfg.disks[0].path = rootfs.ok_or("--rootfs is required")?;
+        cfg.disks[0].overlay = overlay_config(root_overlay, disk_quota)?;
+        if let Some(v) = cfg.vsock.as_mut() {
+            v.guest_cid = vsock_cid;
+        }
+        match (cfg.net.as_mut(), mac) {
+            (Some(net), Some(mac)) => net.mac = mac,
+            (None, Some(_)) => return Err("--mac needs --net-fd".into()),
+            _ => {}
+        }
+        cfg.validate().map_err(|e| e.to_string())?;
+        Ok((cfg, run))
     }
-    cfg.kernel = kernel.ok_or("--kernel is required")?;
-    cfg.disks[0].path = rootfs.ok_or("--rootfs is required")?;
-    cfg.disks[0].overlay = overlay_config(root_overlay, disk_quota)?;
-    if let Some(v) = cfg.vsock.as_mut() {
-        v.guest_cid = vsock_cid;
-    }
-    match (cfg.net.as_mut(), mac) {
-        (Some(net), Some(mac)) => net.mac = mac,
-        (None, Some(_)) => return Err("--mac needs --net-fd".into()),
-        _ => {}
-    }
-    cfg.validate().map_err(|e| e.to_string())?;
-    Ok((cfg, run))
 }
 
 /// `--root-overlay PATH` with `--disk-quota-mib N` (default: no bound but the disk's size).
