@@ -87,28 +87,50 @@ fn prepare_pool_vm(opts: &cli::PoolOptions) -> Result<vmm::vm::PreparedVm, Strin
 
 /// `airlock-vmm pool`: prepare the KVM VM now, restore when asked.
 fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
+    let (prepared, ctl) = match start_pool(opts) {
+        Ok(p) => p,
+        Err(code) => return code,
+    };
+    log_pool_ready(opts, started);
+    let Ok((req, asked)) = ctl.requests.recv() else {
+        log::error!("the control thread ended before a restore was asked for");
+        return ExitCode::from(code::VMM_ERROR);
+    };
+    let config = pool_restore_config(opts, req);
+    restore_and_run(&config, started, prepared, ctl, asked)
+}
+
+/// Pool step: the prepared VM, and its control socket served from now on.
+fn start_pool(
+    opts: &cli::PoolOptions,
+) -> Result<(vmm::vm::PreparedVm, vmm::control::PoolControl), ExitCode> {
     use vmm::control;
     let prepared = match prepare_pool_vm(opts) {
         Ok(p) => p,
         Err(e) => {
             log::error!("{e}");
-            return ExitCode::from(code::VMM_ERROR);
+            return Err(ExitCode::from(code::VMM_ERROR));
         }
     };
     let listener = match control::bind_control_socket(&opts.control) {
         Ok(l) => l,
         Err(e) => {
             log::error!("control socket {}: {e}", opts.control.display());
-            return ExitCode::from(code::VMM_ERROR);
+            return Err(ExitCode::from(code::VMM_ERROR));
         }
     };
     let ctl = match control::serve_pool_control(listener, usize::from(opts.vcpus)) {
         Ok(c) => c,
         Err(e) => {
             log::error!("control thread: {e}");
-            return ExitCode::from(code::VMM_ERROR);
+            return Err(ExitCode::from(code::VMM_ERROR));
         }
     };
+    Ok((prepared, ctl))
+}
+
+/// Pool step: the log line saying what the pool prepared, and where it waits.
+fn log_pool_ready(opts: &cli::PoolOptions, started: Instant) {
     log::info!(
         "pool: {} vCPU(s){} prepared after {} us; waiting for `restore DIR` on {}",
         opts.vcpus,
@@ -120,10 +142,14 @@ fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
         started.elapsed().as_micros(),
         opts.control.display()
     );
-    let Ok((req, asked)) = ctl.requests.recv() else {
-        log::error!("the control thread ended before a restore was asked for");
-        return ExitCode::from(code::VMM_ERROR);
-    };
+}
+
+/// Pool step: what to restore: the request's directory, disk quota and slot media, with the
+/// pool's own console, vsock, TAP and overlay.
+fn pool_restore_config(
+    opts: &cli::PoolOptions,
+    req: vmm::control::PoolRestore,
+) -> vmm::RestoreConfig {
     let (req, media) = (req.request, req.media);
     let mut root_overlay = opts.root_overlay.clone();
     if let (Some(o), Some(mib)) = (root_overlay.as_mut(), req.disk_quota_mib) {
@@ -138,7 +164,7 @@ fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
             })
         })
         .collect();
-    let config = vmm::RestoreConfig {
+    vmm::RestoreConfig {
         slot_media,
         snapshot_dir: req.dir,
         vsock_uds: opts.vsock.clone(),
@@ -147,8 +173,20 @@ fn pool(opts: &cli::PoolOptions, started: Instant) -> ExitCode {
         cpu_template: opts.cpu_template,
         net_tap: opts.net_tap.clone(),
         root_overlay,
-    };
-    let built = vmm::restore_microvm(&config, started, Some(prepared), asked).and_then(|v| {
+    }
+}
+
+/// Pool step: the restore into the prepared VM, then the VM's run; the control thread answers
+/// the restore request once the vCPUs run, or with why the restore failed.
+fn restore_and_run(
+    config: &vmm::RestoreConfig,
+    started: Instant,
+    prepared: vmm::vm::PreparedVm,
+    ctl: vmm::control::PoolControl,
+    asked: Instant,
+) -> ExitCode {
+    use vmm::control;
+    let built = vmm::restore_microvm(config, started, Some(prepared), asked).and_then(|v| {
         let handle = v.control_handle().map_err(vmm::BuildError::EventFd)?;
         Ok((v, handle))
     });
