@@ -116,7 +116,6 @@ const KNOWN_LONG: &[&str] = &[
     "daemon/src/templates/build.rs snapshot",
     "daemon/src/templates/dockerfile.rs parse",
     "daemon/src/volumes.rs create",
-    "vmm/src/vcpu.rs run_thread",
 ];
 
 /// No new production function over 80 lines without a reason (a `Long:` comment above it).

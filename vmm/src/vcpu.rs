@@ -186,6 +186,8 @@ impl Vcpu {
         })
     }
 
+    /// The thread's body: the state machine of the module's picture, one step per state, until
+    /// `Finish` (or the VMM's end of the channel).
     fn run_thread(mut self, events: &Receiver<VcpuEvent>, responses: &Sender<VcpuResponse>) {
         let run = self.fd.get_kvm_run();
         crate::kick::arm(&mut run.immediate_exit as *mut u8);
@@ -193,9 +195,32 @@ impl Vcpu {
         let sampler = profile
             .as_ref()
             .map(|_| crate::profile::Sampler::start(crate::kick::signal()));
+        let sampling = sampler.is_some();
         let mut samples = crate::profile::Samples::default();
+        let mut state = self.apply_filter(responses);
+        loop {
+            let next = match state {
+                VcpuState::Paused => self.step_paused(events, responses),
+                VcpuState::Running => self.step_running(events, responses, sampling, &mut samples),
+                VcpuState::Exited => self.step_exited(events, responses),
+            };
+            let Some(next) = next else {
+                break;
+            };
+            state = next;
+        }
+        crate::kick::disarm();
+        if let (Some(prefix), Some(sampler)) = (profile, sampler) {
+            // The sampler thread writes the file (this thread's filter opens no files).
+            sampler.stop(samples, format!("{prefix}.vcpu{}", self.index));
+        }
+    }
+
+    /// Thread step: installs this thread's seccomp filter; the first state, `Exited` (reported
+    /// as a vCPU error) if the filter could not be installed.
+    fn apply_filter(&self, responses: &Sender<VcpuResponse>) -> VcpuState {
         // The guest's first instruction runs under this thread's filter, or not at all.
-        let mut state = match crate::seccomp::apply(crate::seccomp::ThreadClass::Vcpu) {
+        match crate::seccomp::apply(crate::seccomp::ThreadClass::Vcpu) {
             Ok(()) => VcpuState::Paused,
             Err(e) => {
                 let detail = format!(
@@ -209,77 +234,92 @@ impl Vcpu {
                 let _ = self.exit_evt.write(1);
                 VcpuState::Exited
             }
-        };
-        loop {
-            state = match state {
-                VcpuState::Paused => match events.recv() {
-                    Ok(VcpuEvent::Resume) => {
-                        self.rearm_lapic_timer();
-                        reply(
-                            responses,
-                            VcpuResponse::Resumed(std::time::Instant::now()),
-                            VcpuState::Running,
-                        )
-                    }
-                    Ok(VcpuEvent::Pause) => {
-                        reply(responses, VcpuResponse::Paused, VcpuState::Paused)
-                    }
-                    Ok(VcpuEvent::ReportState) => self.report_state(responses, VcpuState::Paused),
-                    Ok(VcpuEvent::SaveState) => {
-                        let saved = VcpuKvmState::save(&self.fd, self.index, &self.msr_index_list)
-                            .map(Box::new)
-                            .map_err(|e| format!("vcpu{}: {e}", self.index));
-                        reply(responses, VcpuResponse::Saved(saved), VcpuState::Paused)
-                    }
-                    Ok(VcpuEvent::Finish) | Err(_) => break,
-                },
-                VcpuState::Running => match events.try_recv() {
-                    Ok(VcpuEvent::Pause) => {
-                        self.complete_pending_io();
-                        reply(responses, VcpuResponse::Paused, VcpuState::Paused)
-                    }
-                    Ok(VcpuEvent::Resume) => reply(
-                        responses,
-                        VcpuResponse::Resumed(std::time::Instant::now()),
-                        VcpuState::Running,
-                    ),
-                    Ok(VcpuEvent::ReportState) => self.report_state(responses, VcpuState::Running),
-                    Ok(VcpuEvent::SaveState) => reply(
-                        responses,
-                        VcpuResponse::Saved(Err("the vCPU is running; pause it first".into())),
-                        VcpuState::Running,
-                    ),
-                    Ok(VcpuEvent::Finish) | Err(TryRecvError::Disconnected) => break,
-                    Err(TryRecvError::Empty) => match self.run_once() {
-                        RunOutcome::Continue => VcpuState::Running,
-                        RunOutcome::Interrupted => {
-                            if sampler.is_some()
-                                && let Ok(r) = self.fd.get_regs()
-                            {
-                                samples.record(r.rip);
-                            }
-                            VcpuState::Running
-                        }
-                        RunOutcome::Stop(exit) => {
-                            let _ = responses.send(VcpuResponse::Exited(exit));
-                            let _ = self.exit_evt.write(1);
-                            VcpuState::Exited
-                        }
-                    },
-                },
-                VcpuState::Exited => match events.recv() {
-                    Ok(VcpuEvent::Finish) | Err(_) => break,
-                    Ok(VcpuEvent::ReportState) => self.report_state(responses, VcpuState::Exited),
-                    // Nothing runs any more; say so instead of pretending to resume.
-                    Ok(_) => VcpuState::Exited,
-                },
-            };
         }
-        crate::kick::disarm();
-        if let (Some(prefix), Some(sampler)) = (profile, sampler) {
-            // The sampler thread writes the file (this thread's filter opens no files).
-            sampler.stop(samples, format!("{prefix}.vcpu{}", self.index));
-        }
+    }
+
+    /// Paused step: waits for the next event and answers it; the next state (`None`: end the
+    /// thread).
+    fn step_paused(
+        &mut self,
+        events: &Receiver<VcpuEvent>,
+        responses: &Sender<VcpuResponse>,
+    ) -> Option<VcpuState> {
+        Some(match events.recv() {
+            Ok(VcpuEvent::Resume) => {
+                self.rearm_lapic_timer();
+                reply(
+                    responses,
+                    VcpuResponse::Resumed(std::time::Instant::now()),
+                    VcpuState::Running,
+                )
+            }
+            Ok(VcpuEvent::Pause) => reply(responses, VcpuResponse::Paused, VcpuState::Paused),
+            Ok(VcpuEvent::ReportState) => self.report_state(responses, VcpuState::Paused),
+            Ok(VcpuEvent::SaveState) => {
+                let saved = VcpuKvmState::save(&self.fd, self.index, &self.msr_index_list)
+                    .map(Box::new)
+                    .map_err(|e| format!("vcpu{}: {e}", self.index));
+                reply(responses, VcpuResponse::Saved(saved), VcpuState::Paused)
+            }
+            Ok(VcpuEvent::Finish) | Err(_) => return None,
+        })
+    }
+
+    /// Running step: answers a pending event, else runs the guest once (a kick records a
+    /// profile sample when `sampling`); the next state (`None`: end the thread).
+    fn step_running(
+        &mut self,
+        events: &Receiver<VcpuEvent>,
+        responses: &Sender<VcpuResponse>,
+        sampling: bool,
+        samples: &mut crate::profile::Samples,
+    ) -> Option<VcpuState> {
+        Some(match events.try_recv() {
+            Ok(VcpuEvent::Pause) => {
+                self.complete_pending_io();
+                reply(responses, VcpuResponse::Paused, VcpuState::Paused)
+            }
+            Ok(VcpuEvent::Resume) => reply(
+                responses,
+                VcpuResponse::Resumed(std::time::Instant::now()),
+                VcpuState::Running,
+            ),
+            Ok(VcpuEvent::ReportState) => self.report_state(responses, VcpuState::Running),
+            Ok(VcpuEvent::SaveState) => reply(
+                responses,
+                VcpuResponse::Saved(Err("the vCPU is running; pause it first".into())),
+                VcpuState::Running,
+            ),
+            Ok(VcpuEvent::Finish) | Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) => match self.run_once() {
+                RunOutcome::Continue => VcpuState::Running,
+                RunOutcome::Interrupted => {
+                    if sampling && let Ok(r) = self.fd.get_regs() {
+                        samples.record(r.rip);
+                    }
+                    VcpuState::Running
+                }
+                RunOutcome::Stop(exit) => {
+                    let _ = responses.send(VcpuResponse::Exited(exit));
+                    let _ = self.exit_evt.write(1);
+                    VcpuState::Exited
+                }
+            },
+        })
+    }
+
+    /// Exited step: nothing runs any more; answers state reports until `Finish` (`None`).
+    fn step_exited(
+        &self,
+        events: &Receiver<VcpuEvent>,
+        responses: &Sender<VcpuResponse>,
+    ) -> Option<VcpuState> {
+        Some(match events.recv() {
+            Ok(VcpuEvent::Finish) | Err(_) => return None,
+            Ok(VcpuEvent::ReportState) => self.report_state(responses, VcpuState::Exited),
+            // Nothing runs any more; say so instead of pretending to resume.
+            Ok(_) => VcpuState::Exited,
+        })
     }
 
     /// Writes the LAPIC's TSC deadline back to itself before the vCPU runs again. A deadline
