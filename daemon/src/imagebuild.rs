@@ -320,47 +320,8 @@ impl Build<'_> {
     ) -> ApiResult<()> {
         let into_dir = dest.ends_with('/') || sources.len() > 1;
         let dest = dest.trim_end_matches('/');
-        let mut placed: Vec<(String, u32, &[u8])> = Vec::new();
-        let mut tops = BTreeSet::new();
-        for s in sources {
-            let Some((is_dir, files)) = ctx.select(s) else {
-                return Err(ApiError::BuildStepFailed {
-                    line,
-                    step: text.to_owned(),
-                    why: format!("{s}: not in the build context"),
-                });
-            };
-            for (rel, path) in files {
-                let target = if is_dir || into_dir {
-                    format!("{dest}/{rel}")
-                } else {
-                    dest.to_owned()
-                };
-                let (mode, data) = &ctx.files[&path];
-                let top = if is_dir {
-                    format!("{dest}/{}", rel.split('/').next().unwrap_or(&rel))
-                } else {
-                    target.clone()
-                };
-                tops.insert(top);
-                placed.push((target, chmod.unwrap_or(*mode), data.as_slice()));
-            }
-        }
-        let mut b = tar::Builder::new(Vec::new());
-        for (target, mode, data) in &placed {
-            let mut h = tar::Header::new_gnu();
-            h.set_size(data.len() as u64);
-            h.set_mode(*mode);
-            h.set_uid(0);
-            h.set_gid(0);
-            h.set_mtime(0);
-            h.set_entry_type(tar::EntryType::Regular);
-            b.append_data(&mut h, target.trim_start_matches('/'), *data)
-                .map_err(|e| ApiError::Internal(format!("the copy's tar: {e}")))?;
-        }
-        let tar_bytes = b
-            .into_inner()
-            .map_err(|e| ApiError::Internal(format!("the copy's tar: {e}")))?;
+        let (placed, tops) = place(ctx, sources, dest, into_dir, chmod, line, text)?;
+        let tar_bytes = tar_of(&placed)?;
         let argv = |a: &[&str]| {
             Some(exec_request::Command::Argv(Argv {
                 args: a.iter().map(|s| s.to_string()).collect(),
@@ -399,6 +360,68 @@ impl Build<'_> {
         }
         Ok(())
     }
+}
+
+/// Where a COPY puts each file: (target path, mode, contents).
+type Placed<'c> = Vec<(String, u32, &'c [u8])>;
+
+/// Copy step: where each file the sources select lands under `dest` (in it when `into_dir`
+/// or the source is a directory), with its mode (`chmod`, else its own), and the top-level
+/// paths the copy creates (for `chown`); a source not in the context fails step `line`.
+fn place<'c>(
+    ctx: &'c Context,
+    sources: &[String],
+    dest: &str,
+    into_dir: bool,
+    chmod: Option<u32>,
+    line: usize,
+    text: &str,
+) -> ApiResult<(Placed<'c>, BTreeSet<String>)> {
+    let mut placed: Placed<'c> = Vec::new();
+    let mut tops = BTreeSet::new();
+    for s in sources {
+        let Some((is_dir, files)) = ctx.select(s) else {
+            return Err(ApiError::BuildStepFailed {
+                line,
+                step: text.to_owned(),
+                why: format!("{s}: not in the build context"),
+            });
+        };
+        for (rel, path) in files {
+            let target = if is_dir || into_dir {
+                format!("{dest}/{rel}")
+            } else {
+                dest.to_owned()
+            };
+            let (mode, data) = &ctx.files[&path];
+            let top = if is_dir {
+                format!("{dest}/{}", rel.split('/').next().unwrap_or(&rel))
+            } else {
+                target.clone()
+            };
+            tops.insert(top);
+            placed.push((target, chmod.unwrap_or(*mode), data.as_slice()));
+        }
+    }
+    Ok((placed, tops))
+}
+
+/// Copy step: the tar the guest unpacks at `/` (regular files owned by root, mtime 0).
+fn tar_of(placed: &Placed<'_>) -> ApiResult<Vec<u8>> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (target, mode, data) in placed {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(*mode);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(0);
+        h.set_entry_type(tar::EntryType::Regular);
+        b.append_data(&mut h, target.trim_start_matches('/'), *data)
+            .map_err(|e| ApiError::Internal(format!("the copy's tar: {e}")))?;
+    }
+    b.into_inner()
+        .map_err(|e| ApiError::Internal(format!("the copy's tar: {e}")))
 }
 
 fn parent(p: &str) -> &str {
@@ -487,6 +510,8 @@ pub async fn build(
     Ok(t)
 }
 
+/// The build in its sandbox: the Dockerfile's steps from `first` on (each cached as it
+/// completes), the start command, the ready check, and the snapshot as the template.
 #[allow(clippy::too_many_arguments)]
 async fn run(
     b: &Build<'_>,
@@ -498,11 +523,29 @@ async fn run(
     req: &BuildTemplateRequest,
     base: Option<ImageDefaults>,
 ) -> ApiResult<TemplateRt> {
+    run_steps(b, sandbox, file, ctx, keys, first, base.as_ref()).await?;
+    let started = start_command(b, sandbox, file, req).await?;
+    if let Some(check) = ready_check(req) {
+        wait_until_ready(b, sandbox, file, req, &check, started.as_deref()).await?;
+    }
+    let defaults = template_defaults(file, base.unwrap_or_default());
+    snapshot_template(b, sandbox, req, defaults).await
+}
+
+/// Build step: the Dockerfile's steps from `first` on, each announced, run and cached.
+async fn run_steps(
+    b: &Build<'_>,
+    sandbox: &str,
+    file: &Dockerfile,
+    ctx: &Context,
+    keys: &[String],
+    first: usize,
+    base: Option<&ImageDefaults>,
+) -> ApiResult<()> {
     let total = file.steps.len();
     // As in Docker, RUN runs as the image's own user until USER says otherwise: an OCI
     // image's User, else root (not the base template's unprivileged default account).
     let base_user = base
-        .as_ref()
         .map(|d| d.user.clone())
         .filter(|u| !u.is_empty())
         .unwrap_or_else(|| "root".into());
@@ -512,69 +555,95 @@ async fn run(
             format!("step {}/{total}, line {line}: {text}", i + 1),
         )
         .await;
-        match step {
-            Step::Run {
-                command,
-                user,
-                workdir,
-                env,
-            } => {
-                // WORKDIR is made if missing (as Docker makes it), by the step's own shell.
-                let args = if workdir.is_empty() {
-                    command.argv()
+        run_step(b, sandbox, ctx, *line, text, step, &base_user).await?;
+        cache_step(b, sandbox, &keys[i]).await;
+    }
+    Ok(())
+}
+
+/// Build step: one Dockerfile step in the build sandbox: RUN as an execution (as `base_user`
+/// unless it has a USER), COPY/ADD as a copy.
+async fn run_step(
+    b: &Build<'_>,
+    sandbox: &str,
+    ctx: &Context,
+    line: usize,
+    text: &str,
+    step: &Step,
+    base_user: &str,
+) -> ApiResult<()> {
+    match step {
+        Step::Run {
+            command,
+            user,
+            workdir,
+            env,
+        } => {
+            // WORKDIR is made if missing (as Docker makes it), by the step's own shell.
+            let args = if workdir.is_empty() {
+                command.argv()
+            } else {
+                let mut a: Vec<String> = [
+                    "/bin/sh",
+                    "-c",
+                    "mkdir -p -- \"$0\" && cd -- \"$0\" && exec \"$@\"",
+                    workdir,
+                ]
+                .map(String::from)
+                .to_vec();
+                a.extend(command.argv());
+                a
+            };
+            let exec = ExecRequest {
+                sandbox_id: sandbox.to_owned(),
+                command: Some(exec_request::Command::Argv(Argv { args })),
+                user: if user.is_empty() {
+                    base_user.to_owned()
                 } else {
-                    let mut a: Vec<String> = [
-                        "/bin/sh",
-                        "-c",
-                        "mkdir -p -- \"$0\" && cd -- \"$0\" && exec \"$@\"",
-                        workdir,
-                    ]
-                    .map(String::from)
-                    .to_vec();
-                    a.extend(command.argv());
-                    a
-                };
-                let exec = ExecRequest {
-                    sandbox_id: sandbox.to_owned(),
-                    command: Some(exec_request::Command::Argv(Argv { args })),
-                    user: if user.is_empty() {
-                        base_user.clone()
-                    } else {
-                        user.clone()
-                    },
-                    env: env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-                    ..Default::default()
-                };
-                b.step(*line, text, exec).await?;
-            }
-            Step::Copy {
+                    user.clone()
+                },
+                env: env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                ..Default::default()
+            };
+            b.step(line, text, exec).await
+        }
+        Step::Copy {
+            sources,
+            dest,
+            chown,
+            chmod,
+        } => {
+            b.copy(
+                sandbox,
+                line,
+                text,
+                ctx,
                 sources,
                 dest,
-                chown,
-                chmod,
-            } => {
-                b.copy(
-                    sandbox,
-                    *line,
-                    text,
-                    ctx,
-                    sources,
-                    dest,
-                    chown.as_deref(),
-                    *chmod,
-                )
-                .await?;
-            }
-        }
-        let name = cache_name(&keys[i]);
-        if b.d.templates.find(b.tenant, &name).is_err() {
-            match b.d.sandboxes.snapshot(b.tenant, sandbox, &name).await {
-                Ok(_) => b.send("step", format!("cached as {name}")).await,
-                Err(e) => b.send("step", format!("not cached: {e}")).await,
-            }
+                chown.as_deref(),
+                *chmod,
+            )
+            .await
         }
     }
-    let shell = |s: &str| ExecRequest {
+}
+
+/// Build step: the sandbox snapshotted as the cache template of step key `key`, unless it
+/// exists (a failure is only reported: the step is then not cached).
+async fn cache_step(b: &Build<'_>, sandbox: &str, key: &str) {
+    let name = cache_name(key);
+    if b.d.templates.find(b.tenant, &name).is_err() {
+        match b.d.sandboxes.snapshot(b.tenant, sandbox, &name).await {
+            Ok(_) => b.send("step", format!("cached as {name}")).await,
+            Err(e) => b.send("step", format!("not cached: {e}")).await,
+        }
+    }
+}
+
+/// A shell command in the build sandbox, with the Dockerfile's final user, working directory
+/// and environment, for at most a minute.
+fn shell(sandbox: &str, file: &Dockerfile, s: &str) -> ExecRequest {
+    ExecRequest {
         sandbox_id: sandbox.to_owned(),
         command: Some(exec_request::Command::Shell(s.to_owned())),
         user: file.user.clone(),
@@ -586,22 +655,36 @@ async fn run(
             .collect(),
         timeout_ms: 60_000,
         ..Default::default()
-    };
-    let mut started = None;
-    if !req.start.is_empty() {
-        b.send("starting", req.start.clone()).await;
-        // An execution of its own that runs on (the agent ends whatever an execution leaves
-        // behind when it ends): the snapshot holds it running, and so does every sandbox
-        // restored from it, for up to max_exec_timeout_ms.
-        let mut start = shell(&format!(
-            "exec {} </dev/null >/tmp/airlock-start.log 2>&1",
-            req.start
-        ));
-        start.timeout_ms = b.d.cfg.max_exec_timeout_ms;
-        let sb = b.d.sandboxes.running(b.tenant, sandbox)?;
-        started = Some(b.d.executions.start(&sb.exec_target()?, &start)?);
     }
-    let check = if !req.ready_command.is_empty() {
+}
+
+/// Build step: the request's start command, if any, left running; its execution's id.
+async fn start_command(
+    b: &Build<'_>,
+    sandbox: &str,
+    file: &Dockerfile,
+    req: &BuildTemplateRequest,
+) -> ApiResult<Option<String>> {
+    if req.start.is_empty() {
+        return Ok(None);
+    }
+    b.send("starting", req.start.clone()).await;
+    // An execution of its own that runs on (the agent ends whatever an execution leaves
+    // behind when it ends): the snapshot holds it running, and so does every sandbox
+    // restored from it, for up to max_exec_timeout_ms.
+    let mut start = shell(
+        sandbox,
+        file,
+        &format!("exec {} </dev/null >/tmp/airlock-start.log 2>&1", req.start),
+    );
+    start.timeout_ms = b.d.cfg.max_exec_timeout_ms;
+    let sb = b.d.sandboxes.running(b.tenant, sandbox)?;
+    Ok(Some(b.d.executions.start(&sb.exec_target()?, &start)?))
+}
+
+/// The request's ready check as a shell command: its command, else a fetch of its URL.
+fn ready_check(req: &BuildTemplateRequest) -> Option<String> {
+    if !req.ready_command.is_empty() {
         Some(req.ready_command.clone())
     } else if !req.ready_url.is_empty() {
         let url = req.ready_url.replace('\'', "'\\''");
@@ -611,48 +694,62 @@ async fn run(
         ))
     } else {
         None
-    };
-    if let Some(check) = check {
-        let limit = Duration::from_secs(u64::from(if req.ready_timeout_s == 0 {
-            60
-        } else {
-            req.ready_timeout_s
-        }));
-        b.send("waiting", format!("until `{check}` succeeds")).await;
-        let t0 = Instant::now();
-        loop {
-            let (e, tail) = b.exec(shell(&check)).await?;
-            if e.state == ExecutionState::Exited as i32 && e.exit_code == 0 {
-                break;
-            }
-            if let Some(id) = &started
-                && let Ok((e, None)) = b.d.executions.get(b.tenant, id)
-            {
-                return Err(ApiError::BuildStepFailed {
-                    line: 0,
-                    step: "start".into(),
-                    why: format!(
-                        "`{}` ended (exit {}, signal {}) before the ready check passed; its \
-                         output is in /tmp/airlock-start.log",
-                        req.start, e.exit_code, e.signal
-                    ),
-                });
-            }
-            if t0.elapsed() > limit {
-                return Err(ApiError::BuildStepFailed {
-                    line: 0,
-                    step: "ready check".into(),
-                    why: format!(
-                        "`{check}` did not succeed within {} s; its last output:\n{}",
-                        limit.as_secs(),
-                        tail.trim_end()
-                    ),
-                });
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
     }
-    let base = base.unwrap_or_default();
+}
+
+/// Build step: runs `check` once a second until it succeeds; fails if the start command
+/// (execution `started`) ends first, or after the request's ready timeout.
+async fn wait_until_ready(
+    b: &Build<'_>,
+    sandbox: &str,
+    file: &Dockerfile,
+    req: &BuildTemplateRequest,
+    check: &str,
+    started: Option<&str>,
+) -> ApiResult<()> {
+    let limit = Duration::from_secs(u64::from(if req.ready_timeout_s == 0 {
+        60
+    } else {
+        req.ready_timeout_s
+    }));
+    b.send("waiting", format!("until `{check}` succeeds")).await;
+    let t0 = Instant::now();
+    loop {
+        let (e, tail) = b.exec(shell(sandbox, file, check)).await?;
+        if e.state == ExecutionState::Exited as i32 && e.exit_code == 0 {
+            return Ok(());
+        }
+        if let Some(id) = started
+            && let Ok((e, None)) = b.d.executions.get(b.tenant, id)
+        {
+            return Err(ApiError::BuildStepFailed {
+                line: 0,
+                step: "start".into(),
+                why: format!(
+                    "`{}` ended (exit {}, signal {}) before the ready check passed; its \
+                     output is in /tmp/airlock-start.log",
+                    req.start, e.exit_code, e.signal
+                ),
+            });
+        }
+        if t0.elapsed() > limit {
+            return Err(ApiError::BuildStepFailed {
+                line: 0,
+                step: "ready check".into(),
+                why: format!(
+                    "`{check}` did not succeed within {} s; its last output:\n{}",
+                    limit.as_secs(),
+                    tail.trim_end()
+                ),
+            });
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// The template's defaults: the Dockerfile's ENV over the base image's, and its WORKDIR,
+/// USER, ENTRYPOINT and CMD where it has them, else the base's.
+fn template_defaults(file: &Dockerfile, base: ImageDefaults) -> ImageDefaults {
     let mut env: BTreeMap<String, String> = base
         .env
         .iter()
@@ -664,13 +761,23 @@ async fn run(
     let or_list = |mine: &Vec<String>, theirs: &Vec<String>| {
         if mine.is_empty() { theirs } else { mine }.clone()
     };
-    let defaults = ImageDefaults {
+    ImageDefaults {
         env: env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
         working_dir: or(&file.workdir, &base.working_dir),
         user: or(&file.user, &base.user),
         entrypoint: or_list(&file.entrypoint, &base.entrypoint),
         cmd: or_list(&file.cmd, &base.cmd),
-    };
+    }
+}
+
+/// Build step: the sandbox snapshotted as the requested template (its source: the
+/// Dockerfile's and context's digest), and the `ready` event.
+async fn snapshot_template(
+    b: &Build<'_>,
+    sandbox: &str,
+    req: &BuildTemplateRequest,
+    defaults: ImageDefaults,
+) -> ApiResult<TemplateRt> {
     let mut h = Sha256::new();
     h.update(req.dockerfile.as_bytes());
     h.update(&req.context);

@@ -95,8 +95,6 @@ const KNOWN_LONG: &[&str] = &[
     "daemon/src/e2b/templates.rs translate",
     "daemon/src/error.rs metadata",
     "daemon/src/exec/mod.rs start",
-    "daemon/src/imagebuild.rs copy",
-    "daemon/src/imagebuild.rs run",
     "daemon/src/metrics.rs render",
     "daemon/src/net/dns.rs serve",
     "daemon/src/net/expose.rs handle",
