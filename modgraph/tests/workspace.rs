@@ -100,8 +100,6 @@ const KNOWN_LONG: &[&str] = &[
     "daemon/src/net/expose.rs handle",
     "daemon/src/oci/mod.rs assemble",
     "daemon/src/oci/mod.rs import",
-    "daemon/src/oci/pull.rs open",
-    "daemon/src/oci/pull.rs pull",
     "daemon/src/oci/tree.rs apply_entry",
     "daemon/src/pkg/debian.rs index",
     "daemon/src/pkg/mod.rs new",

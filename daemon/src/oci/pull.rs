@@ -217,6 +217,69 @@ fn is_sha256(d: &str) -> bool {
     })
 }
 
+/// Session step: redirects are followed (5 at most) only to hosts `spec.check_host` allows.
+fn redirect_policy(spec: &PullSpec) -> reqwest::redirect::Policy {
+    let check = spec.check_host.clone();
+    reqwest::redirect::Policy::custom(move |attempt| {
+        if attempt.previous().len() >= 5 {
+            return attempt.error("more than 5 redirects");
+        }
+        let url = attempt.url().clone();
+        match host_port(&url).map(|(h, p)| check(&h, p)) {
+            Some(Ok(())) => attempt.follow(),
+            Some(Err(why)) => attempt.error(format!("a redirect to {url} is refused: {why}")),
+            None => attempt.error(format!("a redirect to {url} names no host")),
+        }
+    })
+}
+
+/// Session step: the token realm the registry names (in its answer to `probe`) is where
+/// oci-client would send the credentials: it must be within the ceiling too, checked before
+/// anything is sent there.
+async fn check_token_realm(
+    spec: &PullSpec,
+    http: &reqwest::Client,
+    probe: &str,
+    reg_err: &impl Fn(String) -> PullError,
+) -> Result<(), PullError> {
+    let answer = http
+        .get(probe)
+        .send()
+        .await
+        .map_err(|e| reg_err(format!("GET {probe}: {}", with_causes(&e))))?;
+    if let Some(realm) = answer
+        .headers()
+        .get(reqwest::header::WWW_AUTHENTICATE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(realm_of)
+    {
+        let url = reqwest::Url::parse(&realm)
+            .map_err(|e| reg_err(format!("its token realm {realm:?}: {e}")))?;
+        let (host, port) = host_port(&url)
+            .ok_or_else(|| reg_err(format!("its token realm {realm:?} names no host")))?;
+        (spec.check_host)(&host, port)
+            .map_err(|why| reg_err(format!("its token realm {realm} is refused: {why}")))?;
+    }
+    Ok(())
+}
+
+/// Session step: the `Authorization` header of the fetches: the bearer token if the registry
+/// gave one, else the basic credentials if there are any.
+fn authorization_of(token: Option<String>, auth: &RegistryAuth) -> Option<String> {
+    match (token, auth) {
+        (Some(t), _) => Some(format!("Bearer {t}")),
+        (None, RegistryAuth::Basic(u, p)) => {
+            use base64::Engine;
+            let raw = format!("{u}:{p}");
+            Some(format!(
+                "Basic {}",
+                base64::engine::general_purpose::STANDARD.encode(raw)
+            ))
+        }
+        _ => None,
+    }
+}
+
 /// One pull's connection: oci-client for authentication, reqwest for capped fetches.
 struct Session {
     reference: Reference,
@@ -227,6 +290,8 @@ struct Session {
 }
 
 impl Session {
+    /// Opens a pull's connection to the registry `spec` names: the HTTP clients, the token
+    /// realm checked against the ceiling, and the authorization to send.
     async fn open(spec: &PullSpec) -> Result<Self, PullError> {
         let reference = parse(&spec.reference)?;
         let registry = reference.resolve_registry().to_owned();
@@ -246,45 +311,13 @@ impl Session {
             ..Default::default()
         });
         let scheme = if insecure { "http" } else { "https" };
-        let check = spec.check_host.clone();
-        let redirects = reqwest::redirect::Policy::custom(move |attempt| {
-            if attempt.previous().len() >= 5 {
-                return attempt.error("more than 5 redirects");
-            }
-            let url = attempt.url().clone();
-            match host_port(&url).map(|(h, p)| check(&h, p)) {
-                Some(Ok(())) => attempt.follow(),
-                Some(Err(why)) => attempt.error(format!("a redirect to {url} is refused: {why}")),
-                None => attempt.error(format!("a redirect to {url} names no host")),
-            }
-        });
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .read_timeout(spec.read_timeout)
-            .redirect(redirects)
+            .redirect(redirect_policy(spec))
             .build()
             .map_err(|e| reg_err(format!("HTTP client: {e}")))?;
-        // The token realm the registry names is where oci-client would send the credentials:
-        // it must be within the ceiling too, checked before anything is sent there.
-        let probe = format!("{scheme}://{registry}/v2/");
-        let answer = http
-            .get(&probe)
-            .send()
-            .await
-            .map_err(|e| reg_err(format!("GET {probe}: {}", with_causes(&e))))?;
-        if let Some(realm) = answer
-            .headers()
-            .get(reqwest::header::WWW_AUTHENTICATE)
-            .and_then(|v| v.to_str().ok())
-            .and_then(realm_of)
-        {
-            let url = reqwest::Url::parse(&realm)
-                .map_err(|e| reg_err(format!("its token realm {realm:?}: {e}")))?;
-            let (host, port) = host_port(&url)
-                .ok_or_else(|| reg_err(format!("its token realm {realm:?} names no host")))?;
-            (spec.check_host)(&host, port)
-                .map_err(|why| reg_err(format!("its token realm {realm} is refused: {why}")))?;
-        }
+        check_token_realm(spec, &http, &format!("{scheme}://{registry}/v2/"), &reg_err).await?;
         let auth = if spec.username.is_empty() {
             RegistryAuth::Anonymous
         } else {
@@ -294,18 +327,7 @@ impl Session {
             .auth(&reference, &auth, RegistryOperation::Pull)
             .await
             .map_err(|e| reg_err(format!("authentication: {e}")))?;
-        let authorization = match (token, &auth) {
-            (Some(t), _) => Some(format!("Bearer {t}")),
-            (None, RegistryAuth::Basic(u, p)) => {
-                use base64::Engine;
-                let raw = format!("{u}:{p}");
-                Some(format!(
-                    "Basic {}",
-                    base64::engine::general_purpose::STANDARD.encode(raw)
-                ))
-            }
-            _ => None,
-        };
+        let authorization = authorization_of(token, &auth);
         Ok(Self {
             base: format!("{scheme}://{registry}/v2/{}", reference.repository()),
             reference,
@@ -480,58 +502,77 @@ fn sha256_of(b: &[u8]) -> String {
 /// not cached yet, each verified against its digest.
 pub async fn pull(spec: &PullSpec, cache: &Path) -> Result<Pulled, PullError> {
     let s = Session::open(spec).await?;
+    let (manifest, digest) = image_manifest(&s).await?;
+    let config = image_config(&s, spec, &manifest).await?;
+    let (layers, fetched) = fetch_layers(&s, spec, cache, &manifest).await?;
+    Ok(Pulled {
+        reference: spec.reference.clone(),
+        manifest_digest: digest,
+        config,
+        layers,
+        fetched_bytes: fetched,
+    })
+}
+
+/// Pull step: the image manifest the reference names (through an index, its linux/amd64
+/// entry) and its digest.
+async fn image_manifest(s: &Session) -> Result<(OciImageManifest, String), PullError> {
     let first = s
         .reference
         .digest()
         .or(s.reference.tag())
         .unwrap_or("latest")
         .to_owned();
-    let (body, mut digest) = s.manifest(&first).await?;
+    let (body, digest) = s.manifest(&first).await?;
     let parsed: OciManifest = serde_json::from_slice(&body).map_err(|e| {
         PullError::Invalid(format!("manifest {first}: not a manifest or index: {e}"))
     })?;
-    let manifest: OciImageManifest = match parsed {
-        OciManifest::Image(m) => m,
-        OciManifest::ImageIndex(index) => {
-            let entry = index
+    let index = match parsed {
+        OciManifest::Image(m) => return Ok((m, digest)),
+        OciManifest::ImageIndex(index) => index,
+    };
+    let entry = index
+        .manifests
+        .iter()
+        .find(|m| {
+            m.platform
+                .as_ref()
+                .is_some_and(|p| p.os == "linux" && p.architecture == "amd64")
+        })
+        .ok_or_else(|| {
+            let have: Vec<String> = index
                 .manifests
                 .iter()
-                .find(|m| {
-                    m.platform
-                        .as_ref()
-                        .is_some_and(|p| p.os == "linux" && p.architecture == "amd64")
-                })
-                .ok_or_else(|| {
-                    let have: Vec<String> = index
-                        .manifests
-                        .iter()
-                        .filter_map(|m| m.platform.as_ref())
-                        .map(|p| format!("{}/{}", p.os, p.architecture))
-                        .collect();
-                    PullError::Invalid(format!(
-                        "{first} is an index without a linux/amd64 image (it has {})",
-                        have.join(", ")
-                    ))
-                })?;
-            if !is_sha256(&entry.digest) {
-                return Err(PullError::Invalid(format!(
-                    "index entry {:?}: not a sha256 digest",
-                    entry.digest
-                )));
-            }
-            let (body, d) = s.manifest(&entry.digest).await?;
-            digest = d;
-            match serde_json::from_slice(&body) {
-                Ok(OciManifest::Image(m)) => m,
-                Ok(OciManifest::ImageIndex(_)) => {
-                    return Err(PullError::Invalid(format!(
-                        "{digest}: an index inside an index"
-                    )));
-                }
-                Err(e) => return Err(PullError::Invalid(format!("manifest {digest}: {e}"))),
-            }
-        }
-    };
+                .filter_map(|m| m.platform.as_ref())
+                .map(|p| format!("{}/{}", p.os, p.architecture))
+                .collect();
+            PullError::Invalid(format!(
+                "{first} is an index without a linux/amd64 image (it has {})",
+                have.join(", ")
+            ))
+        })?;
+    if !is_sha256(&entry.digest) {
+        return Err(PullError::Invalid(format!(
+            "index entry {:?}: not a sha256 digest",
+            entry.digest
+        )));
+    }
+    let (body, digest) = s.manifest(&entry.digest).await?;
+    match serde_json::from_slice(&body) {
+        Ok(OciManifest::Image(m)) => Ok((m, digest)),
+        Ok(OciManifest::ImageIndex(_)) => Err(PullError::Invalid(format!(
+            "{digest}: an index inside an index"
+        ))),
+        Err(e) => Err(PullError::Invalid(format!("manifest {digest}: {e}"))),
+    }
+}
+
+/// Pull step: the image configuration the manifest names, which must be linux/amd64.
+async fn image_config(
+    s: &Session,
+    spec: &PullSpec,
+    manifest: &OciImageManifest,
+) -> Result<oci_spec::image::ImageConfiguration, PullError> {
     if !is_sha256(&manifest.config.digest) {
         return Err(PullError::Invalid(
             "the manifest's config is not named by a sha256 digest".into(),
@@ -551,39 +592,23 @@ pub async fn pull(spec: &PullSpec, cache: &Path) -> Result<Pulled, PullError> {
             spec.reference
         )));
     }
+    Ok(config)
+}
+
+/// Pull step: every layer of the manifest in `cache/sha256`, fetched unless cached, within
+/// the caps on a layer and on the image; the layers and the bytes fetched.
+async fn fetch_layers(
+    s: &Session,
+    spec: &PullSpec,
+    cache: &Path,
+    manifest: &OciImageManifest,
+) -> Result<(Vec<Layer>, u64), PullError> {
     let dir = cache.join("sha256");
     tokio::fs::create_dir_all(&dir).await?;
     let mut layers = Vec::new();
     let (mut total, mut fetched) = (0u64, 0u64);
     for d in &manifest.layers {
-        let compression = Compression::of(&d.media_type).ok_or_else(|| PullError::Blob {
-            what: "layer",
-            digest: d.digest.clone(),
-            why: format!(
-                "media type {:?} is not a tar layer this daemon reads (tar, tar+gzip, tar+zstd)",
-                d.media_type
-            ),
-        })?;
-        let hex = d
-            .digest
-            .strip_prefix("sha256:")
-            .filter(|_| is_sha256(&d.digest))
-            .ok_or_else(|| PullError::Blob {
-                what: "layer",
-                digest: d.digest.clone(),
-                why: "not a sha256 digest".into(),
-            })?;
-        let declared = u64::try_from(d.size).unwrap_or(u64::MAX);
-        if declared > spec.max_layer_bytes {
-            return Err(PullError::Blob {
-                what: "layer",
-                digest: d.digest.clone(),
-                why: format!(
-                    "{declared} bytes, larger than {} MiB (the cap on one layer)",
-                    spec.max_layer_bytes >> 20
-                ),
-            });
-        }
+        let (compression, hex) = check_layer(spec, d)?;
         let path = dir.join(hex);
         let size = match tokio::fs::metadata(&path).await {
             Ok(m) if m.is_file() => m.len(),
@@ -617,13 +642,44 @@ pub async fn pull(spec: &PullSpec, cache: &Path) -> Result<Pulled, PullError> {
             path,
         });
     }
-    Ok(Pulled {
-        reference: spec.reference.clone(),
-        manifest_digest: digest,
-        config,
-        layers,
-        fetched_bytes: fetched,
-    })
+    Ok((layers, fetched))
+}
+
+/// Layer step: what the manifest says of layer `d` before it is fetched: a tar layer this
+/// daemon reads, named by a sha256 digest (its hex returned), within the cap on one layer.
+fn check_layer<'d>(
+    spec: &PullSpec,
+    d: &'d OciDescriptor,
+) -> Result<(Compression, &'d str), PullError> {
+    let compression = Compression::of(&d.media_type).ok_or_else(|| PullError::Blob {
+        what: "layer",
+        digest: d.digest.clone(),
+        why: format!(
+            "media type {:?} is not a tar layer this daemon reads (tar, tar+gzip, tar+zstd)",
+            d.media_type
+        ),
+    })?;
+    let hex = d
+        .digest
+        .strip_prefix("sha256:")
+        .filter(|_| is_sha256(&d.digest))
+        .ok_or_else(|| PullError::Blob {
+            what: "layer",
+            digest: d.digest.clone(),
+            why: "not a sha256 digest".into(),
+        })?;
+    let declared = u64::try_from(d.size).unwrap_or(u64::MAX);
+    if declared > spec.max_layer_bytes {
+        return Err(PullError::Blob {
+            what: "layer",
+            digest: d.digest.clone(),
+            why: format!(
+                "{declared} bytes, larger than {} MiB (the cap on one layer)",
+                spec.max_layer_bytes >> 20
+            ),
+        });
+    }
+    Ok((compression, hex))
 }
 
 #[cfg(test)]
