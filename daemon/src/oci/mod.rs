@@ -114,19 +114,7 @@ pub async fn import(
     mkfs: &Path,
     disk_mib: u64,
 ) -> ApiResult<Imported> {
-    let pulled = pull::pull(spec, &dir.join("layers"))
-        .await
-        .map_err(|e| match e {
-            pull::PullError::Io(e) => ApiError::Internal(format!("the layer cache: {e}")),
-            pull::PullError::Registry { registry, why } => ApiError::RegistryUnavailable {
-                why: format!("registry {registry}: {why}"),
-                registry,
-            },
-            e => ApiError::ImageRefused {
-                image: spec.reference.clone(),
-                why: e.to_string(),
-            },
-        })?;
+    let pulled = pull_image(spec, dir).await?;
     let agent_bytes = std::fs::read(agent)
         .map_err(|e| ApiError::Internal(format!("the guest agent {}: {e}", agent.display())))?;
     let agent_version = crate::fileinfo::content_version(&agent_bytes);
@@ -188,6 +176,24 @@ pub async fn import(
     })
 }
 
+/// Import step: the image pulled into `dir/layers`; a failure is the cache's (internal), the
+/// registry's (unavailable) or the image's (refused).
+async fn pull_image(spec: &PullSpec, dir: &Path) -> ApiResult<Pulled> {
+    pull::pull(spec, &dir.join("layers"))
+        .await
+        .map_err(|e| match e {
+            pull::PullError::Io(e) => ApiError::Internal(format!("the layer cache: {e}")),
+            pull::PullError::Registry { registry, why } => ApiError::RegistryUnavailable {
+                why: format!("registry {registry}: {why}"),
+                registry,
+            },
+            e => ApiError::ImageRefused {
+                image: spec.reference.clone(),
+                why: e.to_string(),
+            },
+        })
+}
+
 pub(crate) fn next() -> u64 {
     static N: AtomicU64 = AtomicU64::new(0);
     N.fetch_add(1, Ordering::Relaxed)
@@ -207,6 +213,22 @@ fn assemble(
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new().mode(0o700).create(stage)?;
     let mut tree = Tree::new(&stage.join("spool"), limits)?;
+    apply_layers(&mut tree, pulled)?;
+    let has_shell = tree.is_executable("/bin/sh");
+    add_runtime_files(&mut tree, agent)?;
+    let root = stage.join("root");
+    std::fs::create_dir(&root)?;
+    tree.write_to(&root)
+        .map_err(|e| ApiError::Internal(format!("writing the image tree: {e}")))?;
+    let content_mib = (tree.file_bytes() + tree.entries() * 4096) >> 20;
+    let size_mib = (content_mib * 5 / 4 + 64).max(content_mib + disk_mib);
+    pack_ext4(&root, mkfs, size_mib, out)?;
+    Ok(has_shell)
+}
+
+/// Assembly step: the image's layers, in order, applied to `tree` (each decompressed as it
+/// is read).
+fn apply_layers(tree: &mut Tree, pulled: &Pulled) -> ApiResult<()> {
     for layer in &pulled.layers {
         let file = std::fs::File::open(&layer.path)?;
         let file = std::io::BufReader::new(file);
@@ -232,7 +254,12 @@ fn assemble(
             },
         })?;
     }
-    let has_shell = tree.is_executable("/bin/sh");
+    Ok(())
+}
+
+/// Assembly step: the agent, the mount points it needs where the image has none, and the
+/// DNS and host-name files.
+fn add_runtime_files(tree: &mut Tree, agent: &[u8]) -> ApiResult<()> {
     tree.add_file(AGENT_PATH, agent, Meta::root(0o755))?;
     for (p, mode) in [
         ("/proc", 0o555),
@@ -260,19 +287,19 @@ fn assemble(
     if !tree.exists("/etc/hostname") {
         tree.add_file("/etc/hostname", b"airlock\n", Meta::root(0o644))?;
     }
-    let root = stage.join("root");
-    std::fs::create_dir(&root)?;
-    tree.write_to(&root)
-        .map_err(|e| ApiError::Internal(format!("writing the image tree: {e}")))?;
-    let content_mib = (tree.file_bytes() + tree.entries() * 4096) >> 20;
-    let size_mib = (content_mib * 5 / 4 + 64).max(content_mib + disk_mib);
+    Ok(())
+}
+
+/// Assembly step: `root` packed by `mkfs` into an ext4 file of `size_mib` at `out` (written
+/// beside it, then renamed into place).
+fn pack_ext4(root: &Path, mkfs: &Path, size_mib: u64, out: &Path) -> ApiResult<()> {
     let tmp = out.with_extension(format!("part-{}", next()));
     let file = std::fs::File::create(&tmp)?;
     file.set_len(size_mib << 20)?;
     drop(file);
     let st = std::process::Command::new(mkfs)
         .args(["-q", "-F", "-d"])
-        .arg(&root)
+        .arg(root)
         .args([
             "-L",
             "airlock-image",
@@ -304,7 +331,7 @@ fn assemble(
     }
     std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
     std::fs::rename(&tmp, out)?;
-    Ok(has_shell)
+    Ok(())
 }
 
 /// The guest agent to put into imported images: the configured file, else the one inside the
