@@ -98,7 +98,6 @@ const KNOWN_LONG: &[&str] = &[
     "daemon/src/metrics.rs render",
     "daemon/src/net/dns.rs serve",
     "daemon/src/net/expose.rs handle",
-    "daemon/src/oci/tree.rs apply_entry",
     "daemon/src/pkg/debian.rs index",
     "daemon/src/pkg/mod.rs new",
     "daemon/src/recovery.rs adopt_sandbox",

@@ -294,6 +294,30 @@ fn escapes(depth: usize, target: &[u8]) -> bool {
     false
 }
 
+/// Entry step: an entry's mode (permission bits), owner and mtime; an id must fit a `u32`
+/// and not be `u32::MAX`.
+fn meta_of(header: &tar::Header) -> Result<Meta, EntryError> {
+    let id = |v: io::Result<u64>, what: &'static str| -> Result<u32, EntryError> {
+        let v = v.map_err(|source| EntryError::Header { what, source })?;
+        u32::try_from(v)
+            .ok()
+            .filter(|v| *v != u32::MAX)
+            .ok_or(EntryError::InvalidId { what, value: v })
+    };
+    Ok(Meta {
+        mode: header.mode().map_err(|source| EntryError::Header {
+            what: "mode",
+            source,
+        })? & 0o7777,
+        uid: id(header.uid(), "uid")?,
+        gid: id(header.gid(), "gid")?,
+        mtime: header
+            .mtime()
+            .map(|t| i64::try_from(t).unwrap_or(0))
+            .unwrap_or(0),
+    })
+}
+
 fn show(raw: &[u8]) -> String {
     String::from_utf8_lossy(raw).into_owned()
 }
@@ -371,6 +395,8 @@ impl Tree {
         Ok(())
     }
 
+    /// Applies one tar entry: the root's metadata, an opaque-directory marker, a whiteout, or
+    /// a node put (or, for an existing directory, updated) at its path.
     fn apply_entry<R: Read>(&mut self, mut entry: tar::Entry<'_, R>) -> Result<(), EntryError> {
         let header = entry.header();
         let ty = header.entry_type();
@@ -379,25 +405,7 @@ impl Tree {
         }
         let raw = entry.path_bytes().into_owned();
         let path = split(&raw)?;
-        let id = |v: io::Result<u64>, what: &'static str| -> Result<u32, EntryError> {
-            let v = v.map_err(|source| EntryError::Header { what, source })?;
-            u32::try_from(v)
-                .ok()
-                .filter(|v| *v != u32::MAX)
-                .ok_or(EntryError::InvalidId { what, value: v })
-        };
-        let meta = Meta {
-            mode: header.mode().map_err(|source| EntryError::Header {
-                what: "mode",
-                source,
-            })? & 0o7777,
-            uid: id(header.uid(), "uid")?,
-            gid: id(header.gid(), "gid")?,
-            mtime: header
-                .mtime()
-                .map(|t| i64::try_from(t).unwrap_or(0))
-                .unwrap_or(0),
-        };
+        let meta = meta_of(header)?;
         let Some((name, parents)) = path.split_last() else {
             // The root itself ("./"): its metadata.
             if ty.is_dir() {
@@ -422,14 +430,40 @@ impl Tree {
             }
             return Ok(());
         }
-        let kind = if ty.is_dir() {
+        let Some(kind) = self.node_kind(&mut entry, ty, name, parents, meta)? else {
+            return Ok(());
+        };
+        self.dir_at(parents, true)?.insert(
+            name.clone(),
+            Node {
+                meta,
+                kind,
+                touched: layer,
+            },
+        );
+        Ok(())
+    }
+
+    /// Entry step: what the entry of type `ty` at `parents/name` makes: a directory, a file
+    /// (its data spooled), a symlink (checked), a hard link to a file, a FIFO; `None` when an
+    /// existing directory there took `meta` instead.
+    fn node_kind<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+        ty: tar::EntryType,
+        name: &Vec<u8>,
+        parents: &[Vec<u8>],
+        meta: Meta,
+    ) -> Result<Option<Kind>, EntryError> {
+        let layer = self.layer;
+        Ok(Some(if ty.is_dir() {
             let children = self.dir_at(parents, true)?;
             if let Some(existing) = children.get_mut(name)
                 && matches!(existing.kind, Kind::Dir(_))
             {
                 existing.meta = meta;
                 existing.touched = layer;
-                return Ok(());
+                return Ok(None);
             }
             Kind::Dir(BTreeMap::new())
         } else if ty.is_file() || ty == tar::EntryType::Continuous {
@@ -437,7 +471,7 @@ impl Tree {
             self.next_file += 1;
             let mut out =
                 File::create(self.spool.join(n.to_string())).map_err(EntryError::Spool)?;
-            io::copy(&mut entry, &mut out).map_err(EntryError::Data)?;
+            io::copy(entry, &mut out).map_err(EntryError::Data)?;
             self.files.insert(n, meta);
             Kind::File(n)
         } else if ty.is_symlink() {
@@ -468,16 +502,7 @@ impl Tree {
             return Err(EntryError::Device);
         } else {
             return Err(EntryError::UnsupportedType(ty.as_byte() as char));
-        };
-        self.dir_at(parents, true)?.insert(
-            name.clone(),
-            Node {
-                meta,
-                kind,
-                touched: layer,
-            },
-        );
-        Ok(())
+        }))
     }
 
     /// The entries of the directory at `path`, walking only directories: a symlink or file on
