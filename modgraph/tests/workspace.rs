@@ -105,8 +105,6 @@ const KNOWN_LONG: &[&str] = &[
     "daemon/src/sandbox/create.rs start",
     "daemon/src/sandbox/ops.rs snapshot_with",
     "daemon/src/server/mod.rs listen",
-    "daemon/src/templates/build.rs build",
-    "daemon/src/templates/build.rs snapshot",
     "daemon/src/templates/dockerfile.rs parse",
     "daemon/src/volumes.rs create",
 ];

@@ -152,45 +152,14 @@ impl Builder {
             tx: progress,
             started: Instant::now(),
         };
-        let mut source = String::new();
-        let mut image_defaults = None;
-        if let Some(oci) = spec.oci.take() {
-            let imported = self.import(&oci, &progress, check_host).await?;
-            spec.rootfs = imported.rootfs.clone();
-            spec.cmdline_extra = boot_args(&oci.reference, &imported.defaults)?;
-            if !spec.explicit_warmup {
-                spec.warmup.clear();
-            } else if !imported.has_shell {
-                return Err(ApiError::ImageRefused {
-                    image: oci.reference.clone(),
-                    why: "a warm-up runs in /bin/sh, and the image has none".into(),
-                });
+        let (source, image_defaults) = match spec.oci.take() {
+            Some(oci) => {
+                self.use_image(&mut spec, oci, &progress, check_host)
+                    .await?
             }
-            source = format!("oci:{}@{}", oci.reference, imported.manifest_digest);
-            let d = imported.defaults;
-            image_defaults = Some(ImageDefaults {
-                env: d.env,
-                working_dir: d.working_dir,
-                user: d.user,
-                entrypoint: d.entrypoint,
-                cmd: d.cmd,
-            });
-        }
-        let what = if !source.is_empty() {
-            source.clone()
-        } else if spec.image.is_empty() {
-            format!("{} with {}", spec.kernel.display(), spec.rootfs.display())
-        } else {
-            format!("image {}", spec.image)
+            None => (String::new(), None),
         };
-        if source.is_empty() {
-            // What the next build of the same request would take anew: the registered image's
-            // (or the host's) root filesystem of now, recorded by its version.
-            source = match spec.image.as_str() {
-                "" => format!("rootfs:{}", file_version(&spec.rootfs)),
-                image => format!("image:{image}@{}", file_version(&spec.rootfs)),
-            };
-        }
+        let (source, what) = source_and_what(&spec, source);
         let message = format!(
             "cold boot of {what} ({} vCPU, {} MiB)",
             spec.vcpus, spec.memory_mib
@@ -230,6 +199,38 @@ impl Builder {
             .send("ready", format!("ready after {secs} s"), Some(shown))
             .await;
         Ok(t)
+    }
+
+    /// Build step: imports `oci` and makes `spec` boot it (its root filesystem, boot
+    /// arguments and warm-up); the template's source and the image's defaults.
+    async fn use_image(
+        &self,
+        spec: &mut BuildSpec,
+        oci: OciImage,
+        progress: &Progress,
+        check_host: Option<crate::oci::pull::HostCheck>,
+    ) -> ApiResult<(String, Option<ImageDefaults>)> {
+        let imported = self.import(&oci, progress, check_host).await?;
+        spec.rootfs = imported.rootfs.clone();
+        spec.cmdline_extra = boot_args(&oci.reference, &imported.defaults)?;
+        if !spec.explicit_warmup {
+            spec.warmup.clear();
+        } else if !imported.has_shell {
+            return Err(ApiError::ImageRefused {
+                image: oci.reference.clone(),
+                why: "a warm-up runs in /bin/sh, and the image has none".into(),
+            });
+        }
+        let source = format!("oci:{}@{}", oci.reference, imported.manifest_digest);
+        let d = imported.defaults;
+        let image_defaults = Some(ImageDefaults {
+            env: d.env,
+            working_dir: d.working_dir,
+            user: d.user,
+            entrypoint: d.entrypoint,
+            cmd: d.cmd,
+        });
+        Ok((source, image_defaults))
     }
 
     /// The request's build, with the daemon's defaults: the image's files (host files named
@@ -406,30 +407,7 @@ impl Builder {
             };
         self.host.supervisor.forget(&vmm);
         let out_dir = run_dir.join("snapshot");
-        let result = match status {
-            Ok(Some(st)) if st.success() => super::import::import(&out_dir, dir)
-                .map(drop)
-                .map_err(|e| ApiError::Internal(format!("taking the snapshot: {e}"))),
-            Ok(st) => {
-                let status = st.map_or("no status".into(), |s| s.to_string());
-                let tail = vmm::log_tail(&vmm.log());
-                warn!(
-                    template = template_id,
-                    "the template boot failed ({status}): {tail}"
-                );
-                // The VMM's log holds the guest's console: an operator's, not a tenant's.
-                Err(ApiError::Internal(if spec.operator {
-                    format!("the template boot failed ({status}): {tail}")
-                } else {
-                    format!(
-                        "the template boot failed ({status}); the operator finds why in the daemon's log"
-                    )
-                }))
-            }
-            Err(e) => Err(ApiError::Internal(format!(
-                "the template build failed: {e}"
-            ))),
-        };
+        let result = take_snapshot(spec, status, &out_dir, dir, &vmm, template_id);
         if result.is_err() {
             let _ = std::fs::remove_dir_all(dir);
         }
@@ -616,6 +594,64 @@ fn boot_args(reference: &str, d: &crate::oci::ImageDefaults) -> ApiResult<String
 }
 
 /// Waits for the build VMM's exit, sending "still booting" every 5 s.
+/// Build step: the template's source (for a built image or host files, their root
+/// filesystem's version of now) and how the boot message names what boots.
+fn source_and_what(spec: &BuildSpec, mut source: String) -> (String, String) {
+    let what = if !source.is_empty() {
+        source.clone()
+    } else if spec.image.is_empty() {
+        format!("{} with {}", spec.kernel.display(), spec.rootfs.display())
+    } else {
+        format!("image {}", spec.image)
+    };
+    if source.is_empty() {
+        // What the next build of the same request would take anew: the registered image's
+        // (or the host's) root filesystem of now, recorded by its version.
+        source = match spec.image.as_str() {
+            "" => format!("rootfs:{}", file_version(&spec.rootfs)),
+            image => format!("image:{image}@{}", file_version(&spec.rootfs)),
+        };
+    }
+    (source, what)
+}
+
+/// Snapshot step: what the build VMM's end means: after a clean exit, the snapshot it wrote
+/// in `out_dir` imported into `dir`; else the boot's failure (its log tail for an operator
+/// only).
+fn take_snapshot(
+    spec: &BuildSpec,
+    status: std::io::Result<Option<std::process::ExitStatus>>,
+    out_dir: &Path,
+    dir: &Path,
+    vmm: &VmmProcess,
+    template_id: &str,
+) -> ApiResult<()> {
+    match status {
+        Ok(Some(st)) if st.success() => super::import::import(out_dir, dir)
+            .map(drop)
+            .map_err(|e| ApiError::Internal(format!("taking the snapshot: {e}"))),
+        Ok(st) => {
+            let status = st.map_or("no status".into(), |s| s.to_string());
+            let tail = vmm::log_tail(&vmm.log());
+            warn!(
+                template = template_id,
+                "the template boot failed ({status}): {tail}"
+            );
+            // The VMM's log holds the guest's console: an operator's, not a tenant's.
+            Err(ApiError::Internal(if spec.operator {
+                format!("the template boot failed ({status}): {tail}")
+            } else {
+                format!(
+                    "the template boot failed ({status}); the operator finds why in the daemon's log"
+                )
+            }))
+        }
+        Err(e) => Err(ApiError::Internal(format!(
+            "the template build failed: {e}"
+        ))),
+    }
+}
+
 async fn wait_with_progress(
     mut exit: std::pin::Pin<&mut crate::jail::ExitFuture>,
     progress: &Progress,
