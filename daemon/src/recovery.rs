@@ -112,28 +112,10 @@ impl Recovery<'_> {
             return Ok(false);
         }
         let spec = self.store.sandbox_spec(id)?.unwrap_or_default();
-        let launcher = self.host.launcher.clone();
-        let (pid, ticks, uid) = (rec.pid, rec.start_ticks, rec.uid);
-        let Some(mut launched) =
-            tokio::task::spawn_blocking(move || launcher.adopt(pid, ticks, uid))
-                .await
-                .map_err(|e| ApiError::Internal(e.to_string()))??
-        else {
+        let Some(vmm) = self.take_back_vmm(rec).await? else {
             return Ok(false);
         };
-        let cgroup = match (&self.host.cgroups, rec.cgroup) {
-            (Some(cgs), true) => Some(cgs.cgroup(&rec.id)),
-            _ => None,
-        };
-        let vmm = VmmProcess::new(
-            rec.id.clone(),
-            PathBuf::from(&rec.run_dir),
-            cgroup,
-            &mut launched,
-        );
-        self.host
-            .supervisor
-            .watch(&vmm, launched.exit, rec.owner.clone())?;
+        let pid = rec.pid;
         let state = match vmm::control::status(&vmm.control).await {
             Ok(s) if matches!(s.state, VmState::Running | VmState::Paused) => s.state,
             other => {
@@ -157,42 +139,7 @@ impl Recovery<'_> {
         let network = record.network.clone().unwrap_or_default();
         let rt = SandboxRt::new(record, spec.env, policy, Duration::from_millis(age_ms));
         if let Some(exits) = vmm.take_exits() {
-            // Its policy was within its tenant's ceiling when it was set; a ceiling lowered
-            // since then wins (deny-all where it no longer allows the policy).
-            let egress = &self.sandboxes.egress;
-            let policy = egress.check(&rt.tenant, &network).unwrap_or_else(|e| {
-                warn!(sandbox = %id, "its network policy: {e}; denying all egress");
-                airlock_egress::Policy::DenyAll
-            });
-            let asked = spec.packages.clone().unwrap_or_default();
-            let pkg = egress.packages.policy_for(&rt.tenant, &asked).or_else(|e| {
-                warn!(sandbox = %id, "its package policy: {e}; offline");
-                let offline = airlock_api::v1::PackagePolicy {
-                    offline: true,
-                    ..Default::default()
-                };
-                egress.packages.policy_for(&rt.tenant, &offline)
-            });
-            let Ok(pkg) = pkg else {
-                return Err(ApiError::Internal(
-                    "no package policy for the sandbox".into(),
-                ));
-            };
-            let pkg = egress.packages.session(&rt.tenant, &rt.id, pkg, true);
-            match egress.start(
-                &rt.id,
-                &rt.tenant,
-                exits,
-                policy,
-                true,
-                crate::net::Uses {
-                    packages: pkg,
-                    secrets: rt.secrets.clone(),
-                },
-            ) {
-                Ok(net) => rt.set_net(net),
-                Err(e) => warn!(sandbox = %id, "serving its network: {e}"),
-            }
+            self.serve_network(&rt, exits, &network, spec.packages.as_ref(), id)?;
         }
         rt.set_vmm(vmm);
         // Its volumes stay mounted in its guest: theirs again.
@@ -203,6 +150,83 @@ impl Recovery<'_> {
         self.sandboxes.insert(Arc::new(rt));
         info!(sandbox = %id, pid, "adopted the sandbox's VMM");
         Ok(true)
+    }
+
+    /// Adoption step: the recorded VMM process taken back (if it still is that process) and
+    /// watched by the supervisor again.
+    async fn take_back_vmm(&self, rec: &VmmRecord) -> ApiResult<Option<VmmProcess>> {
+        let launcher = self.host.launcher.clone();
+        let (pid, ticks, uid) = (rec.pid, rec.start_ticks, rec.uid);
+        let Some(mut launched) =
+            tokio::task::spawn_blocking(move || launcher.adopt(pid, ticks, uid))
+                .await
+                .map_err(|e| ApiError::Internal(e.to_string()))??
+        else {
+            return Ok(None);
+        };
+        let cgroup = match (&self.host.cgroups, rec.cgroup) {
+            (Some(cgs), true) => Some(cgs.cgroup(&rec.id)),
+            _ => None,
+        };
+        let vmm = VmmProcess::new(
+            rec.id.clone(),
+            PathBuf::from(&rec.run_dir),
+            cgroup,
+            &mut launched,
+        );
+        self.host
+            .supervisor
+            .watch(&vmm, launched.exit, rec.owner.clone())?;
+        Ok(Some(vmm))
+    }
+
+    /// Adoption step: the sandbox's network served again on its VMM's `exits`, under its
+    /// policies as its tenant's ceilings allow them now.
+    fn serve_network(
+        &self,
+        rt: &SandboxRt,
+        exits: crate::net::NetExits,
+        network: &airlock_api::v1::NetworkPolicy,
+        packages: Option<&airlock_api::v1::PackagePolicy>,
+        id: &str,
+    ) -> ApiResult<()> {
+        // Its policy was within its tenant's ceiling when it was set; a ceiling lowered
+        // since then wins (deny-all where it no longer allows the policy).
+        let egress = &self.sandboxes.egress;
+        let policy = egress.check(&rt.tenant, network).unwrap_or_else(|e| {
+            warn!(sandbox = %id, "its network policy: {e}; denying all egress");
+            airlock_egress::Policy::DenyAll
+        });
+        let asked = packages.cloned().unwrap_or_default();
+        let pkg = egress.packages.policy_for(&rt.tenant, &asked).or_else(|e| {
+            warn!(sandbox = %id, "its package policy: {e}; offline");
+            let offline = airlock_api::v1::PackagePolicy {
+                offline: true,
+                ..Default::default()
+            };
+            egress.packages.policy_for(&rt.tenant, &offline)
+        });
+        let Ok(pkg) = pkg else {
+            return Err(ApiError::Internal(
+                "no package policy for the sandbox".into(),
+            ));
+        };
+        let pkg = egress.packages.session(&rt.tenant, &rt.id, pkg, true);
+        match egress.start(
+            &rt.id,
+            &rt.tenant,
+            exits,
+            policy,
+            true,
+            crate::net::Uses {
+                packages: pkg,
+                secrets: rt.secrets.clone(),
+            },
+        ) {
+            Ok(net) => rt.set_net(net),
+            Err(e) => warn!(sandbox = %id, "serving its network: {e}"),
+        }
+        Ok(())
     }
 
     /// Kills a recorded VMM (if it still is that process), waits for it, removes what it had.
