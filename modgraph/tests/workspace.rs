@@ -100,8 +100,6 @@ const KNOWN_LONG: &[&str] = &[
     "daemon/src/net/expose.rs handle",
     "daemon/src/pkg/debian.rs index",
     "daemon/src/pkg/mod.rs new",
-    "daemon/src/sandbox/create.rs greet",
-    "daemon/src/sandbox/create.rs start",
     "daemon/src/sandbox/ops.rs snapshot_with",
     "daemon/src/server/mod.rs listen",
     "daemon/src/templates/dockerfile.rs parse",

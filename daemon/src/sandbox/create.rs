@@ -195,21 +195,7 @@ impl Sandboxes {
         rt.set_vmm(vmm.clone());
         // Its network is served before its guest runs.
         if let Some(exits) = vmm.take_exits() {
-            let net = self
-                .egress
-                .start(
-                    &rt.id,
-                    &rt.tenant,
-                    exits,
-                    spec.egress.clone(),
-                    false,
-                    crate::net::Uses {
-                        packages: self.egress.packages.session(&rt.tenant, &rt.id, pkg, false),
-                        secrets: rt.secrets.clone(),
-                    },
-                )
-                .map_err(|e| ApiError::Internal(format!("the sandbox's network: {e}")))?;
-            rt.set_net(net);
+            self.serve_network(rt, exits, spec, pkg)?;
         }
         // Its volumes are claimed (or the create fails here), their files handed to the VMM
         // with the restore; a create that fails afterwards releases them with the claim.
@@ -256,45 +242,35 @@ impl Sandboxes {
             identity_ms = guest.identity_ms,
             "sandbox ready"
         );
-        let secrets: Vec<&str> = record.secrets.iter().map(|s| s.name.as_str()).collect();
-        crate::audit::emit(
-            &rt.tenant,
-            crate::audit::Kind::SandboxCreate,
-            &rt.id,
-            "",
-            serde_json::json!({
-                "template": template.record.name,
-                "template_id": template.record.id,
-                "vcpus": record.vcpus,
-                "memory_mib": record.memory_mib,
-                "disk_mib": record.disk_mib,
-                "labels": record.labels,
-                "network": crate::audit::network(record.network.as_ref()),
-                "packages": crate::audit::packages(record.packages.as_ref()),
-                "volumes": record.volumes.iter().map(|v| &v.name).collect::<Vec<_>>(),
-                "files": spec.files.iter().map(|f| serde_json::json!({
-                    "path": f.path, "digest": crate::audit::digest(&f.content)
-                })).collect::<Vec<_>>(),
-                "secrets": secrets,
-            }),
-        );
-        let file_secrets: Vec<String> = rt
-            .secrets
-            .info()
-            .into_iter()
-            .filter(|s| s.delivery == "file")
-            .map(|s| s.name)
-            .collect();
-        if !file_secrets.is_empty() {
-            crate::audit::emit(
-                &rt.tenant,
-                crate::audit::Kind::SecretUse,
-                &rt.id,
-                "",
-                serde_json::json!({ "names": file_secrets, "delivery": "file" }),
-            );
-        }
+        audit_create(rt, template, spec, &record);
         Ok(record)
+    }
+
+    /// Start step: the sandbox's network served on its VMM's `exits`, with its egress policy
+    /// and a package session under `pkg`.
+    fn serve_network(
+        &self,
+        rt: &SandboxRt,
+        exits: crate::net::NetExits,
+        spec: &SandboxSpec,
+        pkg: airlock_packages::policy::Policy,
+    ) -> ApiResult<()> {
+        let net = self
+            .egress
+            .start(
+                &rt.id,
+                &rt.tenant,
+                exits,
+                spec.egress.clone(),
+                false,
+                crate::net::Uses {
+                    packages: self.egress.packages.session(&rt.tenant, &rt.id, pkg, false),
+                    secrets: rt.secrets.clone(),
+                },
+            )
+            .map_err(|e| ApiError::Internal(format!("the sandbox's network: {e}")))?;
+        rt.set_net(net);
+        Ok(())
     }
 
     /// A warm VMM of the template (or a new one), handed over to the sandbox.
@@ -337,25 +313,8 @@ impl Sandboxes {
                     vmm.is_gone().then(|| "its VMM ended".to_owned())
                 }
             };
-            // The clone's identity goes out with the connection (no round trip after Ready),
-            // with its writable space (on a writable root, the overlay's quota too).
-            let disk_bytes = u64::from(spec.disk_mib) << 20;
-            let mut identity = airlock_proto::client::clone_identity(&rt.id, disk_bytes)
-                .map_err(|e| from_agent(e, call))?;
-            // Volumes are in the first disk slots, in the order asked.
-            identity.mounts = spec
-                .volumes
-                .iter()
-                .enumerate()
-                .map(|(slot, v)| airlock_proto::pb::VolumeMount {
-                    serial: airlock_proto::slot_serial(slot),
-                    path: v.mount_path.clone(),
-                    read_only: v.read_only,
-                })
-                .collect();
-            identity.no_root = spec.no_root;
-            identity.default_user = spec.default_user.clone();
-            identity.workdir = spec.workdir.clone();
+            // The clone's identity goes out with the connection (no round trip after Ready).
+            let identity = clone_identity(&rt, &spec, call)?;
             let reseed = airlock_proto::pb::request::Kind::Reseed(identity);
             let (mut client, reseed_id) = airlock_proto::vsock::wait_ready_pipelined(
                 &vmm.vsock,
@@ -384,22 +343,7 @@ impl Sandboxes {
             // This connection serves the sandbox from now on (executions, files, control).
             let mux = vmm.agent.adopt(client).map_err(|e| from_agent(e, call))?;
             let mut client = mux.client(Some(Instant::now() + CALL_TIMEOUT));
-            for f in &spec.files {
-                let mode = if f.mode == 0 { 0o644 } else { f.mode };
-                files::write_all(&mut client, &f.path, &f.content, mode).map_err(|e| {
-                    from_agent(
-                        e,
-                        AgentCall {
-                            path: &f.path,
-                            ..call
-                        },
-                    )
-                })?;
-            }
-            place_secret_files(&mut client, &rt.secrets).map_err(|e| from_agent(e, call))?;
-            if let Some(ca) = rt.secrets.ca() {
-                trust_broker_ca(&mut client, &ca.pem()).map_err(|e| from_agent(e, call))?;
-            }
+            place_files(&mut client, &rt, &spec, call)?;
             Ok(GuestTimes {
                 ready_ms,
                 identity_ms: t.elapsed().as_secs_f64() * 1000.0,
@@ -407,6 +351,103 @@ impl Sandboxes {
         })
         .await
         .map_err(|e| ApiError::Internal(format!("agent task: {e}")))?
+    }
+}
+
+/// Greeting step: the clone's identity, with its writable space (on a writable root, the
+/// overlay's quota too), its volumes' mounts, and its account settings.
+fn clone_identity(
+    rt: &SandboxRt,
+    spec: &SandboxSpec,
+    call: AgentCall<'_>,
+) -> ApiResult<airlock_proto::pb::Reseed> {
+    let disk_bytes = u64::from(spec.disk_mib) << 20;
+    let mut identity = airlock_proto::client::clone_identity(&rt.id, disk_bytes)
+        .map_err(|e| from_agent(e, call))?;
+    // Volumes are in the first disk slots, in the order asked.
+    identity.mounts = spec
+        .volumes
+        .iter()
+        .enumerate()
+        .map(|(slot, v)| airlock_proto::pb::VolumeMount {
+            serial: airlock_proto::slot_serial(slot),
+            path: v.mount_path.clone(),
+            read_only: v.read_only,
+        })
+        .collect();
+    identity.no_root = spec.no_root;
+    identity.default_user = spec.default_user.clone();
+    identity.workdir = spec.workdir.clone();
+    Ok(identity)
+}
+
+/// Greeting step: the request's files, the secrets delivered as files, and the broker's CA
+/// (if the sandbox has one) placed in the guest.
+fn place_files(
+    client: &mut airlock_proto::MuxClient,
+    rt: &SandboxRt,
+    spec: &SandboxSpec,
+    call: AgentCall<'_>,
+) -> ApiResult<()> {
+    for f in &spec.files {
+        let mode = if f.mode == 0 { 0o644 } else { f.mode };
+        files::write_all(client, &f.path, &f.content, mode).map_err(|e| {
+            from_agent(
+                e,
+                AgentCall {
+                    path: &f.path,
+                    ..call
+                },
+            )
+        })?;
+    }
+    place_secret_files(client, &rt.secrets).map_err(|e| from_agent(e, call))?;
+    if let Some(ca) = rt.secrets.ca() {
+        trust_broker_ca(client, &ca.pem()).map_err(|e| from_agent(e, call))?;
+    }
+    Ok(())
+}
+
+/// Start step: the audit events of a created sandbox: its creation (what it was made of) and,
+/// if it has secrets delivered as files, their use.
+fn audit_create(rt: &SandboxRt, template: &TemplateRt, spec: &SandboxSpec, record: &Sandbox) {
+    let secrets: Vec<&str> = record.secrets.iter().map(|s| s.name.as_str()).collect();
+    crate::audit::emit(
+        &rt.tenant,
+        crate::audit::Kind::SandboxCreate,
+        &rt.id,
+        "",
+        serde_json::json!({
+            "template": template.record.name,
+            "template_id": template.record.id,
+            "vcpus": record.vcpus,
+            "memory_mib": record.memory_mib,
+            "disk_mib": record.disk_mib,
+            "labels": record.labels,
+            "network": crate::audit::network(record.network.as_ref()),
+            "packages": crate::audit::packages(record.packages.as_ref()),
+            "volumes": record.volumes.iter().map(|v| &v.name).collect::<Vec<_>>(),
+            "files": spec.files.iter().map(|f| serde_json::json!({
+                "path": f.path, "digest": crate::audit::digest(&f.content)
+            })).collect::<Vec<_>>(),
+            "secrets": secrets,
+        }),
+    );
+    let file_secrets: Vec<String> = rt
+        .secrets
+        .info()
+        .into_iter()
+        .filter(|s| s.delivery == "file")
+        .map(|s| s.name)
+        .collect();
+    if !file_secrets.is_empty() {
+        crate::audit::emit(
+            &rt.tenant,
+            crate::audit::Kind::SecretUse,
+            &rt.id,
+            "",
+            serde_json::json!({ "names": file_secrets, "delivery": "file" }),
+        );
     }
 }
 
