@@ -67,86 +67,119 @@ pub(super) async fn serve(state: Arc<NetState>, sock: UdpSocket) {
         tokio::select! {
             got = sock.recv_from(&mut buf) => {
                 let Ok((n, from)) = got else { continue };
-                let t0 = Instant::now();
-                let Some(q) = parse(&buf[..n]) else {
-                    let mut ev = event(None);
-                    ev.verdict = format!("not a DNS query ({n} bytes)");
-                    state.record(ev);
-                    continue;
-                };
-                let mut ev = event(Some(&q));
-                let refusal = if !bucket.take() {
-                    Some(format!(
-                        "rate limit: more than {} queries per second",
-                        state.cfg().dns_per_second
-                    ))
-                } else if let Some(shape) = q.refused_shape() {
-                    Some(shape.to_string())
-                } else if lookups.len() >= MAX_PENDING {
-                    Some(format!("more than {MAX_PENDING} lookups at once"))
-                } else {
-                    None
-                };
-                if let Some(why) = refusal {
-                    ev.verdict = why;
-                    reply(&sock, &q, &DnsAnswer::Refused, from).await;
-                    state.record(ev);
-                    continue;
-                }
-                let name = q.name.clone().unwrap_or_default();
-                if name == state.sandbox_id {
-                    // The sandbox's own host name (the agent sets its id) is answered here, as
-                    // /etc/hosts would: sudo and others look it up, and it is no egress.
-                    let answer = match q.qtype {
-                        QueryType::A => DnsAnswer::Addresses(vec![OWN_ADDRESS], TTL_S),
-                        _ => DnsAnswer::NoData,
-                    };
-                    reply(&sock, &q, &answer, from).await;
-                    continue;
-                }
-                let policy = state.policy();
-                let Some(rule) = allowing_rule(&policy, &name) else {
-                    ev.verdict = match *policy {
-                        Policy::DenyAll => "the policy denies all egress".to_owned(),
-                        _ => "no rule allows this name".to_owned(),
-                    };
-                    reply(&sock, &q, &DnsAnswer::Refused, from).await;
-                    state.record(ev);
-                    continue;
-                };
-                let (st, sock) = (state.clone(), sock.clone());
-                lookups.spawn(async move {
-                    let (addrs, _) = st.resolve(&name).await;
-                    let v4: Vec<_> = addrs
-                        .iter()
-                        .filter_map(|a| match a {
-                            IpAddr::V4(v4) => Some(*v4),
-                            IpAddr::V6(_) => None,
-                        })
-                        .collect();
-                    let answer = match (&q.qtype, v4.is_empty()) {
-                        (_, true) => DnsAnswer::NxDomain,
-                        (QueryType::A, false) => DnsAnswer::Addresses(v4.clone(), TTL_S),
-                        _ => DnsAnswer::NoData,
-                    };
-                    if !v4.is_empty() {
-                        st.remember(&name, &addrs);
-                    }
-                    reply(&sock, &q, &answer, from).await;
-                    ev.allowed = true;
-                    ev.verdict = if v4.is_empty() {
-                        format!("{rule}; the name does not resolve")
-                    } else {
-                        rule
-                    };
-                    ev.answers = v4.iter().map(ToString::to_string).collect();
-                    ev.duration_ms = t0.elapsed().as_secs_f64() * 1000.0;
-                    st.record(ev);
-                });
+                query(&state, &sock, &mut bucket, &mut lookups, &buf[..n], from).await;
             }
             Some(_) = lookups.join_next(), if !lookups.is_empty() => {}
         }
     }
+}
+
+/// One datagram from the guest: refused, answered here (the sandbox's own name), or looked
+/// up on a task of `lookups` when a rule allows its name; logged unless it is the own name.
+async fn query(
+    state: &Arc<NetState>,
+    sock: &Arc<UdpSocket>,
+    bucket: &mut Bucket,
+    lookups: &mut JoinSet<()>,
+    datagram: &[u8],
+    from: SocketAddr,
+) {
+    let t0 = Instant::now();
+    let Some(q) = parse(datagram) else {
+        let mut ev = event(None);
+        ev.verdict = format!("not a DNS query ({} bytes)", datagram.len());
+        state.record(ev);
+        return;
+    };
+    let mut ev = event(Some(&q));
+    if let Some(why) = refusal(state, bucket, &q, lookups.len()) {
+        ev.verdict = why;
+        reply(sock, &q, &DnsAnswer::Refused, from).await;
+        state.record(ev);
+        return;
+    }
+    let name = q.name.clone().unwrap_or_default();
+    if name == state.sandbox_id {
+        // The sandbox's own host name (the agent sets its id) is answered here, as
+        // /etc/hosts would: sudo and others look it up, and it is no egress.
+        let answer = match q.qtype {
+            QueryType::A => DnsAnswer::Addresses(vec![OWN_ADDRESS], TTL_S),
+            _ => DnsAnswer::NoData,
+        };
+        reply(sock, &q, &answer, from).await;
+        return;
+    }
+    let policy = state.policy();
+    let Some(rule) = allowing_rule(&policy, &name) else {
+        ev.verdict = match *policy {
+            Policy::DenyAll => "the policy denies all egress".to_owned(),
+            _ => "no rule allows this name".to_owned(),
+        };
+        reply(sock, &q, &DnsAnswer::Refused, from).await;
+        state.record(ev);
+        return;
+    };
+    let (st, sock) = (state.clone(), sock.clone());
+    lookups.spawn(look_up(st, sock, q, from, name, rule, ev, t0));
+}
+
+/// Query step: why `q` is refused before its name is looked at, if it is: over the rate
+/// limit (this takes a token), tunnel-shaped, or too many lookups (`pending`) at once.
+fn refusal(state: &NetState, bucket: &mut Bucket, q: &DnsQuery, pending: usize) -> Option<String> {
+    if !bucket.take() {
+        Some(format!(
+            "rate limit: more than {} queries per second",
+            state.cfg().dns_per_second
+        ))
+    } else if let Some(shape) = q.refused_shape() {
+        Some(shape.to_string())
+    } else if pending >= MAX_PENDING {
+        Some(format!("more than {MAX_PENDING} lookups at once"))
+    } else {
+        None
+    }
+}
+
+/// Query step (on a task of its own): resolves `name`, which `rule` allows, answers the
+/// guest (its IPv4 addresses for A, no data for other types, NXDOMAIN without any), remembers
+/// what it resolved to, and records the event.
+#[allow(clippy::too_many_arguments)]
+async fn look_up(
+    st: Arc<NetState>,
+    sock: Arc<UdpSocket>,
+    q: DnsQuery,
+    from: SocketAddr,
+    name: String,
+    rule: String,
+    mut ev: EgressEvent,
+    t0: Instant,
+) {
+    let (addrs, _) = st.resolve(&name).await;
+    let v4: Vec<_> = addrs
+        .iter()
+        .filter_map(|a| match a {
+            IpAddr::V4(v4) => Some(*v4),
+            IpAddr::V6(_) => None,
+        })
+        .collect();
+    let answer = match (&q.qtype, v4.is_empty()) {
+        (_, true) => DnsAnswer::NxDomain,
+        (QueryType::A, false) => DnsAnswer::Addresses(v4.clone(), TTL_S),
+        _ => DnsAnswer::NoData,
+    };
+    if !v4.is_empty() {
+        st.remember(&name, &addrs);
+    }
+    reply(&sock, &q, &answer, from).await;
+    ev.allowed = true;
+    ev.verdict = if v4.is_empty() {
+        format!("{rule}; the name does not resolve")
+    } else {
+        rule
+    };
+    ev.answers = v4.iter().map(ToString::to_string).collect();
+    ev.duration_ms = t0.elapsed().as_secs_f64() * 1000.0;
+    st.record(ev);
 }
 
 /// The rule that lets the guest resolve `name` (as text), if any.
