@@ -96,7 +96,6 @@ const KNOWN_LONG: &[&str] = &[
     "daemon/src/error.rs metadata",
     "daemon/src/exec/mod.rs start",
     "daemon/src/metrics.rs render",
-    "daemon/src/net/expose.rs handle",
     "daemon/src/pkg/debian.rs index",
     "daemon/src/pkg/mod.rs new",
     "daemon/src/sandbox/ops.rs snapshot_with",

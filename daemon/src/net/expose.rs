@@ -107,6 +107,45 @@ pub(super) fn preamble(buf: &[u8]) -> Option<Preamble> {
     })
 }
 
+/// Reads the connection's first bytes until they state the token (at most
+/// [`PREAMBLE_WAIT`] and [`MAX_PREAMBLE`] bytes); the preamble, if they do.
+async fn read_preamble(caller: &mut TcpStream) -> Option<Preamble> {
+    let mut buf = Vec::new();
+    let deadline = tokio::time::Instant::now() + PREAMBLE_WAIT;
+    loop {
+        if let Some(p) = preamble(&buf) {
+            return Some(p);
+        }
+        if buf.len() >= MAX_PREAMBLE {
+            return None;
+        }
+        let mut chunk = [0u8; 4096];
+        match tokio::time::timeout_at(deadline, caller.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            _ => return None,
+        }
+    }
+}
+
+/// Connects to the guest's `guest_port` from inside the sandbox's network namespace `netns`
+/// (5 s at most).
+async fn connect_guest(netns: Arc<OwnedFd>, guest_port: u16) -> io::Result<TcpStream> {
+    let guest = SocketAddr::new(IpAddr::V4(airlock_proto::GUEST_IPV4), guest_port);
+    tokio::task::spawn_blocking(move || {
+        airlock_netcfg::in_netns(netns.as_fd(), move || {
+            std::net::TcpStream::connect_timeout(&guest, Duration::from_secs(5))
+        })
+    })
+    .await
+    .unwrap_or_else(|e| Err(io::Error::other(e)))
+    .and_then(|s| {
+        s.set_nonblocking(true)?;
+        TcpStream::from_std(s)
+    })
+}
+
+/// One caller of an exposed port: its token checked, then joined to the guest's port; the
+/// connection is recorded as an event either way.
 async fn handle(
     state: Arc<NetState>,
     netns: Arc<OwnedFd>,
@@ -123,21 +162,7 @@ async fn handle(
         port: u32::from(guest_port),
         ..Default::default()
     };
-    let mut buf = Vec::new();
-    let deadline = tokio::time::Instant::now() + PREAMBLE_WAIT;
-    let pre = loop {
-        if let Some(p) = preamble(&buf) {
-            break Some(p);
-        }
-        if buf.len() >= MAX_PREAMBLE {
-            break None;
-        }
-        let mut chunk = [0u8; 4096];
-        match tokio::time::timeout_at(deadline, caller.read(&mut chunk)).await {
-            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-            _ => break None,
-        }
-    };
+    let pre = read_preamble(&mut caller).await;
     let presented = pre
         .as_ref()
         .and_then(|p| p.token.as_deref())
@@ -149,19 +174,7 @@ async fn handle(
         state.record(ev);
         return;
     };
-    let guest = SocketAddr::new(IpAddr::V4(airlock_proto::GUEST_IPV4), guest_port);
-    let connected = tokio::task::spawn_blocking(move || {
-        airlock_netcfg::in_netns(netns.as_fd(), move || {
-            std::net::TcpStream::connect_timeout(&guest, Duration::from_secs(5))
-        })
-    })
-    .await
-    .unwrap_or_else(|e| Err(io::Error::other(e)))
-    .and_then(|s| {
-        s.set_nonblocking(true)?;
-        TcpStream::from_std(s)
-    });
-    let upstream = match connected {
+    let upstream = match connect_guest(netns, guest_port).await {
         Ok(s) => s,
         Err(e) => {
             ev.allowed = true;
