@@ -231,6 +231,8 @@ pub struct TlsSettings {
 }
 
 impl Default for Config {
+    // Long: one line per setting, each with its default; split, the defaults would be
+    // scattered over helpers that each fill a few fields.
     fn default() -> Self {
         Self {
             listen: vec![format!("unix://{}", airlock_api::DEFAULT_SOCKET)],

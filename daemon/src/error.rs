@@ -209,6 +209,9 @@ impl ApiError {
         }
     }
 
+    /// The error's details for its `ErrorInfo` metadata (ids, names, limits), by variant.
+    // Long: one arm per error variant, a table of which details each carries; split, the
+    // table would be spread over helpers with nothing of their own to say.
     fn metadata(&self) -> HashMap<String, String> {
         let mut m = HashMap::new();
         match self {

@@ -137,6 +137,8 @@ impl Metrics {
     }
 
     /// The exposition text, with the sandbox gauges given by the caller.
+    // Long: one block per metric family, in exposition order; split, a reader would have to
+    // collect the families from helpers to see what is exported.
     pub fn render(&self, by_state: &BTreeMap<String, u64>, usage: &[SandboxUsage]) -> String {
         let i = self.inner();
         let mut out = String::new();
