@@ -48,34 +48,12 @@ fn every_crate_has_no_import_cycle() {
     );
 }
 
-/// The daemon's module directories whose files still import each other (take them off as
-/// they go).
-const DAEMON_SIBLING_CYCLES: &[&str] = &["pkg"];
-
-/// No two files of a module directory import each other (`super::`), in any crate; the
-/// daemon's known ones are listed.
+/// No two files of a module directory import each other (`super::`), in any crate.
 #[test]
 fn sibling_files_import_in_one_direction() {
     for member in members() {
-        let dir = workspace().join(&member);
-        let found = airlock_modgraph::sibling_cycles(&dir);
-        let unknown: Vec<_> = found
-            .iter()
-            .filter(|f| {
-                member != "daemon"
-                    || !DAEMON_SIBLING_CYCLES
-                        .iter()
-                        .any(|d| f.contains(&format!("/src/{d}: ")))
-            })
-            .collect();
-        assert!(unknown.is_empty(), "{member}: {unknown:#?}");
-    }
-    let daemon = airlock_modgraph::sibling_cycles(&workspace().join("daemon"));
-    for d in DAEMON_SIBLING_CYCLES {
-        assert!(
-            daemon.iter().any(|f| f.contains(&format!("/src/{d}: "))),
-            "daemon/src/{d} has no cycle any more: take it off the list ({daemon:#?})"
-        );
+        let found = airlock_modgraph::sibling_cycles(&workspace().join(&member));
+        assert!(found.is_empty(), "{member}: {found:#?}");
     }
 }
 

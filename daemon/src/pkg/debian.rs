@@ -27,8 +27,9 @@ use hyper::{Response, StatusCode};
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncWriteExt as _;
 
+use super::files::file;
 use super::http::{FetchError, cached_or_fetch, get_bounded};
-use super::serve::{Body, event, fail, file, respond, stream, upstream_failed};
+use super::respond::{Body, event, fail, respond, stream, upstream_failed};
 use super::{FileRef, Kind, MAX_REFS, Packages, Registry, Session};
 
 /// What the Debian registries' verified indexes list (all registries, all sandboxes).

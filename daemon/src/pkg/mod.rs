@@ -16,9 +16,15 @@
 //! tenant's ceiling narrowed by the sandbox's request), counts its downloads against its cap
 //! and logs every file it asks for (and every refused page) with the outcome (the install log,
 //! `GetInstallLog`).
+//!
+//! Its files, one direction: `serve` (a guest connection, PyPI and npm index pages) over
+//! `debian` (Debian's repository layout) over `files` (a verified file by its digest) over
+//! `respond` (how a guest is answered) over `http` (the registries' side).
 
 mod debian;
+mod files;
 mod http;
+mod respond;
 mod serve;
 
 use std::collections::{BTreeMap, HashMap};
