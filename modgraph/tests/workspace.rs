@@ -71,8 +71,6 @@ const KNOWN_LONG: &[&str] = &[
     "daemon/src/e2b/files.rs upload",
     "daemon/src/e2b/templates.rs translate",
     "daemon/src/exec/mod.rs start",
-    "daemon/src/pkg/debian.rs index",
-    "daemon/src/pkg/mod.rs new",
     "daemon/src/sandbox/ops.rs snapshot_with",
     "daemon/src/server/mod.rs listen",
     "daemon/src/templates/dockerfile.rs parse",

@@ -316,6 +316,9 @@ async fn gpgv(home: &Path, keyring: &Path, body: &[u8]) -> Result<String, Verify
     String::from_utf8(out.stdout).map_err(|_| VerifyError::NotUtf8)
 }
 
+/// An index of a suite (`dists/SUITE/PATH`: `Packages`, `Packages.gz`, ...): served only as
+/// the suite's verified InRelease lists it (its SHA-256 checked), from the cache or the
+/// registry; a `Packages` index read makes the `.deb`s it lists servable.
 async fn index(
     s: &Session,
     reg: &str,
@@ -324,40 +327,9 @@ async fn index(
     path: &str,
 ) -> Response<Body> {
     let ev = repo_event(reg, format!("dists/{suite}/{path}"));
-    if !deb::valid_segment(suite) || !deb::valid_path(path) {
-        return fail(StatusCode::NOT_FOUND, "not a repository path", false);
-    }
-    let release = s
-        .pkgs
-        .debian()
-        .releases
-        .get(&(reg.to_owned(), suite.to_owned()))
-        .cloned();
-    let Some(release) = release else {
-        return fail(
-            StatusCode::NOT_FOUND,
-            &format!("read dists/{suite}/Release first (apt-get update does)"),
-            false,
-        );
-    };
-    let Some((listed_path, listed)) = release.lookup(path) else {
-        return fail(
-            StatusCode::NOT_FOUND,
-            &format!("dists/{suite}/{path} is not listed in the suite's verified InRelease"),
-            false,
-        );
-    };
-    let Ok(url) = registry.url.join(&format!("dists/{suite}/{path}")) else {
-        return fail(StatusCode::NOT_FOUND, "not a repository path", false);
-    };
-    let key = format!("sha256-{}", listed.sha256);
-    let r = FileRef {
-        registry: reg.to_owned(),
-        kind: Kind::Debian,
-        package: String::new(),
-        version: String::new(),
-        filename: listed_path.to_owned(),
-        url,
+    let (key, r) = match listed_index(s, reg, registry, suite, path) {
+        Ok(found) => found,
+        Err(answer) => return *answer,
     };
     // Indexes are bounded by the index limit, not counted against the sandbox's cap.
     let max = s.pkgs.cfg.max_index_mib << 20;
@@ -381,6 +353,7 @@ async fn index(
     let Some(blob) = s.pkgs.blob_path(&key) else {
         return fail(StatusCode::NOT_FOUND, "not a digest", false);
     };
+    let listed_path = r.filename.as_str();
     if deb::is_packages_index(listed_path)
         && let Err(e) = read_index(&s.pkgs, reg, registry, &key, listed_path, &blob).await
     {
@@ -400,6 +373,50 @@ async fn index(
             false,
         ),
     }
+}
+
+/// Index step: `dists/SUITE/PATH` as the suite's verified InRelease lists it (read by an
+/// earlier Release request): its digest key and where to fetch it, or the answer when it is
+/// not a listed path.
+fn listed_index(
+    s: &Session,
+    reg: &str,
+    registry: &Registry,
+    suite: &str,
+    path: &str,
+) -> Result<(String, FileRef), Box<Response<Body>>> {
+    let not_found = |msg: &str| Box::new(fail(StatusCode::NOT_FOUND, msg, false));
+    if !deb::valid_segment(suite) || !deb::valid_path(path) {
+        return Err(not_found("not a repository path"));
+    }
+    let release = s
+        .pkgs
+        .debian()
+        .releases
+        .get(&(reg.to_owned(), suite.to_owned()))
+        .cloned();
+    let Some(release) = release else {
+        return Err(not_found(&format!(
+            "read dists/{suite}/Release first (apt-get update does)"
+        )));
+    };
+    let Some((listed_path, listed)) = release.lookup(path) else {
+        return Err(not_found(&format!(
+            "dists/{suite}/{path} is not listed in the suite's verified InRelease"
+        )));
+    };
+    let Ok(url) = registry.url.join(&format!("dists/{suite}/{path}")) else {
+        return Err(not_found("not a repository path"));
+    };
+    let r = FileRef {
+        registry: reg.to_owned(),
+        kind: Kind::Debian,
+        package: String::new(),
+        version: String::new(),
+        filename: listed_path.to_owned(),
+        url,
+    };
+    Ok((format!("sha256-{}", listed.sha256), r))
 }
 
 /// Reads a verified `Packages` index once: every `.deb` it lists becomes servable under its

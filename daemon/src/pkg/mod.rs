@@ -180,6 +180,100 @@ pub struct Registry {
     pub keyring: Option<PathBuf>,
 }
 
+impl Registry {
+    /// `[packages.registries.NAME]` checked: a name of letters, digits, `-` and `_`; an http(s)
+    /// URL (made to end with `/`); a keyring for a Debian registry and only there.
+    fn of(name: &str, r: &RegistryConfig) -> Result<Self, StartError> {
+        if name.is_empty()
+            || !name
+                .bytes()
+                .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
+        {
+            return Err(StartError::Setting(format!(
+                "[packages.registries] {name:?}: names are letters, digits, - and _"
+            )));
+        }
+        let mut url = Url::parse(&r.url).map_err(|e| {
+            StartError::Setting(format!("[packages.registries.{name}] url {:?}: {e}", r.url))
+        })?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(StartError::Setting(format!(
+                "[packages.registries.{name}] url: http or https"
+            )));
+        }
+        if !url.path().ends_with('/') {
+            url.set_path(&format!("{}/", url.path()));
+        }
+        match (r.kind, &r.keyring) {
+            (Kind::Debian, None) => {
+                return Err(StartError::Setting(format!(
+                    "[packages.registries.{name}] a debian registry needs `keyring`, the \
+                     keys that sign its InRelease files"
+                )));
+            }
+            (Kind::Debian, Some(k)) => {
+                if let Err(e) = debian::check_keyring(k) {
+                    // Not fatal: a host without Debian's keyring still serves pip and npm;
+                    // apt's requests are then refused, naming this.
+                    warn!("[packages.registries.{name}] {e}");
+                }
+            }
+            (_, Some(_)) => {
+                return Err(StartError::Setting(format!(
+                    "[packages.registries.{name}] `keyring` is for debian registries"
+                )));
+            }
+            (_, None) => {}
+        }
+        Ok(Registry {
+            kind: r.kind,
+            url,
+            keyring: r.keyring.clone(),
+        })
+    }
+}
+
+/// The package cache's directories, made (`sha256`, `sha512`, `tmp`, gpgv's private home),
+/// with a previous daemon's partial downloads removed.
+fn prepare_cache(cfg: &PackagesConfig, data_dir: &Path) -> Result<PathBuf, StartError> {
+    let cache = cfg
+        .cache_dir
+        .clone()
+        .unwrap_or_else(|| data_dir.join("packages"));
+    for sub in ["sha256", "sha512", "tmp", "gnupg"] {
+        std::fs::create_dir_all(cache.join(sub))
+            .map_err(StartError::io(cache.join(sub).display().to_string()))?;
+    }
+    // gpgv's home (it keeps nothing there, but wants it private).
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let home = cache.join("gnupg");
+        std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700))
+            .map_err(StartError::io(home.display().to_string()))?;
+    }
+    // Partial downloads of a previous daemon.
+    if let Ok(rd) = std::fs::read_dir(cache.join("tmp")) {
+        for e in rd.flatten() {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    Ok(cache)
+}
+
+/// The HTTP client towards the registries: no proxy, the configured timeouts.
+fn http_client(cfg: &PackagesConfig) -> Result<reqwest::Client, StartError> {
+    reqwest::Client::builder()
+        .no_proxy()
+        .connect_timeout(Duration::from_secs(cfg.connect_timeout_s))
+        .timeout(Duration::from_secs(cfg.fetch_timeout_s))
+        .user_agent(concat!(
+            "airlockd-package-proxy/",
+            env!("CARGO_PKG_VERSION")
+        ))
+        .build()
+        .map_err(|e| StartError::Setting(format!("the package proxy's HTTP client: {e}")))
+}
+
 /// A file some index page listed: where it is and what it is. Keyed by its digest.
 #[derive(Clone, Debug)]
 pub struct FileRef {
@@ -224,55 +318,7 @@ impl Packages {
     ) -> Result<Self, StartError> {
         let mut registries = BTreeMap::new();
         for (name, r) in &cfg.registries {
-            if name.is_empty()
-                || !name
-                    .bytes()
-                    .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
-            {
-                return Err(StartError::Setting(format!(
-                    "[packages.registries] {name:?}: names are letters, digits, - and _"
-                )));
-            }
-            let mut url = Url::parse(&r.url).map_err(|e| {
-                StartError::Setting(format!("[packages.registries.{name}] url {:?}: {e}", r.url))
-            })?;
-            if !matches!(url.scheme(), "http" | "https") {
-                return Err(StartError::Setting(format!(
-                    "[packages.registries.{name}] url: http or https"
-                )));
-            }
-            if !url.path().ends_with('/') {
-                url.set_path(&format!("{}/", url.path()));
-            }
-            match (r.kind, &r.keyring) {
-                (Kind::Debian, None) => {
-                    return Err(StartError::Setting(format!(
-                        "[packages.registries.{name}] a debian registry needs `keyring`, the \
-                         keys that sign its InRelease files"
-                    )));
-                }
-                (Kind::Debian, Some(k)) => {
-                    if let Err(e) = debian::check_keyring(k) {
-                        // Not fatal: a host without Debian's keyring still serves pip and npm;
-                        // apt's requests are then refused, naming this.
-                        warn!("[packages.registries.{name}] {e}");
-                    }
-                }
-                (_, Some(_)) => {
-                    return Err(StartError::Setting(format!(
-                        "[packages.registries.{name}] `keyring` is for debian registries"
-                    )));
-                }
-                (_, None) => {}
-            }
-            registries.insert(
-                name.clone(),
-                Registry {
-                    kind: r.kind,
-                    url,
-                    keyring: r.keyring.clone(),
-                },
-            );
+            registries.insert(name.clone(), Registry::of(name, r)?);
         }
         let names: Vec<String> = registries.keys().cloned().collect();
         let check = |what: &str, p: &Parts| {
@@ -288,37 +334,8 @@ impl Packages {
             check(&format!("[tenants.{tenant}] packages"), &p)?;
             ceilings.insert(tenant.clone(), p);
         }
-        let cache = cfg
-            .cache_dir
-            .clone()
-            .unwrap_or_else(|| data_dir.join("packages"));
-        for sub in ["sha256", "sha512", "tmp", "gnupg"] {
-            std::fs::create_dir_all(cache.join(sub))
-                .map_err(StartError::io(cache.join(sub).display().to_string()))?;
-        }
-        // gpgv's home (it keeps nothing there, but wants it private).
-        {
-            use std::os::unix::fs::PermissionsExt as _;
-            let home = cache.join("gnupg");
-            std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700))
-                .map_err(StartError::io(home.display().to_string()))?;
-        }
-        // Partial downloads of a previous daemon.
-        if let Ok(rd) = std::fs::read_dir(cache.join("tmp")) {
-            for e in rd.flatten() {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
-        let client = reqwest::Client::builder()
-            .no_proxy()
-            .connect_timeout(Duration::from_secs(cfg.connect_timeout_s))
-            .timeout(Duration::from_secs(cfg.fetch_timeout_s))
-            .user_agent(concat!(
-                "airlockd-package-proxy/",
-                env!("CARGO_PKG_VERSION")
-            ))
-            .build()
-            .map_err(|e| StartError::Setting(format!("the package proxy's HTTP client: {e}")))?;
+        let cache = prepare_cache(&cfg, data_dir)?;
+        let client = http_client(&cfg)?;
         Ok(Self {
             cfg,
             registries,
