@@ -79,6 +79,61 @@ fn sandbox_cgroups(
     }
 }
 
+/// Build step: the data directory and its run, templates and output directories (returned in
+/// that order), made if missing; the data directory is the daemon's alone.
+fn data_dirs(data_dir: &Path) -> Result<(PathBuf, PathBuf, PathBuf), StartError> {
+    let (run_dir, templates_dir, output_dir) = (
+        data_dir.join("run"),
+        data_dir.join("templates"),
+        data_dir.join("output"),
+    );
+    for d in [data_dir, &*run_dir, &*templates_dir, &*output_dir] {
+        make_dir(d)?;
+    }
+    // Records, output and snapshots are the daemon's: nobody else on the host reads them
+    // (a VMM reads its template's files through the bind mounts of its jail).
+    private(data_dir, 0o700)?;
+    Ok((run_dir, templates_dir, output_dir))
+}
+
+/// Build step: the record store under `data_dir`, its events migrated, the audit log on it.
+fn open_store(data_dir: &Path, cfg: &Config) -> Result<Arc<Store>, StartError> {
+    let db = data_dir.join("airlock.db");
+    let store = Arc::new(Store::open(&db)?);
+    let moved = crate::events::migrate(&store)?;
+    if moved > 0 {
+        tracing::info!(events = moved, "sandbox logs moved to the one event table");
+    }
+    crate::audit::init(store.clone(), cfg.audit.clone());
+    private(&db, 0o600)?;
+    Ok(store)
+}
+
+/// Build step: the exported templates of `dirs` imported (one that is not is logged).
+fn import_templates(templates: &Templates, dirs: &[PathBuf]) {
+    for dir in dirs {
+        match templates.import_exported(dir) {
+            Ok(Some(t)) => info!(
+                template = %t.record.name,
+                id = %t.record.id,
+                from = %dir.display(),
+                "template imported"
+            ),
+            Ok(None) => {}
+            Err(e) => warn!(from = %dir.display(), "template not imported: {e}"),
+        }
+    }
+}
+
+/// Build step: the executions' limits, as the settings have them.
+fn exec_limits(cfg: &Config) -> ExecLimits {
+    ExecLimits {
+        default_timeout_ms: cfg.default_exec_timeout_ms,
+        max_timeout_ms: cfg.max_exec_timeout_ms,
+        max_output_bytes: cfg.max_output_bytes,
+    }
+}
+
 impl Daemon {
     /// The daemon of `cfg`: its data directory, record store, cgroups and jail.
     pub fn open(cfg: Config) -> Result<(Arc<Self>, UnboundedReceiver<VmmExited>), StartError> {
@@ -101,26 +156,9 @@ impl Daemon {
         launcher: Arc<dyn Launcher>,
         cgroups: Option<Cgroups>,
     ) -> Result<(Arc<Self>, UnboundedReceiver<VmmExited>), StartError> {
-        let (run_dir, templates_dir, output_dir) = (
-            data_dir.join("run"),
-            data_dir.join("templates"),
-            data_dir.join("output"),
-        );
-        for d in [&data_dir, &run_dir, &templates_dir, &output_dir] {
-            make_dir(d)?;
-        }
-        // Records, output and snapshots are the daemon's: nobody else on the host reads them
-        // (a VMM reads its template's files through the bind mounts of its jail).
-        private(&data_dir, 0o700)?;
+        let (run_dir, templates_dir, output_dir) = data_dirs(&data_dir)?;
         let cfg = Arc::new(cfg);
-        let db = data_dir.join("airlock.db");
-        let store = Arc::new(Store::open(&db)?);
-        let moved = crate::events::migrate(&store)?;
-        if moved > 0 {
-            tracing::info!(events = moved, "sandbox logs moved to the one event table");
-        }
-        crate::audit::init(store.clone(), cfg.audit.clone());
-        private(&db, 0o600)?;
+        let store = open_store(&data_dir, &cfg)?;
         let metrics = Arc::new(Metrics::default());
         let (supervisor, events) = Supervisor::new(store.clone());
         let host = Arc::new(VmmHost::new(
@@ -137,18 +175,7 @@ impl Daemon {
             templates_dir,
             &cfg.default_tenant,
         )?);
-        for dir in &cfg.import_templates {
-            match templates.import_exported(dir) {
-                Ok(Some(t)) => info!(
-                    template = %t.record.name,
-                    id = %t.record.id,
-                    from = %dir.display(),
-                    "template imported"
-                ),
-                Ok(None) => {}
-                Err(e) => warn!(from = %dir.display(), "template not imported: {e}"),
-            }
-        }
+        import_templates(&templates, &cfg.import_templates);
         let builder = Arc::new(Builder::new(cfg.clone(), host.clone(), templates.clone()));
         let pool = Arc::new(WarmPool::new(
             cfg.pool_size,
@@ -156,13 +183,8 @@ impl Daemon {
             host.clone(),
             templates.clone(),
         ));
-        let limits = ExecLimits {
-            default_timeout_ms: cfg.default_exec_timeout_ms,
-            max_timeout_ms: cfg.max_exec_timeout_ms,
-            max_output_bytes: cfg.max_output_bytes,
-        };
         let executions = Arc::new(Executions::new(
-            limits,
+            exec_limits(&cfg),
             output_dir,
             store.clone(),
             metrics.clone(),
