@@ -132,6 +132,7 @@ async fn put(
     Ok(serde_json::json!({"name": name, "type": "file", "path": path}))
 }
 
+/// POST /files: the multipart form's `file` parts, or the raw body to `?path=`, written.
 async fn upload(
     State(gw): State<Arc<Gateway>>,
     Query(q): Query<FileQuery>,
@@ -146,86 +147,98 @@ async fn upload(
     let content_type = super::header_str(req.headers(), "content-type").unwrap_or_default();
     let gzip = super::header_str(req.headers(), "content-encoding")
         .is_some_and(|e| e.trim().eq_ignore_ascii_case("gzip"));
-    let mut written = Vec::new();
-    if content_type.starts_with("multipart/form-data") {
-        let mut form = match Multipart::from_request(req, &()).await {
-            Ok(f) => f,
-            Err(e) => return json_error(StatusCode::BAD_REQUEST, &format!("multipart: {e}")),
-        };
-        let mut parts = 0;
-        loop {
-            let field = match form.next_field().await {
-                Ok(Some(f)) => f,
-                Ok(None) => break,
-                Err(e) => return json_error(StatusCode::BAD_REQUEST, &format!("multipart: {e}")),
-            };
-            if field.name() != Some("file") {
-                continue;
-            }
-            parts += 1;
-            // One part: the query's path wins; several: each part names its destination.
-            let dest = match (q.path.as_deref(), field.file_name()) {
-                (Some(p), _) if parts == 1 && !p.is_empty() => p.to_owned(),
-                (_, Some(f)) if !f.is_empty() => f.to_owned(),
-                _ => {
-                    return json_error(
-                        StatusCode::BAD_REQUEST,
-                        "a file part without a destination",
-                    );
-                }
-            };
-            let data = field.map(|c| {
-                c.map(|b| b.to_vec())
-                    .map_err(|e| ApiError::InvalidArgument(format!("multipart: {e}")))
-            });
-            match put(&t, max, &user, &dest, Box::pin(data)).await {
-                Ok(v) => written.push(v),
-                Err(r) => return r,
-            }
-        }
+    let written = if content_type.starts_with("multipart/form-data") {
+        upload_parts(&t, max, &user, q.path.as_deref(), req).await
     } else {
-        let Some(path) = q.path.clone().filter(|p| !p.is_empty()) else {
-            return json_error(StatusCode::BAD_REQUEST, "path is required");
-        };
-        let body = req.into_body().into_data_stream().map(|c| {
-            c.map(|b| b.to_vec())
-                .map_err(|e| ApiError::InvalidArgument(format!("request body: {e}")))
-        });
-        let result = if gzip {
-            // A gzip stream is inflated whole (bounded): the writer takes plain bytes.
-            let raw = match axum::body::to_bytes(
-                Body::from_stream(
-                    body.map(|c| c.map_err(|e| std::io::Error::other(e.to_string()))),
-                ),
-                usize::try_from(max).unwrap_or(usize::MAX),
-            )
+        upload_body(&t, max, &user, q.path.as_deref(), gzip, req)
             .await
-            {
-                Ok(b) => b,
-                Err(e) => return json_error(StatusCode::PAYLOAD_TOO_LARGE, &format!("body: {e}")),
-            };
-            let plain = match gunzip(&raw, max) {
-                Ok(p) => p,
-                Err(e) => return file_error(&t, "e2b.WriteFile", &path, &e),
-            };
-            put(
-                &t,
-                max,
-                &user,
-                &path,
-                Box::pin(tokio_stream::iter([Ok(plain)])),
-            )
-            .await
-        } else {
-            put(&t, max, &user, &path, Box::pin(body)).await
-        };
-        match result {
-            Ok(v) => written.push(v),
-            Err(r) => return r,
-        }
-    }
+            .map(|v| vec![v])
+    };
+    let written = match written {
+        Ok(w) => w,
+        Err(r) => return r,
+    };
     if written.is_empty() {
         return json_error(StatusCode::BAD_REQUEST, "no file in the request");
     }
     json(StatusCode::OK, &written)
+}
+
+/// Upload step: each multipart part named `file` written to its destination, in order.
+async fn upload_parts(
+    t: &Target,
+    max: u64,
+    user: &str,
+    path: Option<&str>,
+    req: Request,
+) -> Result<Vec<serde_json::Value>, Response> {
+    let mut form = Multipart::from_request(req, &())
+        .await
+        .map_err(|e| json_error(StatusCode::BAD_REQUEST, &format!("multipart: {e}")))?;
+    let mut written = Vec::new();
+    let mut parts = 0;
+    while let Some(field) = form
+        .next_field()
+        .await
+        .map_err(|e| json_error(StatusCode::BAD_REQUEST, &format!("multipart: {e}")))?
+    {
+        if field.name() != Some("file") {
+            continue;
+        }
+        parts += 1;
+        // One part: the query's path wins; several: each part names its destination.
+        let dest = match (path, field.file_name()) {
+            (Some(p), _) if parts == 1 && !p.is_empty() => p.to_owned(),
+            (_, Some(f)) if !f.is_empty() => f.to_owned(),
+            _ => {
+                return Err(json_error(
+                    StatusCode::BAD_REQUEST,
+                    "a file part without a destination",
+                ));
+            }
+        };
+        let data = field.map(|c| {
+            c.map(|b| b.to_vec())
+                .map_err(|e| ApiError::InvalidArgument(format!("multipart: {e}")))
+        });
+        written.push(put(t, max, user, &dest, Box::pin(data)).await?);
+    }
+    Ok(written)
+}
+
+/// Upload step: the raw body written to `path` (a gzip one inflated first, whole).
+async fn upload_body(
+    t: &Target,
+    max: u64,
+    user: &str,
+    path: Option<&str>,
+    gzip: bool,
+    req: Request,
+) -> Result<serde_json::Value, Response> {
+    let Some(path) = path.filter(|p| !p.is_empty()) else {
+        return Err(json_error(StatusCode::BAD_REQUEST, "path is required"));
+    };
+    let body = req.into_body().into_data_stream().map(|c| {
+        c.map(|b| b.to_vec())
+            .map_err(|e| ApiError::InvalidArgument(format!("request body: {e}")))
+    });
+    if !gzip {
+        return put(t, max, user, path, Box::pin(body)).await;
+    }
+    // A gzip stream is inflated whole (bounded): the writer takes plain bytes.
+    let raw = axum::body::to_bytes(
+        Body::from_stream(body.map(|c| c.map_err(|e| std::io::Error::other(e.to_string())))),
+        usize::try_from(max).unwrap_or(usize::MAX),
+    )
+    .await
+    .map_err(|e| json_error(StatusCode::PAYLOAD_TOO_LARGE, &format!("body: {e}")))?;
+    let plain = gunzip(&raw, max).map_err(|e| file_error(t, "e2b.WriteFile", path, &e))?;
+    put(
+        t,
+        max,
+        user,
+        path,
+        Box::pin(tokio_stream::iter([Ok(plain)])),
+    )
+    .await
 }
