@@ -414,100 +414,20 @@ fn translate(
     s: &Start,
     upload: impl Fn(&str) -> Option<Vec<u8>>,
 ) -> Result<BuildTemplateRequest, TranslateError> {
-    let from = match (&s.from_template, &s.from_image) {
-        (Some(t), _) if !t.is_empty() => t.clone(),
-        (_, Some(i)) if i == "e2bdev/base" || i.starts_with("e2bdev/base:") => "base".into(),
-        (_, Some(i)) if !i.is_empty() => i.clone(),
-        _ => "base".into(),
-    };
-    let (mut username, mut password) = (String::new(), String::new());
-    if let Some(reg) = &s.from_image_registry {
-        match reg["type"].as_str() {
-            Some("registry") => {
-                username = reg["username"].as_str().unwrap_or_default().to_owned();
-                password = reg["password"].as_str().unwrap_or_default().to_owned();
-            }
-            other => return Err(TranslateError::RegistryType(other.map(str::to_owned))),
-        }
-    }
+    let from = base_of(s);
+    let (username, password) = registry_login(s)?;
     let mut lines = vec![format!("FROM {from}")];
     let mut context = tar::Builder::new(Vec::new());
     let mut added = std::collections::HashSet::new();
     // The user RUN runs as: the last USER step's, else root (as in a Dockerfile).
     let mut user: Option<String> = None;
-    let quote = |v: &str| serde_json::to_string(v).unwrap_or_default();
     for (i, step) in s.steps.iter().enumerate() {
         let n = i + 1;
         let arg = |k: usize| step.args.get(k).map(String::as_str).unwrap_or_default();
         match step.kind.as_str() {
-            "RUN" => {
-                let (cmd, as_user) = (arg(0), arg(1));
-                let argv = match (as_user, user.as_deref()) {
-                    ("", _) => vec!["/bin/sh", "-c", cmd],
-                    (u, None | Some("root")) if u != "root" => {
-                        vec!["su", "-s", "/bin/sh", "-c", cmd, u]
-                    }
-                    _ => vec!["/bin/sh", "-c", cmd],
-                };
-                let exec = serde_json::to_string(&argv).map_err(TranslateError::Json)?;
-                let switch = !as_user.is_empty()
-                    && argv[0] != "su"
-                    && user.as_deref().unwrap_or("root") != as_user;
-                if switch {
-                    lines.push(format!("USER {as_user}"));
-                }
-                lines.push(format!("RUN {exec}"));
-                if switch {
-                    lines.push(format!("USER {}", user.as_deref().unwrap_or("root")));
-                }
-            }
-            "COPY" => {
-                let hash = step
-                    .files_hash
-                    .as_deref()
-                    .filter(|h| valid_hash(h))
-                    .ok_or(TranslateError::CopyWithoutHash(n))?;
-                let (src, dest, owner, mode) = (arg(0), arg(1), arg(2), arg(3));
-                if src.contains(['*', '?', '[']) {
-                    return Err(TranslateError::CopyPattern {
-                        step: n,
-                        src: src.to_owned(),
-                    });
-                }
-                if added.insert(hash.to_owned()) {
-                    let archive = upload(hash).ok_or_else(|| TranslateError::NotUploaded {
-                        step: n,
-                        src: src.to_owned(),
-                    })?;
-                    add_archive(&mut context, hash, &archive).map_err(|why| {
-                        TranslateError::Archive {
-                            step: n,
-                            src: src.to_owned(),
-                            why,
-                        }
-                    })?;
-                }
-                let mut line = "COPY".to_owned();
-                if !owner.is_empty() {
-                    line.push_str(&format!(" --chown={owner}"));
-                }
-                if !mode.is_empty() {
-                    line.push_str(&format!(" --chmod={mode}"));
-                }
-                let src = src.trim_start_matches("./").trim_end_matches('/');
-                line.push_str(&format!(" h{hash}/{src} {dest}"));
-                lines.push(line);
-            }
-            "ENV" => {
-                let pairs: Vec<String> = step
-                    .args
-                    .chunks(2)
-                    .map(|kv| format!("{}={}", kv[0], quote(kv.get(1).map_or("", |v| v))))
-                    .collect();
-                if !pairs.is_empty() {
-                    lines.push(format!("ENV {}", pairs.join(" ")));
-                }
-            }
+            "RUN" => run_lines(arg(0), arg(1), user.as_deref(), &mut lines)?,
+            "COPY" => lines.push(copy_line(n, step, &upload, &mut context, &mut added)?),
+            "ENV" => lines.extend(env_line(&step.args)),
             "WORKDIR" => lines.push(format!("WORKDIR {}", arg(0))),
             "USER" => {
                 lines.push(format!("USER {}", arg(0)));
@@ -538,6 +458,112 @@ fn translate(
         replace: true,
         ..Default::default()
     })
+}
+
+/// Translate step: the image the Dockerfile starts FROM (E2B's base image is ours: `base`).
+fn base_of(s: &Start) -> String {
+    match (&s.from_template, &s.from_image) {
+        (Some(t), _) if !t.is_empty() => t.clone(),
+        (_, Some(i)) if i == "e2bdev/base" || i.starts_with("e2bdev/base:") => "base".into(),
+        (_, Some(i)) if !i.is_empty() => i.clone(),
+        _ => "base".into(),
+    }
+}
+
+/// Translate step: the registry's username and password (empty without a registry).
+fn registry_login(s: &Start) -> Result<(String, String), TranslateError> {
+    let (mut username, mut password) = (String::new(), String::new());
+    if let Some(reg) = &s.from_image_registry {
+        match reg["type"].as_str() {
+            Some("registry") => {
+                username = reg["username"].as_str().unwrap_or_default().to_owned();
+                password = reg["password"].as_str().unwrap_or_default().to_owned();
+            }
+            other => return Err(TranslateError::RegistryType(other.map(str::to_owned))),
+        }
+    }
+    Ok((username, password))
+}
+
+/// Translate step: a RUN step's lines, as `as_user` (switching from `user`, the last USER's,
+/// and back).
+fn run_lines(
+    cmd: &str,
+    as_user: &str,
+    user: Option<&str>,
+    lines: &mut Vec<String>,
+) -> Result<(), TranslateError> {
+    let argv = match (as_user, user) {
+        ("", _) => vec!["/bin/sh", "-c", cmd],
+        (u, None | Some("root")) if u != "root" => {
+            vec!["su", "-s", "/bin/sh", "-c", cmd, u]
+        }
+        _ => vec!["/bin/sh", "-c", cmd],
+    };
+    let exec = serde_json::to_string(&argv).map_err(TranslateError::Json)?;
+    let switch = !as_user.is_empty() && argv[0] != "su" && user.unwrap_or("root") != as_user;
+    if switch {
+        lines.push(format!("USER {as_user}"));
+    }
+    lines.push(format!("RUN {exec}"));
+    if switch {
+        lines.push(format!("USER {}", user.unwrap_or("root")));
+    }
+    Ok(())
+}
+
+/// Translate step: step `n`'s COPY line, its uploaded archive added to `context` once.
+fn copy_line(
+    n: usize,
+    step: &E2bStep,
+    upload: &impl Fn(&str) -> Option<Vec<u8>>,
+    context: &mut tar::Builder<Vec<u8>>,
+    added: &mut std::collections::HashSet<String>,
+) -> Result<String, TranslateError> {
+    let arg = |k: usize| step.args.get(k).map(String::as_str).unwrap_or_default();
+    let hash = step
+        .files_hash
+        .as_deref()
+        .filter(|h| valid_hash(h))
+        .ok_or(TranslateError::CopyWithoutHash(n))?;
+    let (src, dest, owner, mode) = (arg(0), arg(1), arg(2), arg(3));
+    if src.contains(['*', '?', '[']) {
+        return Err(TranslateError::CopyPattern {
+            step: n,
+            src: src.to_owned(),
+        });
+    }
+    if added.insert(hash.to_owned()) {
+        let archive = upload(hash).ok_or_else(|| TranslateError::NotUploaded {
+            step: n,
+            src: src.to_owned(),
+        })?;
+        add_archive(context, hash, &archive).map_err(|why| TranslateError::Archive {
+            step: n,
+            src: src.to_owned(),
+            why,
+        })?;
+    }
+    let mut line = "COPY".to_owned();
+    if !owner.is_empty() {
+        line.push_str(&format!(" --chown={owner}"));
+    }
+    if !mode.is_empty() {
+        line.push_str(&format!(" --chmod={mode}"));
+    }
+    let src = src.trim_start_matches("./").trim_end_matches('/');
+    line.push_str(&format!(" h{hash}/{src} {dest}"));
+    Ok(line)
+}
+
+/// Translate step: an ENV step's line, its values quoted (none without pairs).
+fn env_line(args: &[String]) -> Option<String> {
+    let quote = |v: &str| serde_json::to_string(v).unwrap_or_default();
+    let pairs: Vec<String> = args
+        .chunks(2)
+        .map(|kv| format!("{}={}", kv[0], quote(kv.get(1).map_or("", |v| v))))
+        .collect();
+    (!pairs.is_empty()).then(|| format!("ENV {}", pairs.join(" ")))
 }
 
 /// Adds the entries of an uploaded archive (tar, gzipped or not) under `h<hash>/`: regular
