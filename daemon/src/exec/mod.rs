@@ -137,17 +137,7 @@ impl Executions {
             t => t.min(self.limits.max_timeout_ms),
         };
         let own = crate::secrets::check(&req.secrets, true)?;
-        let (mut base, mut secret_names) = target.secrets.env();
-        for s in &own {
-            if let crate::secrets::Delivery::Env { var } = &s.delivery {
-                base.insert(var.clone(), s.value.to_string());
-                secret_names.push(s.name.clone());
-            }
-        }
-        // The sandbox's environment, its secrets' variables over it, the request's over both.
-        let mut sandbox_env = target.env.clone();
-        sandbox_env.extend(base);
-        let env = merged_env(&sandbox_env, &req.env)?;
+        let (env, secret_names) = exec_env(target, req, &own)?;
         let patterns = target.secrets.patterns_with(&own);
         let id = ids::new_id(ids::Kind::Execution)?;
         let record = Execution {
@@ -183,16 +173,7 @@ impl Executions {
             memory_max_bytes: u64::from(req.memory_limit_mib) << 20,
         };
         self.ledger.store.put_execution(&record)?;
-        for p in &self.output_paths(&id) {
-            use std::os::unix::fs::OpenOptionsExt;
-            // The tenant's output: the daemon's alone on the host.
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(p)?;
-        }
+        self.create_outputs(&id)?;
         let patterns_for_audit = patterns.clone();
         let secret_names_for_audit = record.secret_names.clone();
         let patterns = (!patterns.is_empty()).then_some(patterns);
@@ -204,24 +185,30 @@ impl Executions {
             timeout_ms,
             patterns,
         )?;
-        crate::audit::emit(
-            &target.tenant,
-            crate::audit::Kind::ExecStart,
-            &target.sandbox_id,
+        audit_start(
+            target,
+            req,
             &id,
-            audit_command(req, &patterns_for_audit),
+            &patterns_for_audit,
+            &secret_names_for_audit,
         );
-        if !secret_names_for_audit.is_empty() {
-            crate::audit::emit(
-                &target.tenant,
-                crate::audit::Kind::SecretUse,
-                &target.sandbox_id,
-                &id,
-                serde_json::json!({ "names": secret_names_for_audit, "delivery": "env" }),
-            );
-        }
         info!(execution = %id, sandbox = %target.sandbox_id, "execution started");
         Ok(id)
+    }
+
+    /// Start step: execution `id`'s empty output files, the daemon's alone on the host.
+    fn create_outputs(&self, id: &str) -> ApiResult<()> {
+        for p in &self.output_paths(id) {
+            use std::os::unix::fs::OpenOptionsExt;
+            // The tenant's output: the daemon's alone on the host.
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(p)?;
+        }
+        Ok(())
     }
 
     /// Follows `record` again after a restart: attaches to the agent's execution `agent_id`
@@ -394,6 +381,53 @@ impl Executions {
         for e in of_sandbox {
             e.fail(end.clone());
         }
+    }
+}
+
+/// Start step: the execution's environment (the sandbox's, its secrets' variables over it,
+/// the request's over both) and the names of the secrets in it.
+fn exec_env(
+    target: &ExecTarget,
+    req: &ExecRequest,
+    own: &[crate::secrets::Spec],
+) -> ApiResult<(HashMap<String, String>, Vec<String>)> {
+    let (mut base, mut secret_names) = target.secrets.env();
+    for s in own {
+        if let crate::secrets::Delivery::Env { var } = &s.delivery {
+            base.insert(var.clone(), s.value.to_string());
+            secret_names.push(s.name.clone());
+        }
+    }
+    // The sandbox's environment, its secrets' variables over it, the request's over both.
+    let mut sandbox_env = target.env.clone();
+    sandbox_env.extend(base);
+    let env = merged_env(&sandbox_env, &req.env)?;
+    Ok((env, secret_names))
+}
+
+/// Start step: the audit events of execution `id` (its start; the secrets its environment has).
+fn audit_start(
+    target: &ExecTarget,
+    req: &ExecRequest,
+    id: &str,
+    patterns: &crate::secrets::redact::Patterns,
+    secret_names: &[String],
+) {
+    crate::audit::emit(
+        &target.tenant,
+        crate::audit::Kind::ExecStart,
+        &target.sandbox_id,
+        id,
+        audit_command(req, patterns),
+    );
+    if !secret_names.is_empty() {
+        crate::audit::emit(
+            &target.tenant,
+            crate::audit::Kind::SecretUse,
+            &target.sandbox_id,
+            id,
+            serde_json::json!({ "names": secret_names, "delivery": "env" }),
+        );
     }
 }
 
