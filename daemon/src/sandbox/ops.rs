@@ -1,15 +1,17 @@
 //! Calls on a live sandbox: pause, resume, snapshot into a template, destroy. Each takes the
 //! sandbox's operation lock, so they never interleave.
 
+use std::path::Path;
+
 use airlock_api::v1::{Sandbox, SandboxState, Template};
 
-use super::Sandboxes;
+use super::{SandboxRt, Sandboxes};
 use crate::error::{ApiError, ApiResult};
 use crate::fileinfo::disk_bytes;
 use crate::ids;
 use crate::reason::{EndReason, state_name};
 use crate::templates::TemplateRt;
-use crate::vmm;
+use crate::vmm::{self, VmmProcess};
 
 use tracing::{info, warn};
 
@@ -85,71 +87,11 @@ impl Sandboxes {
         self.templates.check_quota(tenant, &owner, &quota, worst)?;
         let _op = rt.ops.lock().await;
         let state = rt.state();
-        if !matches!(state, SandboxState::Running | SandboxState::Paused) {
-            return Err(ApiError::SandboxNotRunning {
-                id: id.to_owned(),
-                state: state_name(state).into(),
-            });
-        }
-        if let Some(why) = rt.secrets.snapshot_refusal() {
-            return Err(ApiError::SecretsPresent {
-                id: id.to_owned(),
-                why,
-            });
-        }
-        if let Some(vol) = rt.snapshot().volumes.first() {
-            return Err(ApiError::VolumeInUse {
-                name: vol.name.clone(),
-                by: id.to_owned(),
-                why: "a sandbox with volumes mounted cannot be snapshotted (its template would                       hold them mounted); destroy it and mount them in a sandbox of the template",
-            });
-        }
+        check_snapshottable(&rt, id, state)?;
         let v = rt.vmm_or_err()?;
         let tid = ids::new_id(ids::Kind::Template)?;
         let dir = self.templates.dir_of(&tid);
-        if state == SandboxState::Running {
-            // Clones redo whatever the guest still had pending: let it finish, within bounds
-            // (a sandbox running a busy process never settles).
-            match vmm::control::settle(&v.control, SETTLE_MAX).await {
-                Ok(s) => info!(
-                    sandbox = id,
-                    settled = s.settled,
-                    waited_ms = s.waited_ms,
-                    busy_ms = s.busy_ms,
-                    "settled before the snapshot"
-                ),
-                Err(e) => warn!(sandbox = id, "settling before the snapshot: {e}"),
-            }
-            vmm::control::pause(&v.control)
-                .await
-                .map_err(control_error("pause"))?;
-        }
-        // The VMM writes into its run directory (the one place its jail can write), into the
-        // files prepared here for it (a running VMM creates none); the snapshot then moves to
-        // the templates, owned by root.
-        let staging = v.run_dir.join(format!("snapshot-{tid}"));
-        let vmm_ids = v.uid.map(|uid| (uid, uid));
-        let written = match airlock_control::snapshot_dir::prepare(&staging, vmm_ids) {
-            Ok(()) => vmm::control::snapshot(&v.control, &staging)
-                .await
-                .map_err(control_error("snapshot")),
-            Err(e) => Err(ApiError::Internal(format!(
-                "preparing the snapshot's directory: {e}"
-            ))),
-        };
-        if state == SandboxState::Running {
-            let _ = vmm::control::resume(&v.control).await;
-        }
-        // The VMM runs on and may hold descriptors of what it wrote: the template is a copy.
-        let imported = written.and_then(|_| {
-            crate::templates::import::import(&staging, &dir)
-                .map_err(|e| ApiError::Internal(format!("taking the snapshot: {e}")))
-        });
-        let _ = std::fs::remove_dir_all(&staging);
-        if let Err(e) = imported {
-            let _ = std::fs::remove_dir_all(&dir);
-            return Err(e);
-        }
+        write_snapshot(&v, id, state, &tid, &dir).await?;
         let sb = rt.snapshot();
         let src = self.templates.by_id(&sb.template_id).map(|t| t.record);
         let src = src.as_ref();
@@ -185,4 +127,84 @@ impl Sandboxes {
         };
         self.templates.add(record, dir, replace)
     }
+}
+
+/// Snapshot step: the sandbox, in `state`, can be snapshotted (running or paused, without
+/// secrets that refuse it, without volumes).
+fn check_snapshottable(rt: &SandboxRt, id: &str, state: SandboxState) -> ApiResult<()> {
+    if !matches!(state, SandboxState::Running | SandboxState::Paused) {
+        return Err(ApiError::SandboxNotRunning {
+            id: id.to_owned(),
+            state: state_name(state).into(),
+        });
+    }
+    if let Some(why) = rt.secrets.snapshot_refusal() {
+        return Err(ApiError::SecretsPresent {
+            id: id.to_owned(),
+            why,
+        });
+    }
+    if let Some(vol) = rt.snapshot().volumes.first() {
+        return Err(ApiError::VolumeInUse {
+            name: vol.name.clone(),
+            by: id.to_owned(),
+            why: "a sandbox with volumes mounted cannot be snapshotted (its template would                       hold them mounted); destroy it and mount them in a sandbox of the template",
+        });
+    }
+    Ok(())
+}
+
+/// Snapshot step: the VMM's snapshot, written (the guest settled and paused around it when
+/// running) and copied into the template directory `dir` (removed again on failure).
+async fn write_snapshot(
+    v: &VmmProcess,
+    id: &str,
+    state: SandboxState,
+    tid: &str,
+    dir: &Path,
+) -> ApiResult<()> {
+    if state == SandboxState::Running {
+        // Clones redo whatever the guest still had pending: let it finish, within bounds
+        // (a sandbox running a busy process never settles).
+        match vmm::control::settle(&v.control, SETTLE_MAX).await {
+            Ok(s) => info!(
+                sandbox = id,
+                settled = s.settled,
+                waited_ms = s.waited_ms,
+                busy_ms = s.busy_ms,
+                "settled before the snapshot"
+            ),
+            Err(e) => warn!(sandbox = id, "settling before the snapshot: {e}"),
+        }
+        vmm::control::pause(&v.control)
+            .await
+            .map_err(control_error("pause"))?;
+    }
+    // The VMM writes into its run directory (the one place its jail can write), into the
+    // files prepared here for it (a running VMM creates none); the snapshot then moves to
+    // the templates, owned by root.
+    let staging = v.run_dir.join(format!("snapshot-{tid}"));
+    let vmm_ids = v.uid.map(|uid| (uid, uid));
+    let written = match airlock_control::snapshot_dir::prepare(&staging, vmm_ids) {
+        Ok(()) => vmm::control::snapshot(&v.control, &staging)
+            .await
+            .map_err(control_error("snapshot")),
+        Err(e) => Err(ApiError::Internal(format!(
+            "preparing the snapshot's directory: {e}"
+        ))),
+    };
+    if state == SandboxState::Running {
+        let _ = vmm::control::resume(&v.control).await;
+    }
+    // The VMM runs on and may hold descriptors of what it wrote: the template is a copy.
+    let imported = written.and_then(|_| {
+        crate::templates::import::import(&staging, dir)
+            .map_err(|e| ApiError::Internal(format!("taking the snapshot: {e}")))
+    });
+    let _ = std::fs::remove_dir_all(&staging);
+    if let Err(e) = imported {
+        let _ = std::fs::remove_dir_all(dir);
+        return Err(e);
+    }
+    Ok(())
 }
