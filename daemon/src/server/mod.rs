@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use airlock_api::v1::airlock_server::AirlockServer;
 use tokio::task::JoinSet;
+use tokio_stream::Stream;
 use tracing::info;
 
 use tonic::service::interceptor::InterceptedService;
@@ -19,7 +20,7 @@ use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 use crate::auth::{Auth, Tokens, digest};
 use crate::cluster::Cluster;
-use crate::config::TlsSettings;
+use crate::config::{Config, TlsSettings};
 use crate::daemon::Daemon;
 use crate::e2b::E2bConfig;
 use crate::error::StartError;
@@ -60,12 +61,7 @@ pub async fn listen(
     let mut servers = JoinSet::new();
     for addr in &cfg.listen {
         let tcp = !addr.starts_with("unix:");
-        let auth = Auth {
-            tokens: tokens.clone(),
-            default_tenant: cfg.default_tenant.clone(),
-            token_required: tcp,
-            cluster_token: cluster.as_ref().map(|c| c.token_digest),
-        };
+        let auth = auth_of(&tokens, cfg, tcp, cluster.as_deref());
         // Cluster mode: calls are routed to the node that holds what they name.
         let route = cluster.as_ref().map(|c| crate::cluster::RouteLayer {
             cluster: c.clone(),
@@ -96,15 +92,7 @@ pub async fn listen(
                     .map_err(|e| StartError::Serve(e.to_string()))
             });
         } else if let Some(hostport) = addr.strip_prefix("tcp://") {
-            let listener = bind_tcp(hostport)
-                .await
-                .map_err(StartError::io(format!("listening on {hostport}")))?;
-            let local = listener
-                .local_addr()
-                .map_err(StartError::io(format!("listening on {hostport}")))?;
-            let tls = if cfg.tls.is_some() { "TLS" } else { "no TLS" };
-            info!("listening on tcp://{local} (tokens required, {tls})");
-            let incoming = limit::connections(listener, cfg.max_connections);
+            let incoming = tcp_incoming(hostport, cfg).await?;
             servers.spawn(async move {
                 router
                     .serve_with_incoming(incoming)
@@ -125,6 +113,34 @@ pub async fn listen(
         servers.spawn(crate::e2b::serve(listener, daemon.clone(), e2b, tokens));
     }
     Ok(servers)
+}
+
+/// Listen step: the authentication of a listener (tokens required on TCP; the cluster's
+/// token known in cluster mode).
+fn auth_of(tokens: &Arc<Tokens>, cfg: &Config, tcp: bool, cluster: Option<&Cluster>) -> Auth {
+    Auth {
+        tokens: tokens.clone(),
+        default_tenant: cfg.default_tenant.clone(),
+        token_required: tcp,
+        cluster_token: cluster.map(|c| c.token_digest),
+    }
+}
+
+/// Listen step: the connections of a TCP listener on `hostport`, at most `max_connections` at
+/// once.
+async fn tcp_incoming(
+    hostport: &str,
+    cfg: &Config,
+) -> Result<impl Stream<Item = std::io::Result<limit::Counted>> + use<>, StartError> {
+    let listener = bind_tcp(hostport)
+        .await
+        .map_err(StartError::io(format!("listening on {hostport}")))?;
+    let local = listener
+        .local_addr()
+        .map_err(StartError::io(format!("listening on {hostport}")))?;
+    let tls = if cfg.tls.is_some() { "TLS" } else { "no TLS" };
+    info!("listening on tcp://{local} (tokens required, {tls})");
+    Ok(limit::connections(listener, cfg.max_connections))
 }
 
 /// A Unix socket (mode 0660: its permissions are the access control), replacing a stale one.
