@@ -67,7 +67,6 @@ const KNOWN_LONG: &[&str] = &[
     "benches/src/image_bench.rs compare_image",
     "cli/src/commands/fs.rs run",
     "cli/src/request.rs create_request",
-    "daemon/src/templates/dockerfile.rs parse",
     "daemon/src/volumes.rs create",
 ];
 

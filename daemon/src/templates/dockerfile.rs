@@ -163,76 +163,16 @@ pub fn parse(
                 if from_line.is_some() {
                     return Err(at(StepError::SecondFrom));
                 }
-                let words: Vec<&str> = rest.split_whitespace().collect();
-                let image = match words.as_slice() {
-                    [image] => *image,
-                    [image, as_, _name] if as_.eq_ignore_ascii_case("as") => *image,
-                    _ => return Err(at(StepError::FromForm)),
-                };
-                out.from = substitute(image, &vars).map_err(at)?;
+                out.from = from_image(rest, &vars).map_err(at)?;
                 from_line = Some(line);
             }
-            "ARG" => {
-                let (name, default) = match rest.split_once('=') {
-                    Some((n, d)) => (n.trim(), Some(unquote(d.trim()))),
-                    None => (rest.trim(), None),
-                };
-                check_var_name(name).map_err(at)?;
-                declared.push(name.to_owned());
-                let value = build_args.get(name).cloned().or(default);
-                if let Some(v) = value {
-                    let v = substitute(&v, &vars).map_err(at)?;
-                    vars.insert(name.to_owned(), v);
-                }
-            }
-            "ENV" => {
-                for (k, v) in env_pairs(rest).map_err(at)? {
-                    let v = substitute(&v, &vars).map_err(at)?;
-                    vars.insert(k.clone(), v.clone());
-                    out.env.insert(k, v);
-                }
-            }
-            "WORKDIR" => {
-                let dir = substitute(&unquote(rest), &vars).map_err(at)?;
-                if dir.is_empty() {
-                    return Err(at(StepError::EmptyWorkdir));
-                }
-                out.workdir = if dir.starts_with('/') {
-                    dir
-                } else {
-                    let base = if out.workdir.is_empty() {
-                        "/"
-                    } else {
-                        &out.workdir
-                    };
-                    format!("{}/{dir}", base.trim_end_matches('/'))
-                };
-            }
-            "USER" => {
-                let user = substitute(rest, &vars).map_err(at)?;
-                if user.is_empty() || user.contains(char::is_whitespace) {
-                    return Err(at(StepError::UserForm));
-                }
-                out.user = user;
-            }
+            "ARG" => declare_arg(rest, build_args, &mut vars, &mut declared).map_err(at)?,
+            "ENV" => set_env(rest, &mut vars, &mut out.env).map_err(at)?,
+            "WORKDIR" => out.workdir = workdir_of(rest, &vars, &out.workdir).map_err(at)?,
+            "USER" => out.user = user_of(rest, &vars).map_err(at)?,
             "RUN" => {
-                if rest.starts_with("--") {
-                    return Err(at(StepError::RunFlags));
-                }
-                let command = command(rest).map_err(at)?;
-                let mut env: BTreeMap<String, String> =
-                    vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-                env.extend(out.env.clone());
-                out.steps.push((
-                    line,
-                    format!("RUN {rest}"),
-                    Step::Run {
-                        command,
-                        user: out.user.clone(),
-                        workdir: out.workdir.clone(),
-                        env,
-                    },
-                ));
+                let step = run_step(rest, &vars, &out).map_err(at)?;
+                out.steps.push((line, format!("RUN {rest}"), step));
             }
             "COPY" | "ADD" => {
                 let (step, text) = copy(&instr, rest, &vars, &out.workdir).map_err(at)?;
@@ -256,6 +196,99 @@ pub fn parse(
         return Err(DockerfileError::UndeclaredArg(unused.clone()));
     }
     Ok(out)
+}
+
+/// Parse step: FROM's image (`FROM IMAGE [AS NAME]`), its variables substituted.
+fn from_image(rest: &str, vars: &HashMap<String, String>) -> Result<String, StepError> {
+    let words: Vec<&str> = rest.split_whitespace().collect();
+    let image = match words.as_slice() {
+        [image] => *image,
+        [image, as_, _name] if as_.eq_ignore_ascii_case("as") => *image,
+        _ => return Err(StepError::FromForm),
+    };
+    substitute(image, vars)
+}
+
+/// Parse step: an ARG declared, its value (the build argument's, else its default) set.
+fn declare_arg(
+    rest: &str,
+    build_args: &HashMap<String, String>,
+    vars: &mut HashMap<String, String>,
+    declared: &mut Vec<String>,
+) -> Result<(), StepError> {
+    let (name, default) = match rest.split_once('=') {
+        Some((n, d)) => (n.trim(), Some(unquote(d.trim()))),
+        None => (rest.trim(), None),
+    };
+    check_var_name(name)?;
+    declared.push(name.to_owned());
+    let value = build_args.get(name).cloned().or(default);
+    if let Some(v) = value {
+        let v = substitute(&v, vars)?;
+        vars.insert(name.to_owned(), v);
+    }
+    Ok(())
+}
+
+/// Parse step: an ENV's pairs set, as variables and in the template's environment.
+fn set_env(
+    rest: &str,
+    vars: &mut HashMap<String, String>,
+    env: &mut BTreeMap<String, String>,
+) -> Result<(), StepError> {
+    for (k, v) in env_pairs(rest)? {
+        let v = substitute(&v, vars)?;
+        vars.insert(k.clone(), v.clone());
+        env.insert(k, v);
+    }
+    Ok(())
+}
+
+/// Parse step: the directory a WORKDIR leaves (a relative one is under `current`).
+fn workdir_of(
+    rest: &str,
+    vars: &HashMap<String, String>,
+    current: &str,
+) -> Result<String, StepError> {
+    let dir = substitute(&unquote(rest), vars)?;
+    if dir.is_empty() {
+        return Err(StepError::EmptyWorkdir);
+    }
+    if dir.starts_with('/') {
+        return Ok(dir);
+    }
+    let base = if current.is_empty() { "/" } else { current };
+    Ok(format!("{}/{dir}", base.trim_end_matches('/')))
+}
+
+/// Parse step: the account a USER names (one word).
+fn user_of(rest: &str, vars: &HashMap<String, String>) -> Result<String, StepError> {
+    let user = substitute(rest, vars)?;
+    if user.is_empty() || user.contains(char::is_whitespace) {
+        return Err(StepError::UserForm);
+    }
+    Ok(user)
+}
+
+/// Parse step: a RUN's step, with the user, directory and environment as they stand in `out`.
+fn run_step(
+    rest: &str,
+    vars: &HashMap<String, String>,
+    out: &Dockerfile,
+) -> Result<Step, StepError> {
+    if rest.starts_with("--") {
+        return Err(StepError::RunFlags);
+    }
+    let command = command(rest)?;
+    let mut env: BTreeMap<String, String> =
+        vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    env.extend(out.env.clone());
+    Ok(Step::Run {
+        command,
+        user: out.user.clone(),
+        workdir: out.workdir.clone(),
+        env,
+    })
 }
 
 /// Lines joined at trailing backslashes, comments and blank lines dropped, with the number of
