@@ -191,34 +191,7 @@ impl Volumes {
                     .into(),
             )
         })?;
-        let id = {
-            let all = lock(&self.all);
-            if all
-                .iter()
-                .any(|e| e.tenant == tenant && e.record.name == name)
-            {
-                return Err(ApiError::VolumeExists(name.to_owned()));
-            }
-            let mine: Vec<_> = all.iter().filter(|e| e.tenant == tenant).collect();
-            if quota.max_volumes > 0 && mine.len() >= quota.max_volumes {
-                return Err(ApiError::Quota {
-                    tenant: tenant.to_owned(),
-                    what: "volumes",
-                    limit: quota.max_volumes as u64,
-                    current: mine.len() as u64,
-                });
-            }
-            let used: u64 = mine.iter().map(|e| u64::from(e.record.size_mib)).sum();
-            if quota.max_volume_mib > 0 && used + u64::from(size_mib) > quota.max_volume_mib {
-                return Err(ApiError::Quota {
-                    tenant: tenant.to_owned(),
-                    what: "volume_mib",
-                    limit: quota.max_volume_mib,
-                    current: used,
-                });
-            }
-            ids::new_id(ids::Kind::Volume)?
-        };
+        let id = self.new_id(tenant, quota, name, size_mib)?;
         let file = self.file(&id);
         format(&mkfs, &file, name, size_mib)
             .await
@@ -236,24 +209,61 @@ impl Volumes {
             id: id.clone(),
             record,
         };
-        {
-            // Checked again: another create of the same name may have won meanwhile.
-            let mut all = lock(&self.all);
-            if all
-                .iter()
-                .any(|e| e.tenant == tenant && e.record.name == name)
-            {
-                let _ = std::fs::remove_file(&file);
-                return Err(ApiError::VolumeExists(name.to_owned()));
-            }
-            if let Err(e) = self.store.put_volume(tenant, &id, &entry.record) {
-                let _ = std::fs::remove_file(&file);
-                return Err(e);
-            }
-            all.push(entry.clone());
-        }
+        self.keep(tenant, &file, &entry)?;
         info!(tenant, volume = name, size_mib, "volume created");
         Ok(self.view(&entry))
+    }
+
+    /// Create step: the new volume's id, once `tenant` has no volume `name` and room for
+    /// `size_mib` more within its quota.
+    fn new_id(&self, tenant: &str, quota: &Quota, name: &str, size_mib: u32) -> ApiResult<String> {
+        let all = lock(&self.all);
+        if all
+            .iter()
+            .any(|e| e.tenant == tenant && e.record.name == name)
+        {
+            return Err(ApiError::VolumeExists(name.to_owned()));
+        }
+        let mine: Vec<_> = all.iter().filter(|e| e.tenant == tenant).collect();
+        if quota.max_volumes > 0 && mine.len() >= quota.max_volumes {
+            return Err(ApiError::Quota {
+                tenant: tenant.to_owned(),
+                what: "volumes",
+                limit: quota.max_volumes as u64,
+                current: mine.len() as u64,
+            });
+        }
+        let used: u64 = mine.iter().map(|e| u64::from(e.record.size_mib)).sum();
+        if quota.max_volume_mib > 0 && used + u64::from(size_mib) > quota.max_volume_mib {
+            return Err(ApiError::Quota {
+                tenant: tenant.to_owned(),
+                what: "volume_mib",
+                limit: quota.max_volume_mib,
+                current: used,
+            });
+        }
+        Ok(ids::new_id(ids::Kind::Volume)?)
+    }
+
+    /// Create step: the formatted volume `entry` recorded and listed (its `file` removed when
+    /// it cannot be).
+    fn keep(&self, tenant: &str, file: &Path, entry: &Entry) -> ApiResult<()> {
+        let name = &entry.record.name;
+        // Checked again: another create of the same name may have won meanwhile.
+        let mut all = lock(&self.all);
+        if all
+            .iter()
+            .any(|e| e.tenant == tenant && e.record.name == *name)
+        {
+            let _ = std::fs::remove_file(file);
+            return Err(ApiError::VolumeExists(name.clone()));
+        }
+        if let Err(e) = self.store.put_volume(tenant, &entry.id, &entry.record) {
+            let _ = std::fs::remove_file(file);
+            return Err(e);
+        }
+        all.push(entry.clone());
+        Ok(())
     }
 
     /// ListVolumes: `tenant`'s volumes, by name.

@@ -67,7 +67,6 @@ const KNOWN_LONG: &[&str] = &[
     "benches/src/image_bench.rs compare_image",
     "cli/src/commands/fs.rs run",
     "cli/src/request.rs create_request",
-    "daemon/src/volumes.rs create",
 ];
 
 /// No new production function over 80 lines without a reason (a `Long:` comment above it).
