@@ -7,7 +7,7 @@ use airlock_api::v1::{
 use serde_json::{Value, json};
 
 use super::{Ctx, fail};
-use crate::args::{FsCommand, FsPathArgs, sandbox_path};
+use crate::args::{FsCommand, FsLsArgs, FsPathArgs, sandbox_path};
 use crate::output::{file_entry_json, file_table, print_json};
 
 /// The sandbox and path of `ID:/PATH`, and the account.
@@ -29,45 +29,8 @@ pub async fn run(ctx: &mut Ctx, command: FsCommand) -> Result<u8, String> {
         }
     };
     match command {
-        FsCommand::Ls(a) => {
-            let (sandbox_id, path, user) = split(&a.path)?;
-            let r = ctx
-                .client
-                .list_files(ListFilesRequest {
-                    sandbox_id,
-                    path,
-                    user,
-                    recursive: a.recursive,
-                    max_entries: a.max.unwrap_or(0),
-                })
-                .await
-                .map_err(fail)?
-                .into_inner();
-            if ctx.json {
-                print_json(&Value::Array(
-                    r.entries.iter().map(file_entry_json).collect(),
-                ));
-            } else {
-                print!("{}", file_table(&r.entries));
-                if r.truncated {
-                    eprintln!("airlock: more entries than shown (--max)");
-                }
-            }
-        }
-        FsCommand::Stat(a) => {
-            let (sandbox_id, path, user) = split(&a)?;
-            let req = StatFileRequest {
-                sandbox_id,
-                path,
-                user,
-            };
-            let e: FileEntry = ctx.client.stat_file(req).await.map_err(fail)?.into_inner();
-            if ctx.json {
-                print_json(&file_entry_json(&e));
-            } else {
-                print!("{}", file_table(std::slice::from_ref(&e)));
-            }
-        }
+        FsCommand::Ls(a) => ls(ctx, &a).await?,
+        FsCommand::Stat(a) => stat(ctx, &a).await?,
         FsCommand::Mkdir(a) => {
             let (sandbox_id, path, user) = split(&a.path)?;
             let req = MakeDirRequest {
@@ -106,4 +69,49 @@ pub async fn run(ctx: &mut Ctx, command: FsCommand) -> Result<u8, String> {
         }
     }
     Ok(0)
+}
+
+/// `fs ls`: the directory's entries, a list (JSON) or a table with a note when truncated.
+async fn ls(ctx: &mut Ctx, a: &FsLsArgs) -> Result<(), String> {
+    let (sandbox_id, path, user) = split(&a.path)?;
+    let r = ctx
+        .client
+        .list_files(ListFilesRequest {
+            sandbox_id,
+            path,
+            user,
+            recursive: a.recursive,
+            max_entries: a.max.unwrap_or(0),
+        })
+        .await
+        .map_err(fail)?
+        .into_inner();
+    if ctx.json {
+        print_json(&Value::Array(
+            r.entries.iter().map(file_entry_json).collect(),
+        ));
+    } else {
+        print!("{}", file_table(&r.entries));
+        if r.truncated {
+            eprintln!("airlock: more entries than shown (--max)");
+        }
+    }
+    Ok(())
+}
+
+/// `fs stat`: the path's entry, as JSON or a one-row table.
+async fn stat(ctx: &mut Ctx, a: &FsPathArgs) -> Result<(), String> {
+    let (sandbox_id, path, user) = split(a)?;
+    let req = StatFileRequest {
+        sandbox_id,
+        path,
+        user,
+    };
+    let e: FileEntry = ctx.client.stat_file(req).await.map_err(fail)?.into_inner();
+    if ctx.json {
+        print_json(&file_entry_json(&e));
+    } else {
+        print!("{}", file_table(std::slice::from_ref(&e)));
+    }
+    Ok(())
 }
