@@ -41,77 +41,9 @@ pub const MAX_CREATE_FILE_BYTES: usize = (4 << 20) - (64 << 10);
 
 /// `CreateSandboxRequest` of `airlock create`; reads the `--file`s.
 pub fn create_request(args: &CreateArgs, read: Read) -> Result<CreateSandboxRequest, String> {
-    let files = args
-        .files
-        .iter()
-        .map(|f| {
-            Ok(FileToPlace {
-                path: f.guest.clone(),
-                content: read(&f.local)?,
-                mode: f.mode,
-            })
-        })
-        .collect::<Result<Vec<_>, String>>()?;
-    let total: usize = files.iter().map(|f| f.content.len()).sum();
-    if total > MAX_CREATE_FILE_BYTES {
-        return Err(format!(
-            "--file: {total} bytes in all; files placed at create travel in the create request, \
-             at most {MAX_CREATE_FILE_BYTES} bytes: copy larger ones with \
-             `airlock cp LOCAL ID:/PATH` once the sandbox is ready"
-        ));
-    }
-    let any = !args.writable.is_empty()
-        || !args.exportable.is_empty()
-        || args.export_max_file_bytes.is_some()
-        || args.export_max_total_bytes.is_some()
-        || !args.export_deny.is_empty();
-    let file_policy = any.then(|| FilePolicy {
-        writable: args.writable.clone(),
-        exportable: args.exportable.clone(),
-        max_export_file_bytes: args.export_max_file_bytes.unwrap_or(0),
-        max_export_total_bytes: args.export_max_total_bytes.unwrap_or(0),
-        export_denied: args.export_deny.clone(),
-    });
-    let secret = |name: &String, file: bool| -> Result<Secret, String> {
-        let value = std::env::var(name)
-            .map_err(|_| format!("--secret {name}: set ${name} to its value"))?;
-        let delivery = if file {
-            secret::Delivery::File(SecretFile::default())
-        } else {
-            secret::Delivery::Env(SecretEnv::default())
-        };
-        Ok(Secret {
-            name: name.clone(),
-            value,
-            delivery: Some(delivery),
-            ttl_s: args.secret_ttl.unwrap_or(0),
-        })
-    };
-    let secrets = args
-        .secrets
-        .iter()
-        .map(|n| secret(n, false))
-        .chain(args.secret_files.iter().map(|n| secret(n, true)))
-        .chain(args.secret_brokers.iter().map(|spec| {
-            let (name, hosts) = spec
-                .split_once('=')
-                .filter(|(n, h)| !n.is_empty() && !h.is_empty())
-                .ok_or_else(|| format!("--secret-broker {spec}: NAME=HOST[,HOST...]"))?;
-            let value = std::env::var(name)
-                .map_err(|_| format!("--secret-broker {name}: set ${name} to its value"))?;
-            Ok(Secret {
-                name: name.to_owned(),
-                value,
-                delivery: Some(secret::Delivery::Broker(SecretBroker {
-                    hosts: hosts.split(',').map(str::to_owned).collect(),
-                    header: args.broker_header.clone().unwrap_or_default(),
-                    format: args.broker_format.clone().unwrap_or_default(),
-                    https: args.broker_https,
-                })),
-                ttl_s: args.secret_ttl.unwrap_or(0),
-            })
-        }))
-        .collect::<Result<Vec<_>, String>>()?;
+    let files = create_files(args, read)?;
+    let file_policy = file_policy(args);
+    let secrets = create_secrets(args)?;
     Ok(CreateSandboxRequest {
         secrets,
         template: args.template.clone().unwrap_or_default(),
@@ -136,6 +68,97 @@ pub fn create_request(args: &CreateArgs, read: Read) -> Result<CreateSandboxRequ
             .collect(),
         packages: package_policy(&args.packages),
         no_root: args.no_root,
+    })
+}
+
+/// Create step: the `--file`s read, within what one create request carries.
+fn create_files(args: &CreateArgs, read: Read) -> Result<Vec<FileToPlace>, String> {
+    let files = args
+        .files
+        .iter()
+        .map(|f| {
+            Ok(FileToPlace {
+                path: f.guest.clone(),
+                content: read(&f.local)?,
+                mode: f.mode,
+            })
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let total: usize = files.iter().map(|f| f.content.len()).sum();
+    if total > MAX_CREATE_FILE_BYTES {
+        return Err(format!(
+            "--file: {total} bytes in all; files placed at create travel in the create request, \
+             at most {MAX_CREATE_FILE_BYTES} bytes: copy larger ones with \
+             `airlock cp LOCAL ID:/PATH` once the sandbox is ready"
+        ));
+    }
+    Ok(files)
+}
+
+/// Create step: the `FilePolicy` of the file flags; `None` without any.
+fn file_policy(args: &CreateArgs) -> Option<FilePolicy> {
+    let any = !args.writable.is_empty()
+        || !args.exportable.is_empty()
+        || args.export_max_file_bytes.is_some()
+        || args.export_max_total_bytes.is_some()
+        || !args.export_deny.is_empty();
+    any.then(|| FilePolicy {
+        writable: args.writable.clone(),
+        exportable: args.exportable.clone(),
+        max_export_file_bytes: args.export_max_file_bytes.unwrap_or(0),
+        max_export_total_bytes: args.export_max_total_bytes.unwrap_or(0),
+        export_denied: args.export_deny.clone(),
+    })
+}
+
+/// Create step: the secrets of `--secret`, `--secret-file` and `--secret-broker`, in that
+/// order, their values from our environment.
+fn create_secrets(args: &CreateArgs) -> Result<Vec<Secret>, String> {
+    let secret = |name: &String, file: bool| -> Result<Secret, String> {
+        let value = std::env::var(name)
+            .map_err(|_| format!("--secret {name}: set ${name} to its value"))?;
+        let delivery = if file {
+            secret::Delivery::File(SecretFile::default())
+        } else {
+            secret::Delivery::Env(SecretEnv::default())
+        };
+        Ok(Secret {
+            name: name.clone(),
+            value,
+            delivery: Some(delivery),
+            ttl_s: args.secret_ttl.unwrap_or(0),
+        })
+    };
+    args.secrets
+        .iter()
+        .map(|n| secret(n, false))
+        .chain(args.secret_files.iter().map(|n| secret(n, true)))
+        .chain(
+            args.secret_brokers
+                .iter()
+                .map(|spec| broker_secret(args, spec)),
+        )
+        .collect()
+}
+
+/// Create step: the secret of one `--secret-broker NAME=HOST[,HOST...]`.
+fn broker_secret(args: &CreateArgs, spec: &str) -> Result<Secret, String> {
+    let (name, hosts) = spec
+        .split_once('=')
+        .filter(|(n, h)| !n.is_empty() && !h.is_empty())
+        .ok_or_else(|| format!("--secret-broker {spec}: NAME=HOST[,HOST...]"))?;
+    let value = std::env::var(name)
+        .map_err(|_| format!("--secret-broker {name}: set ${name} to its value"))?;
+    Ok(Secret {
+        name: name.to_owned(),
+        value,
+        delivery: Some(secret::Delivery::Broker(SecretBroker {
+            hosts: hosts.split(',').map(str::to_owned).collect(),
+            header: args.broker_header.clone().unwrap_or_default(),
+            format: args.broker_format.clone().unwrap_or_default(),
+            https: args.broker_https,
+        })),
+        ttl_s: args.secret_ttl.unwrap_or(0),
     })
 }
 

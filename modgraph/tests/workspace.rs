@@ -65,7 +65,6 @@ const KNOWN_LONG: &[&str] = &[
     "benches/src/create.rs parse_args",
     "benches/src/disk_bench.rs compare_disk",
     "benches/src/image_bench.rs compare_image",
-    "cli/src/request.rs create_request",
 ];
 
 /// No new production function over 80 lines without a reason (a `Long:` comment above it).
