@@ -83,31 +83,39 @@ struct Args {
     net_argv: Vec<String>,
 }
 
+impl Default for Args {
+    /// Parse step: the value of each flag not given.
+    fn default() -> Self {
+        Self {
+            daemon: PathBuf::new(),
+            vmm: PathBuf::new(),
+            kernel: PathBuf::new(),
+            rootfs: PathBuf::new(),
+            runs: 20,
+            levels: vec![1, 10, 50],
+            idle: 100,
+            compare_jail: false,
+            compare_disk: false,
+            compare_cluster: false,
+            etcd: PathBuf::new(),
+            compare_image: false,
+            create_runs: 10,
+            image_mib: 200,
+            dd_runs: 3,
+            dd_mib: 16,
+            exec_runs: 10,
+            exec_mib: 2,
+            net_run: false,
+            config_extra: String::new(),
+            allow_domains: Vec::new(),
+            net_argv: Vec::new(),
+        }
+    }
+}
+
+/// The command line's flags, over their defaults.
 fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        daemon: PathBuf::new(),
-        vmm: PathBuf::new(),
-        kernel: PathBuf::new(),
-        rootfs: PathBuf::new(),
-        runs: 20,
-        levels: vec![1, 10, 50],
-        idle: 100,
-        compare_jail: false,
-        compare_disk: false,
-        compare_cluster: false,
-        etcd: PathBuf::new(),
-        compare_image: false,
-        create_runs: 10,
-        image_mib: 200,
-        dd_runs: 3,
-        dd_mib: 16,
-        exec_runs: 10,
-        exec_mib: 2,
-        net_run: false,
-        config_extra: String::new(),
-        allow_domains: Vec::new(),
-        net_argv: Vec::new(),
-    };
+    let mut a = Args::default();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -160,6 +168,13 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown option {other}")),
         }
     }
+    check_args(&a)?;
+    Ok(a)
+}
+
+/// Parse step: the flags given together make a run (the binaries, the guest command, the
+/// levels).
+fn check_args(a: &Args) -> Result<(), String> {
     if a.daemon.as_os_str().is_empty() || a.vmm.as_os_str().is_empty() {
         return Err("usage: airlock-create-bench --daemon P --vmm P --kernel P --rootfs P".into());
     }
@@ -169,7 +184,7 @@ fn parse_args() -> Result<Args, String> {
     if a.levels.is_empty() || a.levels.contains(&0) {
         return Err("--levels: positive numbers".into());
     }
-    Ok(a)
+    Ok(())
 }
 
 fn log(msg: &str) {
@@ -445,43 +460,7 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
     out.insert("bench".into(), "create".into());
     let mut creates_per_s = Vec::new();
     for &level in &a.levels {
-        let batches = a.runs.div_ceil(level).max(1);
-        let (mut wall, mut host, mut guest, mut restore, mut queue) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut failures = 0;
-        for b in 0..batches {
-            wait_pool(&daemon, level).await?;
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            let (ok, failed, secs) = create_batch(&c, level, "").await;
-            failures += failed;
-            log(&format!(
-                "c{level} batch {}/{batches}: {} ok, {failed} failed in {secs:.2} s",
-                b + 1,
-                ok.len()
-            ));
-            if level == max_level && !ok.is_empty() {
-                creates_per_s.push(ok.len() as f64 / secs);
-            }
-            for x in &ok {
-                wall.push(x.wall_ms);
-                host.push(x.sandbox.create_host_ms);
-                guest.push(x.sandbox.create_guest_ms);
-                restore.push(x.sandbox.restore_ms);
-                queue.push(x.sandbox.create_queue_ms);
-            }
-            let sandboxes: Vec<Sandbox> = ok.into_iter().map(|x| x.sandbox).collect();
-            destroy_all(&c, &sandboxes).await;
-        }
-        let mut s = summary(&wall);
-        let hs = summary(&host);
-        s["host_p50"] = hs["p50"].clone();
-        s["host_p99"] = hs["p99"].clone();
-        let gs = summary(&guest);
-        s["guest_p50"] = gs["p50"].clone();
-        s["guest_samples"] = gs["samples"].clone();
-        s["restore_p50"] = summary(&restore)["p50"].clone();
-        s["queue_p50"] = summary(&queue)["p50"].clone();
-        s["failures"] = failures.into();
+        let s = measure_level(&daemon, &c, &a, level, max_level, &mut creates_per_s).await?;
         out.insert(format!("create_ms_c{level}"), s);
     }
     if a.exec_runs > 0 {
@@ -498,12 +477,81 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
     );
 
     // Idle sandboxes: created in waves of the pool size, then left alone.
+    measure_idle(&daemon, &c, &a, max_level, &template, &mut out).await?;
+    out.insert("memory_mib".into(), template.memory_mib.into());
+    out.insert("vcpus".into(), template.vcpus.into());
+    out.insert("host".into(), host_facts());
+    drop(daemon);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(serde_json::Value::Object(out))
+}
+
+/// Bench step: level `level`'s batches of concurrent creates, each once the pool holds them;
+/// their percentiles (the largest level's rates go to `creates_per_s`).
+async fn measure_level(
+    daemon: &Daemon,
+    c: &Client,
+    a: &Args,
+    level: usize,
+    max_level: usize,
+    creates_per_s: &mut Vec<f64>,
+) -> Result<serde_json::Value, String> {
+    let batches = a.runs.div_ceil(level).max(1);
+    let (mut wall, mut host, mut guest, mut restore, mut queue) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut failures = 0;
+    for b in 0..batches {
+        wait_pool(daemon, level).await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (ok, failed, secs) = create_batch(c, level, "").await;
+        failures += failed;
+        log(&format!(
+            "c{level} batch {}/{batches}: {} ok, {failed} failed in {secs:.2} s",
+            b + 1,
+            ok.len()
+        ));
+        if level == max_level && !ok.is_empty() {
+            creates_per_s.push(ok.len() as f64 / secs);
+        }
+        for x in &ok {
+            wall.push(x.wall_ms);
+            host.push(x.sandbox.create_host_ms);
+            guest.push(x.sandbox.create_guest_ms);
+            restore.push(x.sandbox.restore_ms);
+            queue.push(x.sandbox.create_queue_ms);
+        }
+        let sandboxes: Vec<Sandbox> = ok.into_iter().map(|x| x.sandbox).collect();
+        destroy_all(c, &sandboxes).await;
+    }
+    let mut s = summary(&wall);
+    let hs = summary(&host);
+    s["host_p50"] = hs["p50"].clone();
+    s["host_p99"] = hs["p99"].clone();
+    let gs = summary(&guest);
+    s["guest_p50"] = gs["p50"].clone();
+    s["guest_samples"] = gs["samples"].clone();
+    s["restore_p50"] = summary(&restore)["p50"].clone();
+    s["queue_p50"] = summary(&queue)["p50"].clone();
+    s["failures"] = failures.into();
+    Ok(s)
+}
+
+/// Bench step: `a.idle` idle sandboxes, created in waves of the pool size and left alone;
+/// the host memory they and the daemon take, into `out`; then they go.
+async fn measure_idle(
+    daemon: &Daemon,
+    c: &Client,
+    a: &Args,
+    max_level: usize,
+    template: &Template,
+    out: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<(), String> {
     let mut idle: Vec<Sandbox> = Vec::new();
     let mut idle_failures = 0;
     while idle.len() < a.idle {
         let wave = (a.idle - idle.len()).min(max_level);
-        wait_pool(&daemon, wave).await?;
-        let (ok, failed, _) = create_batch(&c, wave, "").await;
+        wait_pool(daemon, wave).await?;
+        let (ok, failed, _) = create_batch(c, wave, "").await;
         idle_failures += failed;
         idle.extend(ok.into_iter().map(|x| x.sandbox));
         log(&format!("idle sandboxes: {}", idle.len()));
@@ -531,13 +579,8 @@ async fn bench(a: Args) -> Result<serde_json::Value, String> {
         host_kib as f64 / 1024.0,
         template.memory_mib
     ));
-    destroy_all(&c, &idle).await;
-    out.insert("memory_mib".into(), template.memory_mib.into());
-    out.insert("vcpus".into(), template.vcpus.into());
-    out.insert("host".into(), host_facts());
-    drop(daemon);
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok(serde_json::Value::Object(out))
+    destroy_all(c, &idle).await;
+    Ok(())
 }
 
 /// What the numbers were measured on.

@@ -61,8 +61,6 @@ fn sibling_files_import_in_one_direction() {
 /// steps; take each off as it goes, the list may only shrink). `CRATE_DIR/PATH NAME`.
 const KNOWN_LONG: &[&str] = &[
     "benches/src/cluster_bench.rs compare_cluster",
-    "benches/src/create.rs bench",
-    "benches/src/create.rs parse_args",
     "benches/src/disk_bench.rs compare_disk",
     "benches/src/image_bench.rs compare_image",
 ];
