@@ -258,6 +258,7 @@ async fn round_trip(c: &Client, side: &mut Side) {
     }
 }
 
+/// The bench: etcd and two nodes, `runs` rounds of a local and a forwarded round trip.
 pub async fn compare_cluster(a: Args) -> Result<serde_json::Value, String> {
     if a.etcd.as_os_str().is_empty() {
         return Err("--compare-cluster needs --etcd PATH (scripts/install-deps.sh --tests)".into());
@@ -267,20 +268,7 @@ pub async fn compare_cluster(a: Args) -> Result<serde_json::Value, String> {
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let (_etcd, etcd_url) = start_etcd(&a.etcd, &dir).await?;
     let token_file = dir.join("cluster.token");
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&token_file)
-            .map_err(|e| e.to_string())?;
-        std::io::Write::write_all(
-            &mut f,
-            format!("cluster-bench-secret-{:032}\n", std::process::id()).as_bytes(),
-        )
-        .map_err(|e| e.to_string())?;
-    }
+    write_token(&token_file)?;
     let (port_a, port_b) = (free_port()?, free_port()?);
     let node = |name: &str, port: u16, capacity: usize, uid_base: u32| {
         format!(
@@ -311,9 +299,45 @@ pub async fn compare_cluster(a: Args) -> Result<serde_json::Value, String> {
     )
     .await?;
     make_template(&node_a.1).await?;
-    // Both nodes listed, by both.
+    wait_listed([&node_a.2, &node_b.2]).await?;
+    let mut sides = [Side::default(), Side::default()];
+    let clients = [&node_a.2, &node_b.2];
+    for round in 0..a.runs {
+        for k in 0..2 {
+            let i = if round % 2 == 0 { k } else { 1 - k };
+            wait_pool(&node_a.0, 2).await?;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            round_trip(clients[i], &mut sides[i]).await;
+        }
+        log(&format!("round {}/{}", round + 1, a.runs));
+    }
+    let out = report(&sides);
+    drop(node_b);
+    drop(node_a);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(serde_json::Value::Object(out))
+}
+
+/// Bench step: the cluster's token, a secret of this run, in `path` (mode 0600).
+fn write_token(path: &std::path::Path) -> Result<(), String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    std::io::Write::write_all(
+        &mut f,
+        format!("cluster-bench-secret-{:032}\n", std::process::id()).as_bytes(),
+    )
+    .map_err(|e| e.to_string())
+}
+
+/// Bench step: waits (up to 60 s) until both nodes are listed, by both.
+async fn wait_listed(clients: [&Client; 2]) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(60);
-    for c in [&node_a.2, &node_b.2] {
+    for c in clients {
         loop {
             let n = c
                 .clone()
@@ -330,18 +354,12 @@ pub async fn compare_cluster(a: Args) -> Result<serde_json::Value, String> {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
-    let mut sides = [Side::default(), Side::default()];
-    let clients = [&node_a.2, &node_b.2];
-    for round in 0..a.runs {
-        for k in 0..2 {
-            let i = if round % 2 == 0 { k } else { 1 - k };
-            wait_pool(&node_a.0, 2).await?;
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            round_trip(clients[i], &mut sides[i]).await;
-        }
-        log(&format!("round {}/{}", round + 1, a.runs));
-    }
-    let [local, forwarded] = &sides;
+    Ok(())
+}
+
+/// Bench step: the report of the local and the forwarded side, their ratios and the hop.
+fn report(sides: &[Side; 2]) -> serde_json::Map<String, serde_json::Value> {
+    let [local, forwarded] = sides;
     let mut out = serde_json::Map::new();
     out.insert("bench".into(), "cluster".into());
     out.insert("local".into(), local.report());
@@ -370,8 +388,5 @@ pub async fn compare_cluster(a: Args) -> Result<serde_json::Value, String> {
         ratio(&local.destroy, &forwarded.destroy),
     );
     out.insert("host".into(), host_facts());
-    drop(node_b);
-    drop(node_a);
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok(serde_json::Value::Object(out))
+    out
 }
