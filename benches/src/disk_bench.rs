@@ -36,6 +36,8 @@ fn mib_per_s(line: &str) -> Option<f64> {
     Some((n * scale / f64::from(1u32 << 20) * 1000.0).round() / 1000.0)
 }
 
+/// The bench: two daemons, with and without a writable root; their creates side by side, then
+/// `dd` where each sandbox writes and on a volume.
 pub async fn compare_disk(a: Args) -> Result<serde_json::Value, String> {
     let dir = std::env::temp_dir().join(format!("airlock-disk-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -56,21 +58,7 @@ pub async fn compare_disk(a: Args) -> Result<serde_json::Value, String> {
     let p50 = alternate(a.runs, &sides, &mut out).await?;
     out.insert("layer_overhead_ms_p50".into(), p50_diff(&p50, 0));
     out.insert("layer_host_overhead_ms_p50".into(), p50_diff(&p50, 1));
-    let mut lc = layered.1.clone();
-    lc.create_volume(CreateVolumeRequest {
-        name: "bench".into(),
-        size_mib: (a.dd_mib as u32 * 4).max(64),
-    })
-    .await
-    .map_err(|e| format!("create volume: {}", e.message()))?;
-    let on_volume = CreateSandboxRequest {
-        volumes: vec![VolumeAttachment {
-            name: "bench".into(),
-            mount_path: "/data".into(),
-            read_only: false,
-        }],
-        ..Default::default()
-    };
+    let on_volume = volume_request(&layered.1, a.dd_mib).await?;
     let runs = [
         (
             "writable_root",
@@ -93,20 +81,7 @@ pub async fn compare_disk(a: Args) -> Result<serde_json::Value, String> {
             .await
             .map_err(|e| format!("create: {}", e.message()))?
             .into_inner();
-        let (mut write, mut read) = (Vec::new(), Vec::new());
-        for run in 0..a.dd_runs {
-            let mut text = Vec::new();
-            let argv = ["sh", "-c", &dd_script(path, a.dd_mib)].map(String::from);
-            let code = guest_exec(&mut c, &sb.id, &argv, |d| text.extend_from_slice(d)).await?;
-            let text = String::from_utf8_lossy(&text).into_owned();
-            let rates: Vec<f64> = text.lines().filter_map(mib_per_s).collect();
-            if code != 0 || rates.len() != 2 {
-                return Err(format!("dd in {name} (exit {code}): {text}"));
-            }
-            log(&format!("{name} dd {}/{}: {text:?}", run + 1, a.dd_runs));
-            write.push(rates[0]);
-            read.push(rates[1]);
-        }
+        let (write, read) = dd_rates(&mut c, &sb.id, name, path, &a).await?;
         destroy_all(&c, std::slice::from_ref(&sb)).await;
         let side = out
             .entry(name)
@@ -123,6 +98,52 @@ pub async fn compare_disk(a: Args) -> Result<serde_json::Value, String> {
     drop(tmpfs);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(serde_json::Value::Object(out))
+}
+
+/// Bench step: the volume `bench` of the writable-root daemon `c`, made; a create that mounts
+/// it at /data.
+async fn volume_request(c: &Client, dd_mib: usize) -> Result<CreateSandboxRequest, String> {
+    let mut lc = c.clone();
+    lc.create_volume(CreateVolumeRequest {
+        name: "bench".into(),
+        size_mib: (dd_mib as u32 * 4).max(64),
+    })
+    .await
+    .map_err(|e| format!("create volume: {}", e.message()))?;
+    Ok(CreateSandboxRequest {
+        volumes: vec![VolumeAttachment {
+            name: "bench".into(),
+            mount_path: "/data".into(),
+            read_only: false,
+        }],
+        ..Default::default()
+    })
+}
+
+/// Bench step: `a.dd_runs` runs of `dd` at `path` in sandbox `id` of side `name`; their write
+/// and read rates.
+async fn dd_rates(
+    c: &mut Client,
+    id: &str,
+    name: &str,
+    path: &str,
+    a: &Args,
+) -> Result<(Vec<f64>, Vec<f64>), String> {
+    let (mut write, mut read) = (Vec::new(), Vec::new());
+    for run in 0..a.dd_runs {
+        let mut text = Vec::new();
+        let argv = ["sh", "-c", &dd_script(path, a.dd_mib)].map(String::from);
+        let code = guest_exec(c, id, &argv, |d| text.extend_from_slice(d)).await?;
+        let text = String::from_utf8_lossy(&text).into_owned();
+        let rates: Vec<f64> = text.lines().filter_map(mib_per_s).collect();
+        if code != 0 || rates.len() != 2 {
+            return Err(format!("dd in {name} (exit {code}): {text}"));
+        }
+        log(&format!("{name} dd {}/{}: {text:?}", run + 1, a.dd_runs));
+        write.push(rates[0]);
+        read.push(rates[1]);
+    }
+    Ok((write, read))
 }
 
 #[cfg(test)]
