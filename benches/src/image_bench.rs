@@ -352,6 +352,8 @@ fn measure(name: &str, mut s: serde_json::Value) -> serde_json::Value {
     p50
 }
 
+/// The bench: image imports cold and warm, Dockerfile builds and rebuilds, then creates of
+/// the imported template against `base`.
 pub async fn compare_image(a: Args) -> Result<serde_json::Value, String> {
     let dir = std::env::temp_dir().join(format!("airlock-image-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -371,26 +373,60 @@ pub async fn compare_image(a: Args) -> Result<serde_json::Value, String> {
         .map_err(|e| e.to_string())?;
     make_template(&c).await?;
     let data = dir.join("daemon/data/images");
+    let imports = import_runs(&c, a.runs, &data, &images).await?;
+    // Dockerfile builds: a full one (no cached step), then only the last line changed.
+    let context = build_context(&dir.join("context"))?;
+    let builds = build_runs(&c, a.runs, &context).await?;
+    let mut out = report(a.runs, &images, &imports, &builds);
+    if a.create_runs > 0 && !imports.imported.is_empty() {
+        compare_creates(daemon, &c, a.create_runs, &imports.imported, &mut out).await?;
+    } else {
+        drop(daemon);
+    }
+    out.insert("host".into(), host_facts());
+    drop(images.registry);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(serde_json::Value::Object(out))
+}
 
-    let (mut cold_unpack, mut cold_ready, mut cold_kib) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut warm_unpack, mut warm_ready, mut warm_kib) = (Vec::new(), Vec::new(), Vec::new());
-    let mut reused = 0;
-    let mut imported = String::new();
-    for run in 0..a.runs {
+/// What the import runs measured, cold and warm; the warm template the last run left.
+#[derive(Default)]
+struct Imports {
+    cold_unpack: Vec<f64>,
+    cold_ready: Vec<f64>,
+    cold_kib: Vec<f64>,
+    warm_unpack: Vec<f64>,
+    warm_ready: Vec<f64>,
+    warm_kib: Vec<f64>,
+    /// Imports that found their root filesystem made before.
+    reused: usize,
+    imported: String,
+}
+
+/// Bench step: `runs` rounds of a cold import (no layer, no root filesystem) and a warm one
+/// (the base layers cached) of the images, through `c`; `data` is the daemon's image store.
+async fn import_runs(
+    c: &Client,
+    runs: usize,
+    data: &std::path::Path,
+    images: &Images,
+) -> Result<Imports, String> {
+    let mut m = Imports::default();
+    for run in 0..runs {
         // The last run's warm template stays, for the creates.
-        if !imported.is_empty() {
-            delete_template(&c, &imported).await?;
+        if !m.imported.is_empty() {
+            delete_template(c, &m.imported).await?;
         }
         // Cold: no layer, no root filesystem.
         remove(&data.join("layers"))?;
         remove(&data.join("rootfs"))?;
         let name = format!("cold-{run}");
-        let x = import(&c, &name, &images.cold).await?;
-        delete_template(&c, &name).await?;
-        cold_unpack.push(x.unpack_ms);
-        cold_ready.push(x.ready_ms);
-        cold_kib.extend(x.fetched_kib);
-        reused += usize::from(x.reused);
+        let x = import(c, &name, &images.cold).await?;
+        delete_template(c, &name).await?;
+        m.cold_unpack.push(x.unpack_ms);
+        m.cold_ready.push(x.ready_ms);
+        m.cold_kib.extend(x.fetched_kib);
+        m.reused += usize::from(x.reused);
         // Warm: the base layers cached; bench/app's root filesystem made again.
         if let Ok(files) = std::fs::read_dir(data.join("rootfs")) {
             for f in files.flatten() {
@@ -403,58 +439,86 @@ pub async fn compare_image(a: Args) -> Result<serde_json::Value, String> {
             }
         }
         let name = format!("warm-{run}");
-        let x = import(&c, &name, &images.warm).await?;
-        imported = name;
-        warm_unpack.push(x.unpack_ms);
-        warm_ready.push(x.ready_ms);
-        warm_kib.extend(x.fetched_kib);
-        reused += usize::from(x.reused);
-        log(&format!("import run {}/{}", run + 1, a.runs));
+        let x = import(c, &name, &images.warm).await?;
+        m.imported = name;
+        m.warm_unpack.push(x.unpack_ms);
+        m.warm_ready.push(x.ready_ms);
+        m.warm_kib.extend(x.fetched_kib);
+        m.reused += usize::from(x.reused);
+        log(&format!("import run {}/{}", run + 1, runs));
     }
-    if reused > 0 {
+    if m.reused > 0 {
         log(&format!(
-            "{reused} imports found their root filesystem made before"
+            "{} imports found their root filesystem made before",
+            m.reused
         ));
     }
+    Ok(m)
+}
 
-    // Dockerfile builds: a full one (no cached step), then only the last line changed.
-    let ctx_dir = dir.join("context");
-    std::fs::create_dir_all(&ctx_dir).map_err(|e| e.to_string())?;
+/// Bench step: the builds' context (one `app.py`) made in `ctx_dir`, as a tar.
+fn build_context(ctx_dir: &std::path::Path) -> Result<Vec<u8>, String> {
+    std::fs::create_dir_all(ctx_dir).map_err(|e| e.to_string())?;
     std::fs::write(ctx_dir.join("app.py"), "print('hello from the bench')\n")
         .map_err(|e| e.to_string())?;
-    let context = {
-        let mut b = tar::Builder::new(Vec::new());
-        b.append_dir_all(".", &ctx_dir)
-            .and_then(|()| b.into_inner())
-            .map_err(|e| format!("context tar: {e}"))?
-    };
+    let mut b = tar::Builder::new(Vec::new());
+    b.append_dir_all(".", ctx_dir)
+        .and_then(|()| b.into_inner())
+        .map_err(|e| format!("context tar: {e}"))
+}
+
+/// What the build runs measured: full builds' and one-line rebuilds' times to ready, and the
+/// steps each rebuild took from the cache.
+struct Builds {
+    build_ready: Vec<f64>,
+    rebuild_ready: Vec<f64>,
+    rebuild_cached: Vec<f64>,
+}
+
+/// Bench step: `runs` rounds of a full Dockerfile build and one with its last line changed;
+/// what they made (the step cache's templates too) deleted after each round.
+async fn build_runs(c: &Client, runs: usize, context: &[u8]) -> Result<Builds, String> {
     let (mut build_ready, mut rebuild_ready, mut rebuild_cached) =
         (Vec::new(), Vec::new(), Vec::new());
-    for run in 0..a.runs {
-        let before = cache_templates(&c).await?;
+    for run in 0..runs {
+        let before = cache_templates(c).await?;
         let (full, changed) = (format!("built-{run}"), format!("rebuilt-{run}"));
-        let x = build(&c, &full, &dockerfile("first"), &context).await?;
+        let x = build(c, &full, &dockerfile("first"), context).await?;
         if x.cached > 0 {
             log(&format!("{full}: {} steps from the cache", x.cached));
         }
         build_ready.push(x.ready_ms);
-        let x = build(&c, &changed, &dockerfile("changed"), &context).await?;
+        let x = build(c, &changed, &dockerfile("changed"), context).await?;
         rebuild_ready.push(x.ready_ms);
         rebuild_cached.push(x.cached as f64);
         for name in [&full, &changed] {
-            delete_template(&c, name).await?;
+            delete_template(c, name).await?;
         }
-        for name in cache_templates(&c).await? {
+        for name in cache_templates(c).await? {
             if !before.contains(&name) {
-                delete_template(&c, &name).await?;
+                delete_template(c, &name).await?;
             }
         }
-        log(&format!("build run {}/{}", run + 1, a.runs));
+        log(&format!("build run {}/{}", run + 1, runs));
     }
+    Ok(Builds {
+        build_ready,
+        rebuild_ready,
+        rebuild_cached,
+    })
+}
 
+/// Bench step: the report of the images, the imports and the builds (each measure printed as
+/// it goes in).
+fn report(
+    runs: usize,
+    images: &Images,
+    m: &Imports,
+    b: &Builds,
+) -> serde_json::Map<String, serde_json::Value> {
     let mut out = serde_json::Map::new();
     out.insert("bench".into(), "image".into());
-    out.insert("runs".into(), a.runs.into());
+    out.insert("runs".into(), runs.into());
     out.insert(
         "image_files_mib".into(),
         serde_json::json!(images.file_bytes >> 20),
@@ -467,44 +531,47 @@ pub async fn compare_image(a: Args) -> Result<serde_json::Value, String> {
         "top_layer_kib".into(),
         serde_json::json!(images.top_bytes >> 10),
     );
-    out.insert("reused_rootfs".into(), reused.into());
+    out.insert("reused_rootfs".into(), m.reused.into());
     out.insert("dockerfile_steps".into(), 4.into());
     for (name, v) in [
-        ("cold_unpack_ms", &cold_unpack),
-        ("cold_ready_ms", &cold_ready),
-        ("cold_fetched_kib", &cold_kib),
-        ("warm_unpack_ms", &warm_unpack),
-        ("warm_ready_ms", &warm_ready),
-        ("warm_fetched_kib", &warm_kib),
-        ("dockerfile_build_ms", &build_ready),
-        ("dockerfile_rebuild_ms", &rebuild_ready),
-        ("dockerfile_rebuild_cached_steps", &rebuild_cached),
+        ("cold_unpack_ms", &m.cold_unpack),
+        ("cold_ready_ms", &m.cold_ready),
+        ("cold_fetched_kib", &m.cold_kib),
+        ("warm_unpack_ms", &m.warm_unpack),
+        ("warm_ready_ms", &m.warm_ready),
+        ("warm_fetched_kib", &m.warm_kib),
+        ("dockerfile_build_ms", &b.build_ready),
+        ("dockerfile_rebuild_ms", &b.rebuild_ready),
+        ("dockerfile_rebuild_cached_steps", &b.rebuild_cached),
     ] {
         out.insert(format!("{name}_p50"), measure(name, summary(v)));
     }
+    out
+}
 
-    if a.create_runs > 0 && !imported.is_empty() {
-        let mut creates = serde_json::Map::new();
-        let side = (daemon, c.clone());
-        let sides = [("imported", &side), ("base", &side)];
-        let p50 =
-            alternate_templates(a.create_runs, &sides, [&imported, "base"], &mut creates).await?;
-        for (name, s) in creates {
-            let name = format!("create_ms_{name}");
-            out.insert(format!("{name}_p50"), measure(&name, s));
-        }
-        let ratio = match (p50[0][0].as_f64(), p50[1][0].as_f64()) {
-            (Some(i), Some(b)) if b > 0.0 => serde_json::json!((i / b * 1000.0).round() / 1000.0),
-            _ => serde_json::Value::Null,
-        };
-        out.insert("create_ratio_imported_base_p50".into(), ratio);
-        delete_template(&side.1, &imported).await?;
-        drop(side);
-    } else {
-        drop(daemon);
+/// Bench step: creates of the imported template and of `base` alternating, into `out`; the
+/// imported template deleted, then the daemon stopped.
+async fn compare_creates(
+    daemon: Daemon,
+    c: &Client,
+    create_runs: usize,
+    imported: &str,
+    out: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<(), String> {
+    let mut creates = serde_json::Map::new();
+    let side = (daemon, c.clone());
+    let sides = [("imported", &side), ("base", &side)];
+    let p50 = alternate_templates(create_runs, &sides, [imported, "base"], &mut creates).await?;
+    for (name, s) in creates {
+        let name = format!("create_ms_{name}");
+        out.insert(format!("{name}_p50"), measure(&name, s));
     }
-    out.insert("host".into(), host_facts());
-    drop(images.registry);
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok(serde_json::Value::Object(out))
+    let ratio = match (p50[0][0].as_f64(), p50[1][0].as_f64()) {
+        (Some(i), Some(b)) if b > 0.0 => serde_json::json!((i / b * 1000.0).round() / 1000.0),
+        _ => serde_json::Value::Null,
+    };
+    out.insert("create_ratio_imported_base_p50".into(), ratio);
+    delete_template(&side.1, imported).await?;
+    drop(side);
+    Ok(())
 }
