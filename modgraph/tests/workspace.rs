@@ -57,12 +57,7 @@ fn sibling_files_import_in_one_direction() {
     }
 }
 
-/// Production functions over 80 lines that do not say why (issue 36 splits them into named
-/// steps; take each off as it goes, the list may only shrink). `CRATE_DIR/PATH NAME`.
-const KNOWN_LONG: &[&str] = &[
-];
-
-/// No new production function over 80 lines without a reason (a `Long:` comment above it).
+/// No production function over 80 lines without a reason (a `Long:` comment above it).
 #[test]
 fn functions_read_as_steps() {
     let mut found = Vec::new();
@@ -73,28 +68,13 @@ fn functions_read_as_steps() {
                 .strip_prefix(&format!("{}/", workspace().display()))
                 .unwrap_or(&at)
                 .to_owned();
-            // `daemon/src/x.rs:12 name` -> `daemon/src/x.rs name`
-            let (file, rest) = rel.split_once(':').unwrap();
-            let name = rest.split_once(' ').unwrap().1;
-            found.push((format!("{file} {name}"), len));
+            found.push((rel, len));
         }
     }
-    let new: Vec<_> = found
-        .iter()
-        .filter(|(k, _)| !KNOWN_LONG.contains(&k.as_str()))
-        .collect();
     assert!(
-        new.is_empty(),
+        found.is_empty(),
         "functions over 80 lines (split them into named steps, or say why in a `Long:` comment \
-         above): {new:#?}"
-    );
-    let gone: Vec<_> = KNOWN_LONG
-        .iter()
-        .filter(|k| !found.iter().any(|(f, _)| f == *k))
-        .collect();
-    assert!(
-        gone.is_empty(),
-        "no longer long: take them off KNOWN_LONG: {gone:#?}"
+         above): {found:#?}"
     );
 }
 
