@@ -148,7 +148,8 @@ fn check_snapshottable(rt: &SandboxRt, id: &str, state: SandboxState) -> ApiResu
         return Err(ApiError::VolumeInUse {
             name: vol.name.clone(),
             by: id.to_owned(),
-            why: "a sandbox with volumes mounted cannot be snapshotted (its template would                       hold them mounted); destroy it and mount them in a sandbox of the template",
+            why: "a sandbox with volumes mounted cannot be snapshotted (its template would \
+                  hold them mounted); destroy it and mount them in a sandbox of the template",
         });
     }
     Ok(())
