@@ -493,3 +493,28 @@ async fn a_restarted_daemon_adopts_a_running_sandbox_and_follows_its_execution()
     );
     assert!(!vm.is_dead(), "the adopted VMM still runs");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_refused_at_admission_leaves_no_secret_behind() {
+    let t = daemon_with("secret-refused", |c| c.max_sandboxes = 1).await;
+    create(&t).await.unwrap();
+    let value = "refused-create-canary-8c1f2e";
+    let req = CreateSandboxRequest {
+        secrets: vec![Secret {
+            name: "KEY".into(),
+            value: value.into(),
+            delivery: Some(secret::Delivery::Env(SecretEnv::default())),
+            ttl_s: 0,
+        }],
+        ..Default::default()
+    };
+    let err = t
+        .daemon
+        .sandboxes
+        .create("default", req)
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), "CAPACITY_EXHAUSTED", "{err}");
+    // The refused sandbox's value is not kept for redaction (nor anywhere else) after the call.
+    assert_eq!(crate::secrets::logs::redact(None, value), value);
+}

@@ -76,7 +76,6 @@ impl Sandboxes {
                     .map_err(|e| ApiError::Internal(format!("the sandbox's broker CA: {e}")))?;
                 secrets.set_ca(Arc::new(ca));
             }
-            crate::secrets::logs::register(&rt.id, tenant, secrets.patterns());
             rt.update(|r| r.secrets = secrets.info());
             rt.secrets = secrets;
         }
@@ -93,6 +92,9 @@ impl Sandboxes {
                 return Err(e);
             }
         }
+        // Only an admitted sandbox's values are kept for redaction: a refused create returns
+        // above with nothing to forget, and a failed start forgets them in `end`.
+        crate::secrets::logs::register(&rt.id, tenant, rt.secrets.patterns());
         let started = self.start(&rt, &template, &spec, pkg, t0).await;
         // Refilled after the answer: starting a VMM process competes for the CPU with the
         // restore it would replace.
