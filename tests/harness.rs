@@ -36,6 +36,18 @@ pub struct DaemonSetup {
 /// The `airlockd` of a test, on a Unix socket in `dir`, with its data in `dir/data`, sandbox
 /// cgroups under `cgroup_parent`, the built kernel, image and VMM, and `extra` appended to its
 /// config (top-level keys first, then tables). Not started yet.
+/// The size of a test daemon's jail uid range.
+const UID_RANGE: u32 = 16_384;
+
+/// The first uid of the range of the daemon in `dir`: one of 32,768 ranges from 10^9 (below
+/// the production default, 1.9 * 10^9), picked by the test process and the directory.
+fn uid_base(dir: &Path) -> u32 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (std::process::id(), dir).hash(&mut h);
+    1_000_000_000 + (h.finish() % 32_768) as u32 * UID_RANGE
+}
+
 pub fn daemon_setup(dir: &Path, cgroup_parent: &str, extra: &str) -> DaemonSetup {
     let socket = dir.join("airlockd.sock");
     let data_dir = dir.join("data");
@@ -55,14 +67,16 @@ pub fn daemon_setup(dir: &Path, cgroup_parent: &str, extra: &str) -> DaemonSetup
             } else {
                 "adopt_on_restart = false\n"
             },
-            // Test processes run side by side (tests/run.sh): each one's daemons hand their
-            // VMMs uids of a range of its own, unless the test sets one.
+            // Test processes run side by side (tests/run.sh), and a process may run several
+            // daemons: each daemon hands its VMMs uids of a range of its own (the daemon
+            // refuses a range another live daemon holds), kept across its restarts (its data
+            // directory names it), unless the test sets one.
             if extra.contains("[jail]") {
                 String::new()
             } else {
                 format!(
-                    "\n[jail]\nuid_base = {}\nuid_count = 65536\n",
-                    1_000_000_000 + (std::process::id() % 8192) * 65536
+                    "\n[jail]\nuid_base = {}\nuid_count = {UID_RANGE}\n",
+                    uid_base(dir)
                 )
             }
         ),

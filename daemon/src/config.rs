@@ -107,6 +107,9 @@ pub struct Config {
     pub vmm_pids_max: u64,
     /// Parent cgroup name for sandbox cgroups.
     pub cgroup_parent: String,
+    /// Where the daemons of this host lock their cgroup parent, jail uid range and sockets
+    /// (`instance.rs`): a second daemon sharing one of them is refused at start.
+    pub lock_dir: PathBuf,
     /// `required` (the default): the daemon does not start without a usable cgroup hierarchy,
     /// since sandboxes would run without memory, CPU and pid limits. `off`: it starts anyway
     /// and sandboxes run unlimited (development machines only).
@@ -298,6 +301,7 @@ impl Default for Config {
             vmm_overhead_mib: 128,
             vmm_pids_max: 64,
             cgroup_parent: "airlock".into(),
+            lock_dir: PathBuf::from("/run/airlock/locks"),
             cgroups: CgroupMode::Required,
             metrics_listen: String::new(),
             metrics_token: String::new(),
@@ -320,6 +324,11 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The paths of the Unix sockets of `listen`.
+    pub fn unix_sockets(&self) -> Vec<PathBuf> {
+        self.listen.iter().filter_map(|a| unix_path(a)).collect()
+    }
+
     /// Checks what the settings expose: TCP listeners only with TLS (or an explicit
     /// `allow_insecure_tcp`), metrics off loopback only with a token.
     pub fn check_exposure(&self) -> Result<(), crate::error::StartError> {
@@ -547,4 +556,11 @@ mod tests {
         assert!(toml::from_str::<Config>("cgroups = \"maybe\"").is_err());
         assert!(toml::from_str::<Config>("pool_sise = 1").is_err());
     }
+}
+
+/// The path of a `unix://PATH` (or `unix:PATH`) listen address.
+pub fn unix_path(addr: &str) -> Option<PathBuf> {
+    addr.strip_prefix("unix://")
+        .or_else(|| addr.strip_prefix("unix:"))
+        .map(PathBuf::from)
 }

@@ -60,6 +60,9 @@ impl VmmHost {
     pub fn new_vmm_id(&self) -> ApiResult<(String, PathBuf)> {
         let id = ids::new_id(ids::Kind::Vmm)?;
         let dir = self.run_root.join(&id);
+        // Made before the VMM's cgroup: startup reaps an unrecorded cgroup only where its run
+        // directory says it is this daemon's (`recovery::remove_leftovers`).
+        std::fs::create_dir_all(&dir)?;
         Ok((id, dir))
     }
 
@@ -117,9 +120,10 @@ impl VmmHost {
             return Err(stopping());
         }
         let (id, run_dir) = self.new_vmm_id()?;
-        let cgroup = self
-            .cgroup(&id, spec.memory_mib, spec.vcpus)
-            .map_err(|e| ApiError::Internal(format!("VMM cgroup: {e}")))?;
+        let cgroup = self.cgroup(&id, spec.memory_mib, spec.vcpus).map_err(|e| {
+            let _ = std::fs::remove_dir_all(&run_dir);
+            ApiError::Internal(format!("VMM cgroup: {e}"))
+        })?;
         let t0 = Instant::now();
         let started = match vmm::pool_launch(self.launcher.as_ref(), &run_dir, spec, cgroup.clone())
         {

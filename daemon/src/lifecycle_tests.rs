@@ -508,12 +508,7 @@ async fn a_create_refused_at_admission_leaves_no_secret_behind() {
         }],
         ..Default::default()
     };
-    let err = t
-        .daemon
-        .sandboxes
-        .create("default", req)
-        .await
-        .unwrap_err();
+    let err = t.daemon.sandboxes.create("default", req).await.unwrap_err();
     assert_eq!(err.reason(), "CAPACITY_EXHAUSTED", "{err}");
     // The refused sandbox's value is not kept for redaction (nor anywhere else) after the call.
     assert_eq!(crate::secrets::logs::redact(None, value), value);

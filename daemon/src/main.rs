@@ -28,6 +28,7 @@ mod files;
 mod host;
 mod ids;
 mod imagebuild;
+mod instance;
 mod jail;
 mod janitor;
 mod limits;
@@ -165,6 +166,8 @@ async fn serve(settings: settings::Settings) -> Result<(), error::StartError> {
         cluster,
         e2b,
     } = settings;
+    // Before anything is reaped: a second daemon sharing a part of this one is refused.
+    let _instance = lock_instance(&cfg)?;
     let (daemon, events) = tokio::task::spawn_blocking(move || daemon::Daemon::open(cfg)).await??;
     daemon.start(events).await?;
     // Cluster mode joins after the recovery and before the listeners: what this node still
@@ -191,4 +194,22 @@ async fn serve(settings: settings::Settings) -> Result<(), error::StartError> {
     info!("stopping");
     daemon.shutdown().await;
     result
+}
+
+/// The locks of this daemon's data directory, cgroup parent, jail uid range and sockets.
+fn lock_instance(cfg: &config::Config) -> Result<instance::InstanceLock, error::StartError> {
+    let data_dir = std::path::absolute(&cfg.data_dir).map_err(error::StartError::io(format!(
+        "data directory {}",
+        cfg.data_dir.display()
+    )))?;
+    instance::take(&instance::Claim {
+        data_dir: &data_dir,
+        lock_dir: &cfg.lock_dir,
+        cgroup_parent: &cfg.cgroup_parent,
+        uids: cfg
+            .jail
+            .enabled
+            .then_some((cfg.jail.uid_base, cfg.jail.uid_count)),
+        sockets: cfg.unix_sockets(),
+    })
 }

@@ -249,12 +249,20 @@ impl Recovery<'_> {
         let _ = self.store.remove_vmm(&rec.id);
     }
 
-    /// Cgroups and run directories of VMMs without a record (a crash between steps).
+    /// Cgroups and run directories of VMMs without a record (a crash between steps). A VMM's
+    /// run directory is made before its cgroup, so a cgroup is this daemon's only when its run
+    /// directory is in this daemon's run root: any other under the parent is left alone (it
+    /// is not this data directory's to reap).
     fn remove_leftovers(&self, kept: &HashSet<String>) {
         if let Some(cg) = &self.host.cgroups {
             for name in cg.existing() {
-                if ids::Kind::Vmm.names(&name) && !kept.contains(&name) {
+                if !ids::Kind::Vmm.names(&name) || kept.contains(&name) {
+                    continue;
+                }
+                if self.host.run_root().join(&name).is_dir() {
                     let _ = cg.cgroup(&name).remove();
+                } else {
+                    warn!(cgroup = %name, "a VMM cgroup this daemon never made: left alone");
                 }
             }
         }

@@ -80,11 +80,8 @@ pub async fn listen(
             .layer(tower::util::option_layer(route))
             .add_service(AirlockServer::with_interceptor(svc.clone(), auth.clone()))
             .add_service(InterceptedService::new(reflection.clone(), auth));
-        if let Some(path) = addr
-            .strip_prefix("unix://")
-            .or_else(|| addr.strip_prefix("unix:"))
-        {
-            let incoming = unix_listener(PathBuf::from(path))?;
+        if let Some(path) = crate::config::unix_path(addr) {
+            let incoming = unix_listener(path)?;
             servers.spawn(async move {
                 router
                     .serve_with_incoming(incoming)
@@ -143,12 +140,14 @@ async fn tcp_incoming(
     Ok(limit::connections(listener, cfg.max_connections))
 }
 
-/// A Unix socket (mode 0660: its permissions are the access control), replacing a stale one.
+/// A Unix socket (mode 0660: its permissions are the access control), replacing a stale one
+/// (never one that answers: another daemon's).
 fn unix_listener(path: PathBuf) -> Result<tokio_stream::wrappers::UnixListenerStream, StartError> {
     use std::os::unix::fs::PermissionsExt;
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(StartError::io(dir.display().to_string()))?;
     }
+    crate::instance::refuse_answering(&path)?;
     let _ = std::fs::remove_file(&path);
     let listener = tokio::net::UnixListener::bind(&path)
         .map_err(StartError::io(format!("listening on {}", path.display())))?;

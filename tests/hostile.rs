@@ -1,0 +1,201 @@
+//! A hostile tenant (and a careless operator) against the shared daemon, the cheap checks of
+//! the security review together: a second daemon sharing a part of the first is refused and
+//! kills nothing; a create refused at admission leaves no trace of its secret.
+//! Each part's own tests go further (daemon/src/instance.rs, lifecycle_tests.rs).
+#![allow(clippy::unwrap_used)] // a failed step is a failed test
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use airlock_api::v1::{
+    CreateSandboxRequest, GetSandboxRequest, ListSandboxesRequest, Secret, SecretEnv, secret,
+};
+use airlock_system_tests::harness::{cgroups_left, reason};
+use airlock_system_tests::shared::{Shared, scenario};
+use airlock_system_tests::{binary, kernel, rootfs};
+
+const TOKEN: &str = "hostile-test-token-mallory";
+const CONFIG: &str = "pool_size = 1\n\
+    [tenants.mallory]\ntokens = [\"hostile-test-token-mallory\"]\n\
+    [tenants.mallory.quota]\nmax_sandboxes = 1\n";
+
+/// A second `airlockd` with `data_dir`, `socket`, `cgroup_parent` and uid range: how it ended
+/// (it must not start) and its log.
+fn second_daemon(
+    dir: &Path,
+    data_dir: &Path,
+    socket: &Path,
+    cgroup_parent: &str,
+    uid_base: u32,
+) -> (std::process::ExitStatus, String) {
+    std::fs::create_dir_all(dir).unwrap();
+    let config = dir.join("second.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "cgroup_parent = \"{cgroup_parent}\"\nkernel = \"{}\"\nrootfs = \"{}\"\n\
+             vmm_binary = \"{}\"\n[jail]\nuid_base = {uid_base}\nuid_count = 1000\n",
+            kernel().display(),
+            rootfs().display(),
+            binary("airlock-vmm").display(),
+        ),
+    )
+    .unwrap();
+    let log = dir.join("second.log");
+    let mut child = Command::new(binary("airlockd"))
+        .arg("--config")
+        .arg(&config)
+        .arg("--listen")
+        .arg(format!("unix://{}", socket.display()))
+        .arg("--data-dir")
+        .arg(data_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "the second daemon kept running: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    (status, std::fs::read_to_string(&log).unwrap_or_default())
+}
+
+/// The shared daemon's jail uid base, from its settings file.
+fn shared_uid_base(s: &Shared) -> u32 {
+    let settings = std::fs::read_to_string(s.dir.join("airlockd.toml")).unwrap();
+    settings
+        .lines()
+        .find_map(|l| l.strip_prefix("uid_base = "))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// The processes of the VMM cgroups under `parent`.
+fn vmm_pids(parent: &str) -> Vec<(PathBuf, String)> {
+    cgroups_left(parent)
+        .into_iter()
+        .map(|d| {
+            let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
+            (d, procs)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_daemon_sharing_any_part_is_refused_and_kills_nothing() {
+    let (_guard, s) = scenario(CONFIG).await;
+    let before = vmm_pids(&s.cgroup_parent);
+    assert!(
+        !before.is_empty(),
+        "the shared daemon has a warm VMM (pool_size = 1): {}",
+        s.log_tail()
+    );
+    let dir = std::env::temp_dir().join(format!("airlock-hostile-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let own_data = dir.join("data");
+    let own_socket = dir.join("second.sock");
+    let own_parent = format!("airlock-hostile-{}", std::process::id());
+    let own_uids = 1_700_000_000 + (std::process::id() % 1000) * 1000;
+    let first = format!("pid {}", s.pid);
+    let cases = [
+        (
+            "the cgroup parent",
+            own_data.clone(),
+            own_socket.clone(),
+            s.cgroup_parent.clone(),
+            own_uids,
+        ),
+        (
+            "the data directory",
+            s.data_dir.clone(),
+            own_socket.clone(),
+            own_parent.clone(),
+            own_uids,
+        ),
+        (
+            "the socket",
+            own_data.clone(),
+            s.socket.clone(),
+            own_parent.clone(),
+            own_uids,
+        ),
+        (
+            "uid range",
+            own_data.clone(),
+            own_socket.clone(),
+            own_parent.clone(),
+            shared_uid_base(s) + 10,
+        ),
+    ];
+    for (what, data, socket, parent, uids) in cases {
+        let (status, log) = second_daemon(&dir, &data, &socket, &parent, uids);
+        assert!(!status.success(), "sharing {what}: it started\n{log}");
+        assert!(
+            log.contains(what) && log.contains(&first),
+            "sharing {what}: the refusal names the part and the first daemon ({first})\n{log}"
+        );
+    }
+    // The first daemon lost nothing: its socket answers, its VMMs run in their cgroups.
+    let mut c = s.client(None).await;
+    c.list_sandboxes(ListSandboxesRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(vmm_pids(&s.cgroup_parent), before, "{}", s.log_tail());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_refused_by_the_quota_leaves_no_trace_of_its_secret() {
+    let (_guard, s) = scenario(CONFIG).await;
+    s.clean(&[TOKEN]).await;
+    let mut c = s.client(Some(TOKEN)).await;
+    let first = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let value = format!("mallory-canary-{}", std::process::id());
+    let with_secret = CreateSandboxRequest {
+        secrets: vec![Secret {
+            name: "KEY".into(),
+            value: value.clone(),
+            delivery: Some(secret::Delivery::Env(SecretEnv::default())),
+            ttl_s: 0,
+        }],
+        ..Default::default()
+    };
+    let err = c.create_sandbox(with_secret).await.unwrap_err();
+    assert_eq!(reason(&err).0, "QUOTA_EXCEEDED", "{err:?}");
+    // A value the daemon still held would be redacted from the tenant's error messages.
+    let err = c
+        .get_sandbox(GetSandboxRequest {
+            sandbox_id: value.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        err.message().contains(&value),
+        "the refused create's value is gone: {}",
+        err.message()
+    );
+    c.destroy_sandbox(airlock_api::v1::DestroySandboxRequest {
+        sandbox_id: first.id,
+    })
+    .await
+    .unwrap();
+}
