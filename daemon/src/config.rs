@@ -492,6 +492,13 @@ pub fn host_memory_mib() -> u64 {
         .unwrap_or(0)
 }
 
+/// The path of a `unix://PATH` (or `unix:PATH`) listen address.
+pub fn unix_path(addr: &str) -> Option<PathBuf> {
+    addr.strip_prefix("unix://")
+        .or_else(|| addr.strip_prefix("unix:"))
+        .map(PathBuf::from)
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -556,11 +563,4 @@ mod tests {
         assert!(toml::from_str::<Config>("cgroups = \"maybe\"").is_err());
         assert!(toml::from_str::<Config>("pool_sise = 1").is_err());
     }
-}
-
-/// The path of a `unix://PATH` (or `unix:PATH`) listen address.
-pub fn unix_path(addr: &str) -> Option<PathBuf> {
-    addr.strip_prefix("unix://")
-        .or_else(|| addr.strip_prefix("unix:"))
-        .map(PathBuf::from)
 }
