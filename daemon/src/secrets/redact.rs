@@ -1,5 +1,6 @@
 //! Redaction of secret values: every value, and its base64 (standard and URL-safe, padded or
-//! not), hex (either case) and URL-encoded forms, replaced by `[REDACTED:name]` — in a whole
+//! not, and inside a longer encoded input at any offset), hex (either case), URL-encoded and
+//! JSON-escaped forms, replaced by `[REDACTED:name]` — in a whole
 //! text ([`Patterns::redact`]) and in a stream cut into writes anywhere ([`StreamRedactor`],
 //! which holds back only a tail that could begin a value).
 
@@ -37,9 +38,66 @@ pub fn forms_of(value: &[u8]) -> Vec<Vec<u8>> {
         url_encoded(value, false),
         url_encoded(value, true),
     ];
+    for engine in [STANDARD_NO_PAD, URL_SAFE_NO_PAD] {
+        forms.extend((0..3).filter_map(|offset| base64_inside(&engine, value, offset)));
+    }
+    if let Ok(text) = std::str::from_utf8(value) {
+        forms.extend(json_escaped(text));
+    }
     forms.sort();
     forms.dedup();
     forms
+}
+
+/// The base64 characters that only `value`'s bits make when it is encoded `offset` (0 to 2)
+/// bytes into a longer input (`user:value` in an `Authorization: Basic` header): the
+/// characters at either end that mix its bits with its neighbours' are left out. `None` when
+/// too few remain to stand for the value alone.
+fn base64_inside(
+    engine: &base64::engine::GeneralPurpose,
+    value: &[u8],
+    offset: usize,
+) -> Option<Vec<u8>> {
+    let mut padded = vec![0u8; offset];
+    padded.extend_from_slice(value);
+    let encoded = engine.encode(&padded).into_bytes();
+    // Character i holds bits 6i..6i+6; the value's are 8*offset..8*(offset+len).
+    let first = (8 * offset).div_ceil(6);
+    let end = (8 * (offset + value.len())) / 6;
+    let core = encoded.get(first..end)?;
+    (core.len() >= 8).then(|| core.to_vec())
+}
+
+/// `text` as JSON strings carry it: escaped as serde_json and `JSON.stringify` do (quote,
+/// backslash, controls), everything past ASCII as `\uXXXX` too (Python's `json.dumps`), and
+/// that with `/` as `\/` (PHP's `json_encode`).
+fn json_escaped(text: &str) -> Vec<Vec<u8>> {
+    let mut plain = String::new();
+    let mut ascii = String::new();
+    for c in text.chars() {
+        let escaped = match c {
+            '"' => "\\\"".to_owned(),
+            '\\' => "\\\\".to_owned(),
+            '\n' => "\\n".to_owned(),
+            '\r' => "\\r".to_owned(),
+            '\t' => "\\t".to_owned(),
+            '\u{8}' => "\\b".to_owned(),
+            '\u{c}' => "\\f".to_owned(),
+            c if u32::from(c) < 0x20 => format!("\\u{:04x}", u32::from(c)),
+            c => c.to_string(),
+        };
+        plain.push_str(&escaped);
+        if c.is_ascii() {
+            ascii.push_str(&escaped);
+        } else {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                ascii.push_str(&format!("\\u{u:04x}"));
+            }
+        }
+    }
+    let slashes = ascii.replace('/', "\\/");
+    vec![plain.into_bytes(), ascii.into_bytes(), slashes.into_bytes()]
 }
 
 /// Percent-encoding of everything but RFC 3986's unreserved characters (`plus_space`: a space
@@ -247,6 +305,46 @@ mod tests {
             p.redact(b"nothing here"),
             Cow::Borrowed(b"nothing here".as_slice())
         );
+    }
+
+    #[test]
+    fn base64_of_a_value_inside_other_bytes_is_replaced_at_every_offset() {
+        use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+        let p = patterns();
+        let key = "sk-test-abcdef123456";
+        // `Authorization: Basic base64(user:value)`: the value at offset 5, 2 mod 3.
+        for prefix in ["", "a", "ab", "abc", "user:", "bot:x"] {
+            for suffix in ["", "x", "xy", ":rest-of-it"] {
+                let whole = format!("{prefix}{key}{suffix}");
+                for encoded in [STANDARD.encode(&whole), URL_SAFE_NO_PAD.encode(&whole)] {
+                    let out = text(&p.redact(format!("Basic {encoded}\n").as_bytes()));
+                    assert!(out.contains("[REDACTED:API_KEY]"), "{whole:?}: {out}");
+                    // What is left around the marker cannot carry the value: at most the
+                    // two characters each side that mix its bits with its neighbours'.
+                    let kept = out.len() - "Basic \n[REDACTED:API_KEY]".len();
+                    assert!(kept <= encoded.len() - 24, "{whole:?}: {out}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn json_escaped_values_are_replaced() {
+        let p = Arc::new(Patterns::new([(
+            "K",
+            "quote\"back\\slash/\u{e9}t\u{e9}\n1234".as_bytes(),
+        )]));
+        for form in [
+            // serde_json, JSON.stringify: quotes, backslashes and controls escaped.
+            r#"quote\"back\\slash/été\n1234"#,
+            // Python's json.dumps: everything past ASCII as \uXXXX too.
+            r#"quote\"back\\slash/\u00e9t\u00e9\n1234"#,
+            // PHP's json_encode: the slash escaped as well.
+            r#"quote\"back\\slash\/\u00e9t\u00e9\n1234"#,
+        ] {
+            let out = text(&p.redact(format!("{{\"k\": \"{form}\"}}").as_bytes()));
+            assert_eq!(out, "{\"k\": \"[REDACTED:K]\"}", "{form}");
+        }
     }
 
     #[test]
