@@ -199,3 +199,15 @@ async fn a_create_refused_by_the_quota_leaves_no_trace_of_its_secret() {
     .await
     .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_holding_the_secrets_dumps_no_core() {
+    let (_guard, s) = scenario(CONFIG).await;
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", s.pid)).unwrap();
+    let core = limits
+        .lines()
+        .find(|l| l.starts_with("Max core file size"))
+        .unwrap();
+    let fields: Vec<&str> = core.split_whitespace().collect();
+    assert_eq!(fields[4..6], ["0", "0"], "{core}");
+}

@@ -103,6 +103,25 @@ fn settings(args: Args) -> Result<settings::Settings, error::StartError> {
     Ok(s)
 }
 
+/// The daemon holds every tenant's secrets in memory: no core file is written of it, and no
+/// process of another uid may ptrace it or read its memory through /proc (also without the
+/// unit's `LimitCORE=0`).
+fn no_core_dumps() -> std::io::Result<()> {
+    let zero = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: setrlimit(2) reads the struct passed by reference for the call.
+    if unsafe { libc::setrlimit(libc::RLIMIT_CORE, &zero) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: prctl(2) PR_SET_DUMPABLE takes integers only.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// `--hash-token`: the digest of the token on stdin.
 fn hash_token() -> ExitCode {
     let mut token = String::new();
@@ -119,6 +138,10 @@ fn main() -> ExitCode {
     // otherwise (the API socket, 0660; the jails' roots, 0755).
     // SAFETY: umask(2) only sets this process's file-creation mask.
     unsafe { libc::umask(0o077) };
+    if let Err(e) = no_core_dumps() {
+        eprintln!("airlockd: making the process non-dumpable: {e}");
+        return ExitCode::FAILURE;
+    }
     let args = Args::parse();
     if args.hash_token {
         return hash_token();
@@ -212,4 +235,21 @@ fn lock_instance(cfg: &config::Config) -> Result<instance::InstanceLock, error::
             .then_some((cfg.jail.uid_base, cfg.jail.uid_count)),
         sockets: cfg.unix_sockets(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_process_dumps_no_core_and_is_not_dumpable() {
+        super::no_core_dumps().expect("no_core_dumps");
+        let mut core = libc::rlimit {
+            rlim_cur: 1,
+            rlim_max: 1,
+        };
+        // SAFETY: getrlimit(2) writes the struct passed by reference.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_CORE, &mut core) }, 0);
+        assert_eq!((core.rlim_cur, core.rlim_max), (0, 0));
+        // SAFETY: prctl(2) PR_GET_DUMPABLE takes integers only.
+        assert_eq!(unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) }, 0);
+    }
 }
