@@ -104,6 +104,21 @@ pub fn denied_by<'a>(denied: &'a [String], path: &str) -> Option<&'a str> {
         .map(String::as_str)
 }
 
+/// Refuses a read whose file, symlinks resolved (`resolved`, as the agent opened it; empty
+/// from an agent older than it), matches a denied pattern.
+fn denied_resolved(denied: &[String], path: &str, resolved: &str) -> ApiResult<()> {
+    if resolved.is_empty() || resolved == path {
+        return Ok(());
+    }
+    match denied_by(denied, resolved) {
+        Some(pat) => Err(ApiError::ExportDenied {
+            path: path.to_owned(),
+            rule: format!("it is {resolved}, which matches the denied pattern {pat:?}"),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// A sandbox as file transfers see it.
 #[derive(Clone, Debug)]
 pub struct FileTarget {
@@ -300,6 +315,10 @@ fn read_blocking(
             }
             Err(e) => return Err(from_agent(e, target.call(rel))),
         };
+        // Each chunk is read from the file the agent opened for it: a symlink inside the root
+        // (or one swapped in between chunks) does not carry a denied file out under another
+        // name.
+        denied_resolved(&policy.export_denied, &path, &chunk.resolved)?;
         if chunk.size > limit || offset + chunk.data.len() as u64 > limit {
             return Err(ApiError::FileTooLarge {
                 size: chunk.size.max(offset + chunk.data.len() as u64),
@@ -500,6 +519,19 @@ pub fn write_all(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_symlink_to_a_denied_file_is_denied_by_what_it_resolves_to() {
+        let denied = vec!["id_rsa".to_owned(), "/etc/shadow".to_owned()];
+        denied_resolved(&denied, "/home/user/notes", "/home/user/notes").unwrap();
+        denied_resolved(&denied, "/home/user/notes", "").unwrap();
+        denied_resolved(&denied, "/home/user/notes", "/home/user/other.txt").unwrap();
+        for target in ["/home/user/.ssh/id_rsa", "/etc/shadow"] {
+            let err = denied_resolved(&denied, "/home/user/notes", target).unwrap_err();
+            assert_eq!(err.reason(), "EXPORT_DENIED", "{err}");
+            assert!(err.to_string().contains(target), "{err}");
+        }
+    }
 
     #[test]
     fn denied_patterns_match_names_anywhere_and_paths_whole() {

@@ -235,7 +235,20 @@ fn read_file(req: &pb::ReadFile) -> Result<FileData, ReqError> {
     data.truncate(n);
     // A short read is the end; so is reaching the size (files in /proc report size 0).
     let eof = n < want || (size > 0 && req.offset.saturating_add(n as u64) >= size);
-    Ok(FileData { data, eof, size })
+    Ok(FileData {
+        data,
+        eof,
+        size,
+        resolved: opened_path(&file),
+    })
+}
+
+/// Where `file` is, symlinks resolved (empty if the kernel cannot say).
+fn opened_path(file: &File) -> String {
+    use std::os::fd::AsRawFd;
+    std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// Reads until `buf` is full or the file ends.

@@ -524,3 +524,29 @@ fn reading_a_fifo_is_refused_without_blocking() {
     // The connection still answers.
     c.ping().unwrap();
 }
+
+#[test]
+fn a_read_names_the_file_it_opened_symlinks_resolved() {
+    let agent = AgentProcess::start();
+    let mut c = agent.client();
+    std::fs::create_dir_all(agent.dir.join("home/.ssh")).unwrap();
+    std::fs::write(agent.dir.join("home/.ssh/id_rsa"), b"private").unwrap();
+    symlink(".ssh/id_rsa", agent.dir.join("home/notes")).unwrap();
+    let mut read = |root: &str, path: &str| match c.call(request::Kind::ReadFile(pb::ReadFile {
+        path: path.into(),
+        root: root.into(),
+        ..Default::default()
+    })) {
+        Ok(response::Kind::FileData(d)) => d,
+        other => panic!("{other:?}"),
+    };
+    let want = agent.dir.join("home/.ssh/id_rsa");
+    let d = read("", &agent.dir.str("home/notes"));
+    assert_eq!(
+        (d.data.as_slice(), d.resolved.as_str()),
+        (b"private".as_slice(), want.to_str().unwrap())
+    );
+    // Inside a root as well: the path is the guest's, not the root's.
+    let d = read(&agent.dir.str("home"), "notes");
+    assert_eq!(d.resolved, want.to_str().unwrap());
+}
