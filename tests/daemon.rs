@@ -585,6 +585,7 @@ async fn a_snapshot_becomes_a_template_whose_clones_have_its_files() {
         .snapshot_sandbox(SnapshotSandboxRequest {
             sandbox_id: a.id.clone(),
             template_name: "with-data:v1".into(),
+            shared: false,
         })
         .await
         .unwrap()
@@ -609,6 +610,7 @@ async fn a_snapshot_becomes_a_template_whose_clones_have_its_files() {
         .snapshot_sandbox(SnapshotSandboxRequest {
             sandbox_id: a.id.clone(),
             template_name: "with-data:v2".into(),
+            shared: false,
         })
         .await
         .unwrap()

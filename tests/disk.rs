@@ -226,6 +226,7 @@ async fn a_snapshot_keeps_the_written_root_and_each_clone_writes_its_own() {
         .snapshot_sandbox(SnapshotSandboxRequest {
             sandbox_id: a.id.clone(),
             template_name: "with-root".into(),
+            shared: false,
         })
         .await
         .unwrap_or_else(|e| panic!("snapshot: {e:?}\n{}", s.log_tail()))
@@ -341,6 +342,7 @@ async fn a_volume_outlives_its_sandbox_with_one_writer_or_many_readers() {
         .snapshot_sandbox(SnapshotSandboxRequest {
             sandbox_id: a.id.clone(),
             template_name: "with-volume".into(),
+            shared: false,
         })
         .await
         .expect_err("a sandbox with a volume is not snapshotted");

@@ -131,6 +131,7 @@ async fn secrets_are_redacted_everywhere_private_in_files_expire_and_block_snaps
         .snapshot_sandbox(SnapshotSandboxRequest {
             sandbox_id: sb.id.clone(),
             template_name: "with-secrets".into(),
+            shared: false,
         })
         .await
         .unwrap_err();

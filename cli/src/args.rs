@@ -949,6 +949,10 @@ pub struct SnapshotArgs {
     pub id: String,
     /// Name of the new template
     pub template: String,
+    /// Share it with every tenant (the default tenant, the operator, only): a snapshot holds
+    /// what ran in the sandbox
+    #[arg(long)]
+    pub shared: bool,
 }
 
 /// `completions`.

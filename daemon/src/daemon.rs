@@ -312,8 +312,9 @@ impl Daemon {
         tenant: &str,
         id: &str,
         name: &str,
+        shared: bool,
     ) -> ApiResult<TemplateRt> {
-        let t = self.sandboxes.snapshot(tenant, id, name).await?;
+        let t = self.sandboxes.snapshot(tenant, id, name, shared).await?;
         self.pool.refill(&t);
         Ok(t)
     }

@@ -633,7 +633,12 @@ async fn run_step(
 async fn cache_step(b: &Build<'_>, sandbox: &str, key: &str) {
     let name = cache_name(key);
     if b.d.templates.find(b.tenant, &name).is_err() {
-        match b.d.sandboxes.snapshot(b.tenant, sandbox, &name).await {
+        match b
+            .d
+            .sandboxes
+            .snapshot(b.tenant, sandbox, &name, false)
+            .await
+        {
             Ok(_) => b.send("step", format!("cached as {name}")).await,
             Err(e) => b.send("step", format!("not cached: {e}")).await,
         }
@@ -791,6 +796,7 @@ async fn snapshot_template(
                 sandbox,
                 &req.name,
                 Some((source, defaults)),
+                None,
                 req.replace,
             )
             .await?;

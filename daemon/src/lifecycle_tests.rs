@@ -153,10 +153,20 @@ async fn a_sandbox_is_created_runs_pauses_snapshots_and_is_destroyed() {
     assert_eq!(refused.reason(), "SANDBOX_NOT_RUNNING");
     let tpl = t
         .daemon
-        .snapshot_sandbox("default", &s.id, "mine")
+        .snapshot_sandbox("default", &s.id, "mine", false)
         .await
         .unwrap();
     assert_eq!(tpl.record.source_sandbox_id, s.id);
+    // A snapshot holds what ran in the sandbox: shared with every tenant only when asked, and
+    // only by the default tenant (the operator).
+    assert_eq!(tpl.record.tenant, "default");
+    assert!(t.daemon.templates.find("other", "mine").is_err());
+    t.daemon.templates.own("default", "mine").unwrap();
+    let shared = t.daemon.snapshot_sandbox("default", &s.id, "ours", true);
+    assert_eq!(shared.await.unwrap().record.tenant, "");
+    t.daemon.templates.find("other", "ours").unwrap();
+    let refused = t.daemon.snapshot_sandbox("other", &s.id, "theirs", true);
+    assert_eq!(refused.await.unwrap_err().reason(), "INVALID_ARGUMENT");
     t.daemon.sandboxes.resume("default", &s.id).await.unwrap();
     let vm = t.launcher.vms.lock().unwrap()[&s.vmm_pid].clone();
     assert!(t.daemon.sandboxes.destroy("default", &s.id).await.unwrap());
@@ -168,7 +178,7 @@ async fn a_sandbox_is_created_runs_pauses_snapshots_and_is_destroyed() {
     let run_dirs = std::fs::read_dir(t.daemon.data_dir.join("run"))
         .unwrap()
         .count();
-    assert_eq!(run_dirs, 2, "only the two warm pools' VMMs are left");
+    assert_eq!(run_dirs, 3, "only the three warm pools' VMMs are left");
 }
 
 async fn build_as(

@@ -300,7 +300,7 @@ impl Airlock for Service {
         traced(&rpc::SNAPSHOT_SANDBOX, &tenant, async {
             let t = self
                 .daemon
-                .snapshot_sandbox(&tenant, &r.sandbox_id, &r.template_name)
+                .snapshot_sandbox(&tenant, &r.sandbox_id, &r.template_name, r.shared)
                 .await?;
             let operator = self.daemon.cfg.is_operator(&tenant);
             Ok(crate::templates::as_seen_by(t.record, operator))

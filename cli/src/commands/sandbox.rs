@@ -110,6 +110,7 @@ pub async fn snapshot(ctx: &mut Ctx, args: &SnapshotArgs) -> Result<u8, String> 
     let req = SnapshotSandboxRequest {
         sandbox_id: args.id.clone(),
         template_name: args.template.clone(),
+        shared: args.shared,
     };
     let t = ctx
         .client

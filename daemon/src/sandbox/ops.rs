@@ -63,25 +63,39 @@ impl Sandboxes {
         Ok(true)
     }
 
-    /// SnapshotSandbox: a new template of `tenant` from a running or paused sandbox.
-    pub async fn snapshot(&self, tenant: &str, id: &str, name: &str) -> ApiResult<TemplateRt> {
-        self.snapshot_with(tenant, id, name, None, false).await
+    /// SnapshotSandbox: a new template of `tenant` (shared with every tenant when `shared`:
+    /// the default tenant's only) from a running or paused sandbox.
+    pub async fn snapshot(
+        &self,
+        tenant: &str,
+        id: &str,
+        name: &str,
+        shared: bool,
+    ) -> ApiResult<TemplateRt> {
+        let owner = self.templates.snapshot_owner(tenant, shared)?;
+        self.snapshot_with(tenant, id, name, None, Some(owner), false)
+            .await
     }
 
     /// [`snapshot`](Self::snapshot), recording `meta` (what it was made from and its defaults)
-    /// instead of its source template's: a Dockerfile build's result.
+    /// instead of its source template's: a Dockerfile build's result. Its `owner` (`None`: as
+    /// a build's, the default tenant's shared).
     pub async fn snapshot_with(
         &self,
         tenant: &str,
         id: &str,
         name: &str,
         meta: Option<(String, airlock_api::v1::ImageDefaults)>,
+        owner: Option<String>,
         replace: bool,
     ) -> ApiResult<TemplateRt> {
         let rt = self
             .live(tenant, id)
             .ok_or_else(|| ApiError::SandboxNotFound(id.to_owned()))?;
-        let owner = self.templates.check_new(tenant, name, replace)?;
+        let owner = match owner {
+            Some(o) => self.templates.check_new_of(&o, name, replace).map(|()| o)?,
+            None => self.templates.check_new(tenant, name, replace)?,
+        };
         let quota = self.cfg.quota_of(tenant);
         let worst = rt.memory_mib() << 20;
         self.templates.check_quota(tenant, &owner, &quota, worst)?;

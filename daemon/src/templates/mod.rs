@@ -156,11 +156,29 @@ impl Templates {
         }
     }
 
+    /// The owner of a snapshot `tenant` takes: shared (`""`) only when it asks and is the
+    /// default tenant (the operator); otherwise the tenant's own, the default tenant's too.
+    pub fn snapshot_owner(&self, tenant: &str, shared: bool) -> ApiResult<String> {
+        match (shared, tenant == self.default_tenant) {
+            (true, true) => Ok(String::new()),
+            (true, false) => Err(ApiError::InvalidArgument(
+                "shared: only the default tenant's (the operator's) templates are shared".into(),
+            )),
+            (false, _) => Ok(tenant.to_owned()),
+        }
+    }
+
     /// Checks a new template's NAME[:TAG] for `tenant`; returns the owner it will have. With
     /// `replace` an existing version of that tag is fine (the new one takes its tag).
     pub fn check_new(&self, tenant: &str, reference: &str, replace: bool) -> ApiResult<String> {
-        let r = TemplateRef::parse(reference)?;
         let owner = self.owner_for(tenant);
+        self.check_new_of(&owner, reference, replace)?;
+        Ok(owner)
+    }
+
+    /// [`check_new`](Self::check_new) for a template of `owner`.
+    pub fn check_new_of(&self, owner: &str, reference: &str, replace: bool) -> ApiResult<()> {
+        let r = TemplateRef::parse(reference)?;
         if !replace
             && self
                 .all()
@@ -169,7 +187,7 @@ impl Templates {
         {
             return Err(ApiError::TemplateExists(r.to_string()));
         }
-        Ok(owner)
+        Ok(())
     }
 
     /// Whether `owner` (a tenant, or "" for the shared templates) may add a template of
@@ -249,15 +267,17 @@ impl Templates {
         Ok(t)
     }
 
-    /// `tenant`'s own version `reference` (the default tenant's: a shared one): NAME:TAG, or
-    /// NAME for its `latest`, else its only version.
+    /// `tenant`'s own version `reference` (the default tenant's: a shared one, or a snapshot
+    /// it kept its own): NAME:TAG, or NAME for its `latest`, else its only version.
     pub fn own(&self, tenant: &str, reference: &str) -> ApiResult<TemplateRt> {
         let r = TemplateRef::parse(reference)?;
         let owner = self.owner_for(tenant);
         let all = self.all();
         let mine: Vec<_> = all
             .iter()
-            .filter(|t| t.record.name == r.name && t.record.tenant == owner)
+            .filter(|t| {
+                t.record.name == r.name && (t.record.tenant == owner || t.record.tenant == tenant)
+            })
             .collect();
         if r.tag.is_none() && mine.len() > 1 && !mine.iter().any(|t| tag_of(&t.record) == LATEST) {
             let tags: Vec<_> = mine.iter().map(|t| tag_of(&t.record)).collect();

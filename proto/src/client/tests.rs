@@ -197,6 +197,7 @@ fn read_file_loops_until_eof() {
             data: d.to_vec(),
             eof,
             size: 5,
+            ..Default::default()
         })
     };
     let mut c = client_with(&[resp(1, data(b"abc", false)), resp(2, data(b"de", true))]);

@@ -590,8 +590,10 @@ class AsyncSandbox(c.SandboxInfo):
         self._info = await self._c._unary("ResumeSandbox", pb.ResumeSandboxRequest(sandbox_id=self.id))
         return self
 
-    async def snapshot(self, template_name: str) -> Template:
-        req = pb.SnapshotSandboxRequest(sandbox_id=self.id, template_name=template_name)
+    async def snapshot(self, template_name: str, *, shared: bool = False) -> Template:
+        req = pb.SnapshotSandboxRequest(
+            sandbox_id=self.id, template_name=template_name, shared=shared
+        )
         return Template.from_pb(await self._c._unary("SnapshotSandbox", req))
 
     async def destroy(self) -> bool:

@@ -680,11 +680,14 @@ class Sandbox(c.SandboxInfo):
         self._info = self._c._unary("ResumeSandbox", pb.ResumeSandboxRequest(sandbox_id=self.id))
         return self
 
-    def snapshot(self, template_name: str) -> Template:
+    def snapshot(self, template_name: str, *, shared: bool = False) -> Template:
         """Snapshots the sandbox into a new template of the caller's; it goes on running. Not
         of a sandbox that holds secrets or whose guest was given any
-        (:class:`~airlock.SecretsPresent`)."""
-        req = pb.SnapshotSandboxRequest(sandbox_id=self.id, template_name=template_name)
+        (:class:`~airlock.SecretsPresent`). ``shared``: every tenant may use it (the default
+        tenant, the operator, only)."""
+        req = pb.SnapshotSandboxRequest(
+            sandbox_id=self.id, template_name=template_name, shared=shared
+        )
         return Template.from_pb(self._c._unary("SnapshotSandbox", req))
 
     def destroy(self) -> bool:
