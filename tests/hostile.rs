@@ -1,6 +1,7 @@
 //! A hostile tenant (and a careless operator) against the shared daemon, the cheap checks of
 //! the security review together: a second daemon sharing a part of the first is refused and
-//! kills nothing; a create refused at admission leaves no trace of its secret.
+//! kills nothing; a create refused at admission leaves no trace of its secret; the daemon
+//! dumps no core; a symlink does not export a denied file under another name.
 //! Each part's own tests go further (daemon/src/instance.rs, lifecycle_tests.rs).
 #![allow(clippy::unwrap_used)] // a failed step is a failed test
 
@@ -9,9 +10,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use airlock_api::v1::{
-    CreateSandboxRequest, GetSandboxRequest, ListSandboxesRequest, Secret, SecretEnv, secret,
+    CreateSandboxRequest, GetSandboxRequest, ListSandboxesRequest, ReadFileRequest, Secret,
+    SecretEnv, secret,
 };
-use airlock_system_tests::harness::{cgroups_left, reason};
+use airlock_system_tests::harness::{cgroups_left, read_all, reason, run};
 use airlock_system_tests::shared::{Shared, scenario};
 use airlock_system_tests::{binary, kernel, rootfs};
 
@@ -210,4 +212,43 @@ async fn the_daemon_holding_the_secrets_dumps_no_core() {
         .unwrap();
     let fields: Vec<&str> = core.split_whitespace().collect();
     assert_eq!(fields[4..6], ["0", "0"], "{core}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_symlink_does_not_export_a_denied_file_under_another_name() {
+    let (_guard, s) = scenario(CONFIG).await;
+    s.clean(&[TOKEN]).await;
+    let mut c = s.client(Some(TOKEN)).await;
+    let sb = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let script = "mkdir -p /tmp/.ssh && echo private-key > /tmp/.ssh/id_rsa && \
+                  ln -s .ssh/id_rsa /tmp/notes && echo fine > /tmp/fine && ln -s fine /tmp/ok";
+    let (_, err, ex) = run(&mut c, &sb.id, &["sh", "-c", script]).await;
+    assert_eq!(ex.exit_code, 0, "{err}");
+    assert_eq!(read_all(&mut c, &sb.id, "/tmp/ok").await, b"fine\n");
+    let refused = c
+        .read_file(ReadFileRequest {
+            sandbox_id: sb.id.clone(),
+            path: "/tmp/notes".into(),
+            ..Default::default()
+        })
+        .await;
+    let err = match refused {
+        Err(e) => e,
+        Ok(stream) => {
+            let mut stream = stream.into_inner();
+            match stream.message().await {
+                Err(e) => e,
+                Ok(m) => panic!("the link exported {m:?}"),
+            }
+        }
+    };
+    assert_eq!(reason(&err).0, "EXPORT_DENIED", "{err:?}");
+    assert!(err.message().contains("/tmp/.ssh/id_rsa"), "{err:?}");
+    c.destroy_sandbox(airlock_api::v1::DestroySandboxRequest { sandbox_id: sb.id })
+        .await
+        .unwrap();
 }
