@@ -150,6 +150,8 @@ pub struct Config {
     pub packages: crate::pkg::PackagesConfig,
     /// The audit trail: its retention, whether code is recorded (see `audit.rs`).
     pub audit: crate::audit::AuditConfig,
+    /// Secrets sealed at rest for a restarted daemon, and their key (see `secrets/seal.rs`).
+    pub secrets: crate::secrets::seal::SecretsConfig,
 }
 
 /// A registered image: a kernel and a root filesystem on the daemon's host.
@@ -318,6 +320,7 @@ impl Default for Config {
             oci: crate::oci::OciConfig::default(),
             packages: crate::pkg::PackagesConfig::default(),
             audit: crate::audit::AuditConfig::default(),
+            secrets: crate::secrets::seal::SecretsConfig::default(),
             import_templates: Vec::new(),
         }
     }

@@ -3,10 +3,14 @@
 //! readable by one account, or brokered by the egress proxy (a header on requests to named
 //! hosts; the value never enters the guest), removed at their TTL or by RemoveSecrets, and
 //! redacted everywhere: output, records, errors and the daemon's log ([`redact`], [`logs`]).
+//! A live sandbox's secrets are also sealed at rest ([`seal`], [`sealed`]) so that a restarted
+//! daemon adopts it with them; the sealed record goes with the sandbox.
 
 pub mod ca;
 pub mod logs;
 pub mod redact;
+pub mod seal;
+mod sealed;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -240,6 +244,11 @@ impl SandboxSecrets {
                 spec,
             })
             .collect();
+        Self::from_entries(entries, false)
+    }
+
+    /// With `entries` (removed ones too), whose values all stay redacted.
+    fn from_entries(entries: Vec<Entry>, reached_guest: bool) -> Self {
         let patterns = Arc::new(Patterns::new(
             entries
                 .iter()
@@ -248,9 +257,14 @@ impl SandboxSecrets {
         Self {
             entries: Mutex::new(entries),
             patterns: Mutex::new(patterns),
-            reached_guest: AtomicBool::new(false),
+            reached_guest: AtomicBool::new(reached_guest),
             ca: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Whether it never had a secret.
+    pub fn is_empty(&self) -> bool {
+        lock(&self.entries).is_empty()
     }
 
     /// Whether a brokered secret asks for HTTPS (the sandbox needs a CA of its own).
