@@ -460,7 +460,7 @@ fn leave_behind(
         env: [("K".to_owned(), "V".to_owned())].into(),
         ..Default::default()
     };
-    store.put_running(&sandbox, &spec, &vmm.id).unwrap();
+    store.put_running(&sandbox, &spec, None, &vmm.id).unwrap();
     let execution = Execution {
         id: ex.into(),
         sandbox_id: sb.into(),

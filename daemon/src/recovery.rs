@@ -3,7 +3,9 @@
 //! `adopt_on_restart` (the default) running and paused sandboxes are adopted again: their VMM
 //! (the recorded pid, checked by its start time and jail uid, and its control socket answering),
 //! cgroup and sockets, and the executions still running in their guests, whose output continues
-//! where the stored output ends. Whatever cannot be verified is reaped: warm pool processes,
+//! where the stored output ends. A sandbox with secrets is adopted with them when their sealed
+//! record opens with this daemon's key (`secrets/seal.rs`); otherwise it is reaped.
+//! Whatever cannot be verified is reaped: warm pool processes,
 //! template builds and creates that were in flight, VMMs that are gone or not what the record
 //! says. Their records end as DAEMON_RESTARTED.
 
@@ -105,12 +107,8 @@ impl Recovery<'_> {
         if !matches!(record.state(), SandboxState::Running | SandboxState::Paused) {
             return Ok(false); // a create in flight, or already ended
         }
-        if !record.secrets.is_empty() {
-            // Its values were in the old daemon's memory only: this one could neither deliver
-            // nor redact them. It ends (DAEMON_RESTARTED) with its VMM.
-            warn!(sandbox = %id, "it had secrets, which a restart loses: not taken over");
-            return Ok(false);
-        }
+        // Before its VMM is taken: without them it could be neither served nor redacted.
+        let secrets = self.restore_secrets(&record, id)?;
         let spec = self.store.sandbox_spec(id)?.unwrap_or_default();
         let Some(vmm) = self.take_back_vmm(rec).await? else {
             return Ok(false);
@@ -137,7 +135,10 @@ impl Recovery<'_> {
         let age_ms = u64::try_from(ids::now_ms() - record.created_unix_ms).unwrap_or(0);
         let policy = spec.file_policy.unwrap_or_default();
         let network = record.network.clone().unwrap_or_default();
-        let rt = SandboxRt::new(record, spec.env, policy, Duration::from_millis(age_ms));
+        let mut rt = SandboxRt::new(record, spec.env, policy, Duration::from_millis(age_ms));
+        if let Some(secrets) = secrets {
+            rt.secrets = secrets;
+        }
         if let Some(exits) = vmm.take_exits() {
             self.serve_network(&rt, exits, &network, spec.packages.as_ref(), id)?;
         }
@@ -147,9 +148,52 @@ impl Recovery<'_> {
             .volumes
             .adopt(&rt.tenant, &rt.id, &rt.snapshot().volumes);
         self.store.put_sandbox(&rt.snapshot())?;
-        self.sandboxes.insert(Arc::new(rt));
+        let rt = Arc::new(rt);
+        crate::secrets::logs::register(id, &rt.tenant, rt.secrets.patterns());
+        self.sandboxes.insert(rt.clone());
+        if rt.secrets.next_expiry().is_some() {
+            self.sandboxes.expire_secrets_later(&rt);
+        }
         info!(sandbox = %id, pid, "adopted the sandbox's VMM");
         Ok(true)
+    }
+
+    /// Adoption step: the secrets of the sandbox of `record` from their sealed record (`None`:
+    /// it has none); an error when they cannot be had (it is then not adopted).
+    fn restore_secrets(
+        &self,
+        record: &Sandbox,
+        id: &str,
+    ) -> ApiResult<Option<Arc<crate::secrets::SandboxSecrets>>> {
+        if record.secrets.is_empty() {
+            return Ok(None);
+        }
+        let refuse = |why: String| {
+            Err(ApiError::Internal(format!(
+                "it has secrets ({}) and {why}",
+                record
+                    .secrets
+                    .iter()
+                    .map(|s| s.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )))
+        };
+        let Some(sealer) = self.sandboxes.sealer.as_deref() else {
+            return refuse(
+                "this daemon does not seal secrets ([secrets] seal, or its key could not be had)"
+                    .into(),
+            );
+        };
+        let Some(sealed) = self.store.sealed_secrets(id)? else {
+            return refuse(
+                "no sealed record of them (the daemon that created it did not seal them)".into(),
+            );
+        };
+        match crate::secrets::SandboxSecrets::unseal(id, sealer, &sealed) {
+            Ok(s) => Ok(Some(Arc::new(s))),
+            Err(e) => refuse(format!("the key from {}: {e}", sealer.origin())),
+        }
     }
 
     /// Adoption step: the recorded VMM process taken back (if it still is that process) and
@@ -320,8 +364,9 @@ impl Recovery<'_> {
         self.store.remove_execution_agent(&e.id)
     }
 
-    /// Executions that were running in adopted sandboxes are followed again (those that had
-    /// not started in the agent yet are ended).
+    /// Executions that were running in adopted sandboxes are followed again, their output
+    /// redacted with their sandbox's secrets (those that had not started in the agent yet,
+    /// and those with secrets of their own, which were never kept, are ended).
     fn follow_executions(&self) -> ApiResult<usize> {
         let mut followed = 0;
         for rt in self.sandboxes.all() {
@@ -329,24 +374,36 @@ impl Recovery<'_> {
                 Some(v) => v.agent,
                 None => continue,
             };
+            let patterns = Some(rt.secrets.patterns()).filter(|p| !p.is_empty());
             for e in self.store.executions_of(&rt.id)? {
                 if e.state() != ExecutionState::Running {
                     continue;
                 }
-                match self.store.execution_agent(&e.id)? {
-                    Some(agent_id) => {
-                        self.executions.adopt(e, agent_id, &agent)?;
-                        followed += 1;
-                    }
-                    None => {
-                        let end = ExecEnd::DaemonRestarted(
-                            "the daemon restarted before the execution had started".into(),
-                        );
-                        self.end_record(&mut e.clone(), &end)?;
-                    }
-                }
+                let why = if had_own_secrets(&e, &rt.secrets) {
+                    "the daemon restarted, and the execution's own secrets are not kept: its \
+                     output could not be redacted"
+                } else if let Some(agent_id) = self.store.execution_agent(&e.id)? {
+                    self.executions
+                        .adopt(e, agent_id, &agent, patterns.clone())?;
+                    followed += 1;
+                    continue;
+                } else {
+                    "the daemon restarted before the execution had started"
+                };
+                let end = ExecEnd::DaemonRestarted(why.into());
+                self.end_record(&mut e.clone(), &end)?;
             }
         }
         Ok(followed)
     }
+}
+
+/// Whether execution `e` had secrets of its own (beside its sandbox's variables, each named
+/// once in its record).
+fn had_own_secrets(e: &Execution, secrets: &crate::secrets::SandboxSecrets) -> bool {
+    let sandbox: HashSet<String> = secrets.info().into_iter().map(|s| s.name).collect();
+    let mut seen = HashSet::new();
+    e.secret_names
+        .iter()
+        .any(|n| !sandbox.contains(n) || !seen.insert(n.as_str()))
 }

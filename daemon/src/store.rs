@@ -2,7 +2,9 @@
 //! protobuf record with the columns it is looked up by) and the VMM processes the daemon
 //! started, in one SQLite database (`DATA_DIR/airlock.db`), with the tables of the sandboxes'
 //! logs (`crate::events`) and of the audit trail (`crate::audit`), whose statements are their
-//! own. Execution output lives in files next to it (`DATA_DIR/output/`).
+//! own. Execution output lives in files next to it (`DATA_DIR/output/`). A live sandbox's
+//! secrets are kept sealed (`crate::secrets::seal`: ciphertext only, the key elsewhere) next to
+//! its spec, and go with it.
 
 use std::path::Path;
 use std::sync::Mutex;
@@ -97,6 +99,7 @@ CREATE TABLE IF NOT EXISTS vmms (
     run_dir TEXT NOT NULL, cgroup INTEGER NOT NULL, owner_kind TEXT NOT NULL,
     owner_id TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sandbox_specs (id TEXT PRIMARY KEY, spec BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS sandbox_secrets (id TEXT PRIMARY KEY, sealed BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS execution_agents (
     id TEXT PRIMARY KEY, agent_exec_id INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS sandbox_events (
@@ -126,6 +129,12 @@ impl Store {
         let db = Connection::open(path)?;
         db.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;")?;
         db.execute_batch(SCHEMA)?;
+        // Sealed secrets live only as long as their sandbox's spec (a crash between the two
+        // deletes left them).
+        db.execute(
+            "DELETE FROM sandbox_secrets WHERE id NOT IN (SELECT id FROM sandbox_specs)",
+            [],
+        )?;
         Ok(Self { db: Mutex::new(db) })
     }
 
@@ -193,12 +202,13 @@ impl Store {
     }
 
     /// A create's end, in one transaction: the sandbox's running record, what a restarted
-    /// daemon needs to serve it (`spec`), and its VMM recorded as its own (until then the VMM
-    /// is a warm pool process's, which a restarted daemon reaps).
+    /// daemon needs to serve it (`spec`, its `sealed` secrets), and its VMM recorded as its own
+    /// (until then the VMM is a warm pool process's, which a restarted daemon reaps).
     pub fn put_running(
         &self,
         s: &Sandbox,
         spec: &CreateSandboxRequest,
+        sealed: Option<&[u8]>,
         vmm_id: &str,
     ) -> ApiResult<()> {
         let mut db = self.db();
@@ -211,6 +221,12 @@ impl Store {
             "INSERT OR REPLACE INTO sandbox_specs (id, spec) VALUES (?1, ?2)",
             params![s.id, spec.encode_to_vec()],
         )?;
+        if let Some(sealed) = sealed {
+            tx.execute(
+                "INSERT OR REPLACE INTO sandbox_secrets (id, sealed) VALUES (?1, ?2)",
+                params![s.id, sealed],
+            )?;
+        }
         let (kind, owner) = Owner::Sandbox(s.id.clone()).kind_owned();
         tx.execute(
             "UPDATE vmms SET owner_kind = ?2, owner_id = ?3 WHERE id = ?1",
@@ -283,10 +299,45 @@ impl Store {
         Ok(bytes.map(decode).transpose()?)
     }
 
+    /// Removes what a restarted daemon would need to serve sandbox `id` again: its spec and its
+    /// sealed secrets (its end).
     pub fn remove_sandbox_spec(&self, id: &str) -> ApiResult<()> {
-        self.db()
-            .execute("DELETE FROM sandbox_specs WHERE id = ?1", params![id])?;
+        let mut db = self.db();
+        let tx = db.transaction()?;
+        tx.execute("DELETE FROM sandbox_secrets WHERE id = ?1", params![id])?;
+        tx.execute("DELETE FROM sandbox_specs WHERE id = ?1", params![id])?;
+        tx.commit()?;
         Ok(())
+    }
+
+    /// Replaces the sealed secrets of live sandbox `id` (one that has its spec: an ended
+    /// sandbox's are not written again).
+    pub fn put_sealed_secrets(&self, id: &str, sealed: &[u8]) -> ApiResult<()> {
+        self.db().execute(
+            "INSERT OR REPLACE INTO sandbox_secrets (id, sealed) SELECT ?1, ?2 \
+             WHERE EXISTS (SELECT 1 FROM sandbox_specs WHERE id = ?1)",
+            params![id, sealed],
+        )?;
+        Ok(())
+    }
+
+    /// Forgets the sealed secrets of sandbox `id` (it keeps its spec).
+    pub fn remove_sealed_secrets(&self, id: &str) -> ApiResult<()> {
+        self.db()
+            .execute("DELETE FROM sandbox_secrets WHERE id = ?1", params![id])?;
+        Ok(())
+    }
+
+    /// The sealed secrets of live sandbox `id`.
+    pub fn sealed_secrets(&self, id: &str) -> ApiResult<Option<Vec<u8>>> {
+        let db = self.db();
+        Ok(db
+            .query_row(
+                "SELECT sealed FROM sandbox_secrets WHERE id = ?1",
+                params![id],
+                |r| r.get(0),
+            )
+            .optional()?)
     }
 
     /// Every execution record of `tenant`.
@@ -321,6 +372,7 @@ impl Store {
         )?;
         tx.execute("DELETE FROM executions WHERE sandbox_id = ?1", params![id])?;
         tx.execute("DELETE FROM sandbox_specs WHERE id = ?1", params![id])?;
+        tx.execute("DELETE FROM sandbox_secrets WHERE id = ?1", params![id])?;
         // Its logs (`crate::events`) go with its record.
         tx.execute(
             "DELETE FROM sandbox_events WHERE sandbox_id = ?1",
@@ -479,9 +531,17 @@ mod tests {
                 state: 2,
                 ..Default::default()
             };
-            s.put_running(&running, &CreateSandboxRequest::default(), "vm-1")
-                .unwrap();
+            s.put_running(
+                &running,
+                &CreateSandboxRequest::default(),
+                Some(b"sealed"),
+                "vm-1",
+            )
+            .unwrap();
             assert!(s.sandbox_spec("sb-1").unwrap().is_some());
+            // Only a live sandbox's (one with a spec) are written.
+            s.put_sealed_secrets("sb-2", b"sealed").unwrap();
+            assert_eq!(s.sealed_secrets("sb-2").unwrap(), None);
             s.set_execution_agent("ex-1", 5).unwrap();
         }
         let s = Store::open(&path).unwrap();
@@ -501,6 +561,9 @@ mod tests {
         s.remove_execution_agent("ex-1").unwrap();
         assert_eq!(s.execution_agent("ex-1").unwrap(), None);
         assert!(s.take_legacy_processes().unwrap().is_empty());
+        assert_eq!(s.sealed_secrets("sb-1").unwrap().unwrap(), b"sealed");
+        s.remove_sandbox_spec("sb-1").unwrap();
+        assert_eq!(s.sealed_secrets("sb-1").unwrap(), None);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

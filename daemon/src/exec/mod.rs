@@ -212,12 +212,14 @@ impl Executions {
     }
 
     /// Follows `record` again after a restart: attaches to the agent's execution `agent_id`
-    /// through `agent`, with the output stored so far; its timeout counts from its start.
+    /// through `agent`, with the output stored so far, redacted with `patterns` (its
+    /// sandbox's secrets'); its timeout counts from its start.
     pub fn adopt(
         &self,
         record: Execution,
         agent_id: u64,
         agent: &Arc<crate::agent::AgentLink>,
+        patterns: Option<Arc<crate::secrets::redact::Patterns>>,
     ) -> ApiResult<()> {
         let paths = self.output_paths(&record.id);
         let len = |p: &PathBuf| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
@@ -231,7 +233,7 @@ impl Executions {
             agent,
             Start::Attach(agent_id),
             left_ms,
-            None,
+            patterns,
         )
     }
 

@@ -227,8 +227,10 @@ impl Sandboxes {
             r.restore_ms = restore_ms;
             r.vmm_pid = vmm.pid;
         });
+        // With its secrets sealed, a restarted daemon can adopt it.
+        let sealed = super::secrets::seal(self.sealer.as_deref(), &rt.id, &rt.secrets);
         self.store
-            .put_running(&record, &spec.to_stored(), &vmm.id)?;
+            .put_running(&record, &spec.to_stored(), sealed.as_deref(), &vmm.id)?;
         self.metrics
             .observe_create(total_ms / 1000.0, host_ms / 1000.0, restore_ms / 1000.0);
         info!(

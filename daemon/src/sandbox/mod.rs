@@ -210,6 +210,9 @@ pub struct Sandboxes {
     slots: admission::StartSlots,
     /// Cluster mode: where sandboxes are counted across the nodes.
     ledger: std::sync::OnceLock<Arc<dyn Ledger>>,
+    /// What seals its secrets at rest for a restarted daemon (none: sealing is off, or its
+    /// key could not be had).
+    pub sealer: Option<Arc<crate::secrets::seal::Sealer>>,
 }
 
 /// A template build admitted like a sandbox; it stops counting when dropped.
@@ -264,7 +267,17 @@ impl Sandboxes {
                 source,
             })?,
         );
+        let sealer = crate::secrets::seal::Sealer::load(&cfg.secrets, &cfg.data_dir)
+            .unwrap_or_else(|e| {
+                tracing::error!(
+                    "secrets will not be sealed at rest: {e}; a sandbox with secrets will not \
+                     survive a restart of the daemon"
+                );
+                None
+            })
+            .map(Arc::new);
         Ok(Self {
+            sealer,
             cfg,
             store,
             metrics,

@@ -1,6 +1,7 @@
-//! A live sandbox's secrets after its create: removed by RemoveSecrets or at their TTL (their
-//! files deleted in the guest, their variables no longer given, their headers no longer
-//! added), its record showing which.
+//! A live sandbox's secrets after its create: sealed at rest for a restarted daemon, removed
+//! by RemoveSecrets or at their TTL (their files deleted in the guest, their variables no
+//! longer given, their headers no longer added, the sealed record saying so too), its record
+//! showing which.
 
 use std::sync::Arc;
 
@@ -11,8 +12,25 @@ use tracing::{info, warn};
 use super::{SandboxRt, Sandboxes};
 use crate::agent::CALL_TIMEOUT;
 use crate::error::ApiResult;
-use crate::secrets::RemovedFile;
+use crate::secrets::seal::Sealer;
+use crate::secrets::{RemovedFile, SandboxSecrets};
 use crate::store::Store;
+
+/// `secrets` of sandbox `id` sealed, if it has any and sealing is on (a failure is logged: the
+/// sandbox then does not survive a restart of the daemon).
+pub(crate) fn seal(sealer: Option<&Sealer>, id: &str, secrets: &SandboxSecrets) -> Option<Vec<u8>> {
+    if secrets.is_empty() {
+        return None;
+    }
+    let Some(sealer) = sealer else {
+        warn!(sandbox = %id, "its secrets are not sealed at rest: a restart of the daemon ends it");
+        return None;
+    };
+    secrets
+        .seal(id, sealer)
+        .inspect_err(|e| warn!(sandbox = %id, "sealing its secrets: {e}"))
+        .ok()
+}
 
 impl Sandboxes {
     /// RemoveSecrets: `names` (empty: all) of `tenant`'s sandbox `id`.
@@ -24,7 +42,7 @@ impl Sandboxes {
     ) -> ApiResult<Sandbox> {
         let rt = self.running(tenant, id)?;
         let files = rt.secrets.remove(names)?;
-        let record = settle_removal(&rt, &self.store, files).await;
+        let record = settle_removal(&rt, &self.store, self.sealer.as_deref(), files).await;
         info!(sandbox = %id, names = ?names, "secrets removed");
         crate::audit::emit(
             tenant,
@@ -36,9 +54,11 @@ impl Sandboxes {
         Ok(record)
     }
 
-    /// Removes `rt`'s secrets as their TTLs end, until it ends.
-    pub(super) fn expire_secrets_later(&self, rt: &Arc<SandboxRt>) {
+    /// Removes `rt`'s secrets as their TTLs end, until it ends (at once those that ended
+    /// while the daemon was down).
+    pub(crate) fn expire_secrets_later(&self, rt: &Arc<SandboxRt>) {
         let (weak, store) = (Arc::downgrade(rt), self.store.clone());
+        let sealer = self.sealer.clone();
         tokio::spawn(async move {
             loop {
                 let Some(next) = weak.upgrade().and_then(|rt| rt.secrets.next_expiry()) else {
@@ -58,16 +78,32 @@ impl Sandboxes {
                         "",
                         serde_json::json!({ "names": names, "by": "ttl" }),
                     );
-                    settle_removal(&rt, &store, files).await;
+                    settle_removal(&rt, &store, sealer.as_deref(), files).await;
                 }
             }
         });
     }
 }
 
-/// After secrets of `rt` were marked removed: deletes their files in its guest, updates its
-/// record.
-async fn settle_removal(rt: &Arc<SandboxRt>, store: &Store, files: Vec<RemovedFile>) -> Sandbox {
+/// After secrets of `rt` were marked removed: seals them again (a restarted daemon must not
+/// bring them back), deletes their files in its guest, updates its record.
+async fn settle_removal(
+    rt: &Arc<SandboxRt>,
+    store: &Store,
+    sealer: Option<&Sealer>,
+    files: Vec<RemovedFile>,
+) -> Sandbox {
+    let stored = match seal(sealer, &rt.id, &rt.secrets) {
+        Some(sealed) => store.put_sealed_secrets(&rt.id, &sealed),
+        None => Err(crate::error::ApiError::Internal("not sealed".into())),
+    };
+    if let Err(e) = stored {
+        // Better not adopted after a restart than with the removed secrets back.
+        warn!(sandbox = %rt.id, "sealing its secrets again: {e}; the old record is removed");
+        if let Err(e) = store.remove_sealed_secrets(&rt.id) {
+            warn!(sandbox = %rt.id, "removing its sealed secrets: {e}");
+        }
+    }
     if !files.is_empty()
         && let Some(vmm) = rt.vmm()
     {
