@@ -83,7 +83,7 @@ impl SandboxCa {
         let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
         for line in b64.as_bytes().chunks(64) {
             pem.push_str(&String::from_utf8_lossy(line));
-            pem.push_str("\n");
+            pem.push('\n');
         }
         pem.push_str("-----END CERTIFICATE-----\n");
         pem
