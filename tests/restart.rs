@@ -3,6 +3,8 @@
 //! the next one adopts them (same VMM processes, files, state) and follows their executions
 //! with no gap in the output; a create in flight ends as failed and leaves nothing running. With
 //! `adopt_on_restart = false` the next daemon reaps them, and a stop leaves nothing behind.
+//! A sandbox with secrets is adopted with them (sealed at rest): still delivered, redacted and
+//! brokered, their sealed record gone with the sandbox.
 //!
 //! The scenarios share one data directory with the template `base` (the run's cached one,
 //! imported, or built once per test process); each starts its own daemons on it, one scenario
@@ -20,6 +22,9 @@ use airlock_system_tests::harness::{
     remove_parent_cgroups, run, shell, start_daemon, tail,
 };
 use airlock_system_tests::{require_kvm, shared};
+
+#[path = "egress/upstream.rs"]
+mod upstream;
 
 /// The data directory with its template, made once.
 #[derive(Debug)]
@@ -430,4 +435,130 @@ async fn a_volume_and_the_sandbox_that_mounts_it_survive_a_restart() {
         .deleted
     );
     stop_daemon(&mut d);
+}
+
+/// How many sealed secret records the store in `data_dir` holds for sandbox `id`.
+fn sealed_records(data_dir: &std::path::Path, id: &str) -> i64 {
+    let db = rusqlite::Connection::open(data_dir.join("airlock.db")).unwrap();
+    db.query_row(
+        "SELECT COUNT(*) FROM sandbox_secrets WHERE id = ?1",
+        [id],
+        |r| r.get(0),
+    )
+    .unwrap()
+}
+
+/// Whether `needle` is anywhere in the files of the store (the database and its log).
+fn in_store(data_dir: &std::path::Path, needle: &str) -> bool {
+    ["airlock.db", "airlock.db-wal"].iter().any(|f| {
+        std::fs::read(data_dir.join(f))
+            .is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle.as_bytes()))
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sandbox_with_secrets_survives_a_killed_daemon_with_them() {
+    use upstream::{config, domains, upstream};
+    let (_serial, p) = prepared().await;
+    let up = upstream();
+    let cfg = format!("adopt_on_restart = true\n{}", config(up));
+    let salt = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let (env_value, brk_value) = (format!("env-{salt:x}"), format!("brk-{salt:x}"));
+    let mut d = start(p, &cfg);
+    let mut c = client(&d, None).await;
+    let sb = c
+        .create_sandbox(CreateSandboxRequest {
+            network: Some(domains(&["allowed.test"], &[])),
+            secrets: vec![
+                Secret {
+                    name: "ENVSEC".into(),
+                    value: env_value.clone(),
+                    delivery: Some(secret::Delivery::Env(SecretEnv::default())),
+                    ttl_s: 0,
+                },
+                Secret {
+                    name: "BRK".into(),
+                    value: brk_value.clone(),
+                    delivery: Some(secret::Delivery::Broker(SecretBroker {
+                        hosts: vec!["allowed.test".into()],
+                        https: true,
+                        ..Default::default()
+                    })),
+                    ttl_s: 0,
+                },
+            ],
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("create: {e:?}\n{}", tail(&d.log)))
+        .into_inner();
+    // An execution that prints the value while no daemon runs (killed once it started).
+    let script = "echo started; sleep 8; echo late-$ENVSEC";
+    let ex = c
+        .exec(shell(&sb.id, script, 300_000))
+        .await
+        .unwrap()
+        .into_inner();
+    let t = Instant::now();
+    while !output(&mut c, &ex.execution_id).await.1.contains("started") {
+        assert!(t.elapsed() < Duration::from_secs(120), "no output");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    kill_daemon(&mut d);
+    assert!(alive(sb.vmm_pid), "the VMM outlives its daemon");
+
+    let d = start(p, &cfg);
+    let mut c = client(&d, None).await;
+    let again = sandbox(&mut c, &sb.id).await;
+    assert_eq!(
+        again.state,
+        SandboxState::Running as i32,
+        "adopted with its secrets: {again:?}\n{}",
+        tail(&d.log)
+    );
+    assert_eq!(again.vmm_pid, sb.vmm_pid, "the same VMM");
+    // Sealed: the values are nowhere in clear in the store; the key is the daemon's alone.
+    for v in [&env_value, &brk_value] {
+        assert!(!in_store(&d.data_dir, v), "a value in clear in the store");
+    }
+    let key = std::fs::metadata(d.data_dir.join("secrets.key")).unwrap();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&key.permissions()) & 0o777,
+        0o600
+    );
+    assert_eq!(again.secrets.len(), 2, "{again:?}");
+    assert_eq!(sealed_records(&d.data_dir, &sb.id), 1);
+    // The followed execution's output, and a new one's, are redacted; the variable is given.
+    let (out, rec) = follow(&mut c, &ex.execution_id).await;
+    assert_eq!(out, "started\nlate-[REDACTED:ENVSEC]\n", "{rec:?}");
+    let (out, _, _) = run(&mut c, &sb.id, &["sh", "-c", "echo now-$ENVSEC"]).await;
+    assert_eq!(out, "now-[REDACTED:ENVSEC]\n");
+    // The broker still adds its header, over HTTP and (the same CA) HTTPS.
+    let before = up.seen().lines().count();
+    for url in ["http://allowed.test/after", "https://allowed.test/after"] {
+        let (_, err, rec) = run(&mut c, &sb.id, &["wget", "-q", "-O", "/dev/null", url]).await;
+        assert_eq!(rec.exit_code, 0, "{url}: {err}\n{}", tail(&d.log));
+    }
+    let seen: Vec<String> = up.seen().lines().skip(before).map(str::to_owned).collect();
+    assert_eq!(
+        seen,
+        [
+            format!("http 80 allowed.test auth=Bearer {brk_value} key=None"),
+            format!("http 443 allowed.test auth=Bearer {brk_value} key=None"),
+        ]
+    );
+    c.destroy_sandbox(DestroySandboxRequest {
+        sandbox_id: sb.id.clone(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        sealed_records(&d.data_dir, &sb.id),
+        0,
+        "wiped with the sandbox"
+    );
+    drop(d);
 }
