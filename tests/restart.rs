@@ -4,7 +4,7 @@
 //! with no gap in the output; a create in flight ends as failed and leaves nothing running. With
 //! `adopt_on_restart = false` the next daemon reaps them, and a stop leaves nothing behind.
 //! A sandbox with secrets is adopted with them (sealed at rest): still delivered, redacted and
-//! brokered, their sealed record gone with the sandbox.
+//! brokered, their sealed record gone with the sandbox; under another key it is reaped.
 //!
 //! The scenarios share one data directory with the template `base` (the run's cached one,
 //! imported, or built once per test process); each starts its own daemons on it, one scenario
@@ -437,6 +437,22 @@ async fn a_volume_and_the_sandbox_that_mounts_it_survive_a_restart() {
     stop_daemon(&mut d);
 }
 
+/// A client of `d`, retried for a while (the socket exists a moment before it listens), with
+/// the daemon's log if it never answers.
+async fn connect(d: &Daemon) -> Client {
+    let socket = format!("unix://{}", d.socket.display());
+    let t = Instant::now();
+    loop {
+        match airlock_api::client(Some(&socket), None).await {
+            Ok(c) => return c,
+            Err(e) if t.elapsed() > Duration::from_secs(20) => {
+                panic!("connect to airlockd: {e:?}\n{}", tail(&d.log))
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
 /// How many sealed secret records the store in `data_dir` holds for sandbox `id`.
 fn sealed_records(data_dir: &std::path::Path, id: &str) -> i64 {
     let db = rusqlite::Connection::open(data_dir.join("airlock.db")).unwrap();
@@ -468,7 +484,7 @@ async fn a_sandbox_with_secrets_survives_a_killed_daemon_with_them() {
         .as_nanos();
     let (env_value, brk_value) = (format!("env-{salt:x}"), format!("brk-{salt:x}"));
     let mut d = start(p, &cfg);
-    let mut c = client(&d, None).await;
+    let mut c = connect(&d).await;
     let sb = c
         .create_sandbox(CreateSandboxRequest {
             network: Some(domains(&["allowed.test"], &[])),
@@ -511,7 +527,7 @@ async fn a_sandbox_with_secrets_survives_a_killed_daemon_with_them() {
     assert!(alive(sb.vmm_pid), "the VMM outlives its daemon");
 
     let d = start(p, &cfg);
-    let mut c = client(&d, None).await;
+    let mut c = connect(&d).await;
     let again = sandbox(&mut c, &sb.id).await;
     assert_eq!(
         again.state,
@@ -560,5 +576,61 @@ async fn a_sandbox_with_secrets_survives_a_killed_daemon_with_them() {
         0,
         "wiped with the sandbox"
     );
+    drop(d);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sandbox_whose_sealed_secrets_do_not_open_is_not_adopted() {
+    let (_serial, p) = prepared().await;
+    let mut d = start(p, ADOPT);
+    let mut c = connect(&d).await;
+    let sb = c
+        .create_sandbox(CreateSandboxRequest {
+            secrets: vec![Secret {
+                name: "K".into(),
+                value: "value-under-the-old-key".into(),
+                delivery: None,
+                ttl_s: 0,
+            }],
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("create: {e:?}\n{}", tail(&d.log)))
+        .into_inner();
+    kill_daemon(&mut d);
+    // The key is lost (or rotated): the next daemon makes another.
+    std::fs::remove_file(d.data_dir.join("secrets.key")).unwrap();
+    let d = start(p, ADOPT);
+    let mut c = connect(&d).await;
+    let s = sandbox(&mut c, &sb.id).await;
+    assert_eq!(s.state, SandboxState::Dead as i32, "{s:?}");
+    assert_eq!(s.end_reason, "DAEMON_RESTARTED");
+    assert!(!alive(sb.vmm_pid), "its VMM was reaped");
+    let log = std::fs::read_to_string(&d.log).unwrap();
+    assert!(
+        log.contains("it has secrets (K) and the key from")
+            && log.contains("do not open with this daemon's key"),
+        "the reason is logged:\n{}",
+        tail(&d.log)
+    );
+    assert_eq!(sealed_records(&d.data_dir, &sb.id), 0, "wiped with it");
+    // New sandboxes with secrets work under the new key.
+    let b = c
+        .create_sandbox(CreateSandboxRequest {
+            secrets: vec![Secret {
+                name: "K".into(),
+                value: "value-under-the-new-key".into(),
+                delivery: None,
+                ttl_s: 0,
+            }],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(sealed_records(&d.data_dir, &b.id), 1);
+    c.destroy_sandbox(DestroySandboxRequest { sandbox_id: b.id })
+        .await
+        .unwrap();
     drop(d);
 }
