@@ -523,3 +523,75 @@ async fn a_create_refused_at_admission_leaves_no_secret_behind() {
     // The refused sandbox's value is not kept for redaction (nor anywhere else) after the call.
     assert_eq!(crate::secrets::logs::redact(None, value), value);
 }
+
+/// Seals secret `K` = "after" for sandbox `sb` (left behind in `cfg`'s data directory) under
+/// `sealer`, as a daemon does at create.
+fn seal_for(cfg: &Config, sb: &str, sealer: &crate::secrets::seal::Sealer) {
+    let store = crate::store::Store::open(&cfg.data_dir.join("airlock.db")).unwrap();
+    let secret = Secret {
+        name: "K".into(),
+        value: "after".into(),
+        delivery: None,
+        ttl_s: 0,
+    };
+    let secrets =
+        crate::secrets::SandboxSecrets::new(crate::secrets::check(&[secret], false).unwrap());
+    store
+        .put_sealed_secrets(sb, &secrets.seal(sb, sealer).unwrap())
+        .unwrap();
+    let mut record = store.sandbox(sb).unwrap().unwrap();
+    record.secrets = secrets.info();
+    store.put_sandbox(&record).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_daemon_adopts_a_sandbox_with_its_sealed_secrets_only_under_its_key() {
+    let dir = std::env::temp_dir().join(format!("airlock-lc-sealed-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = config(&dir);
+    let launcher = Arc::new(FakeLauncher::default());
+    let (vm, sb, ex) = leave_behind(&cfg, &launcher);
+    let sealer = crate::secrets::seal::Sealer::load(&cfg.secrets, &cfg.data_dir)
+        .unwrap()
+        .unwrap();
+    seal_for(&cfg, &sb, &sealer);
+    let t = start(cfg.clone(), &dir, launcher.clone()).await;
+    let rt = t.daemon.sandboxes.running("default", &sb).unwrap();
+    assert_eq!(
+        rt.secrets.env().0["K"],
+        "after",
+        "its variable is given again"
+    );
+    assert_eq!(rt.vmm().unwrap().pid, vm.pid);
+    assert!(t.daemon.executions.kill("default", &ex, 0).unwrap());
+    finished(&t, &ex).await;
+    let out = crate::stream::read_output(&t.daemon.executions, &ex, 1 << 20)
+        .await
+        .unwrap();
+    assert_eq!(
+        out[0], b"before [REDACTED:K]",
+        "what it follows is redacted"
+    );
+    t.daemon.sandboxes.destroy("default", &sb).await.unwrap();
+    assert_eq!(t.daemon.store.sealed_secrets(&sb).unwrap(), None);
+    drop(t);
+
+    // Sealed under another key (the daemon's was lost or rotated): not adopted, wiped.
+    let dir = std::env::temp_dir().join(format!("airlock-lc-sealed2-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = config(&dir);
+    let (vm, sb, _) = leave_behind(&cfg, &launcher);
+    seal_for(
+        &cfg,
+        &sb,
+        &crate::secrets::seal::Sealer::from_key(&[9; 32], "test"),
+    );
+    let t = start(cfg, &dir, launcher).await;
+    assert!(t.daemon.sandboxes.running("default", &sb).is_err());
+    let record = t.daemon.store.sandbox(&sb).unwrap().unwrap();
+    assert_eq!(record.end_reason, "DAEMON_RESTARTED", "{record:?}");
+    assert!(vm.is_dead(), "its VMM was reaped");
+    assert_eq!(t.daemon.store.sealed_secrets(&sb).unwrap(), None);
+}
