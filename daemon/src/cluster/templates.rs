@@ -50,6 +50,9 @@ enum ReceiveError {
     OutsideFile { at: u64, len: u64, size: u64 },
     #[error("the file ended inside an extent")]
     Truncated,
+    /// The manifest or its record is not what its holder published.
+    #[error("{0}")]
+    Refused(String),
     #[error(transparent)]
     Io(#[from] std::io::Error),
     #[error(transparent)]
@@ -252,18 +255,7 @@ impl Cluster {
             .map_err(|e| bad(e.to_string()))?;
         let manifest: Manifest =
             serde_json::from_slice(&body).map_err(|e| bad(format!("its manifest: {e}")))?;
-        let record = base64::engine::general_purpose::STANDARD
-            .decode(&manifest.record)
-            .map_err(|e| bad(format!("its record: {e}")))?;
-        let decoded = <airlock_api::v1::Template as prost::Message>::decode(record.as_slice())
-            .map_err(|e| bad(format!("its record: {e}")))?;
-        let hash = content_hash(&decoded.tenant, &decoded.name, &manifest.files);
-        if hash != manifest.hash || hash != entry.hash {
-            return Err(bad(format!(
-                "its manifest's hash {hash} is not the one published, {}",
-                entry.hash
-            )));
-        }
+        let record = checked_record(entry, &manifest).map_err(|e| bad(e.to_string()))?;
         for f in &manifest.files {
             if !FILES.contains(&f.name.as_str()) {
                 return Err(bad(format!("an unknown file {:?}", f.name)));
@@ -352,6 +344,34 @@ impl Cluster {
         let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
         http::Response::new(Body::new(http_body_util::StreamBody::new(stream)))
     }
+}
+
+/// The record (`Template`, protobuf) of `manifest`, served for `entry`: refused unless it is
+/// the template of `entry`'s owner and name and its content hash is the one `entry` publishes.
+fn checked_record(entry: &TemplateEntry, manifest: &Manifest) -> Result<Vec<u8>, ReceiveError> {
+    let refused = ReceiveError::Refused;
+    let record = base64::engine::general_purpose::STANDARD
+        .decode(&manifest.record)
+        .map_err(|e| refused(format!("its record: {e}")))?;
+    let decoded = <airlock_api::v1::Template as prost::Message>::decode(record.as_slice())
+        .map_err(|e| refused(format!("its record: {e}")))?;
+    // The hash binds the owner and name the record claims; they must be the entry's, the
+    // template asked for (else it would be imported as another tenant's, or as shared).
+    let reference = crate::templates::reference(&decoded);
+    if decoded.tenant != entry.owner || reference != entry.name {
+        return Err(refused(format!(
+            "its record is {:?}'s {reference:?}, not the template asked for ({:?}'s {:?})",
+            decoded.tenant, entry.owner, entry.name
+        )));
+    }
+    let hash = content_hash(&decoded.tenant, &decoded.name, &manifest.files);
+    if hash != manifest.hash || hash != entry.hash {
+        return Err(refused(format!(
+            "its manifest's hash {hash} is not the one published, {}",
+            entry.hash
+        )));
+    }
+    Ok(record)
 }
 
 /// Reads at most `limit` bytes of `body`.
@@ -471,6 +491,68 @@ mod tests {
             f.write_all_at(bytes, *at).unwrap();
         }
         p
+    }
+
+    fn served(tenant: &str, name: &str, tag: &str) -> Manifest {
+        use prost::Message as _;
+        let record = airlock_api::v1::Template {
+            tenant: tenant.into(),
+            name: name.into(),
+            tag: tag.into(),
+            ..Default::default()
+        };
+        let files = vec![FileEntry {
+            name: "state".into(),
+            size: 1,
+            sha256: "00".into(),
+        }];
+        Manifest {
+            hash: content_hash(tenant, name, &files),
+            record: base64::engine::general_purpose::STANDARD.encode(record.encode_to_vec()),
+            files,
+        }
+    }
+
+    fn wanted(owner: &str, name: &str, hash: &str) -> TemplateEntry {
+        TemplateEntry {
+            owner: owner.into(),
+            name: name.into(),
+            id: "tpl-1".into(),
+            hash: hash.into(),
+            memory_mib: 128,
+        }
+    }
+
+    /// Issue 37, item 3: a template fetched for tenant alice's `py` must be alice's `py`,
+    /// even when the node serving it publishes the hash of another tenant's template under
+    /// that entry (its record would be imported as that tenant's, or as a shared one).
+    #[test]
+    fn a_fetched_template_is_the_owner_and_name_asked_for() {
+        let own = served("alice", "py", "");
+        assert!(checked_record(&wanted("alice", "py", &own.hash), &own).is_ok());
+        let tagged = served("alice", "py", "v2");
+        assert!(checked_record(&wanted("alice", "py:v2", &tagged.hash), &tagged).is_ok());
+        for (m, entry) in [
+            (served("bob", "py", ""), ("alice", "py")),
+            (served("", "py", ""), ("alice", "py")),
+            (served("alice", "py", ""), ("", "py")),
+            (served("alice", "other", ""), ("alice", "py")),
+            (served("alice", "py", "v1"), ("alice", "py:v2")),
+            (served("alice", "py", "v1"), ("alice", "py")),
+        ] {
+            let e = wanted(entry.0, entry.1, &m.hash);
+            let err = checked_record(&e, &m).unwrap_err().to_string();
+            assert!(
+                err.contains("not the template asked for"),
+                "{entry:?}: {err}"
+            );
+        }
+        // The published hash still binds the files.
+        let mut other = served("alice", "py", "");
+        let published = other.hash.clone();
+        other.files[0].sha256 = "11".into();
+        other.hash = content_hash("alice", "py", &other.files);
+        assert!(checked_record(&wanted("alice", "py", &published), &other).is_err());
     }
 
     #[test]
