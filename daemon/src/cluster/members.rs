@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
+use super::frames::{BUDGET, Budget};
 use super::ledger::EtcdLedger;
 use super::peers::Peers;
 use super::records::{Manifest, NodeInfo, TemplateEntry};
@@ -51,6 +52,8 @@ pub struct Cluster {
     members: Mutex<Members>,
     pub(super) manifests: Mutex<HashMap<String, Manifest>>,
     pub(super) fetching: tokio::sync::Mutex<()>,
+    /// What the router may hold of requests at once.
+    pub(super) buffers: Budget,
     started_unix_ms: i64,
 }
 
@@ -107,6 +110,7 @@ impl Cluster {
             members: Mutex::default(),
             manifests: Mutex::default(),
             fetching: tokio::sync::Mutex::new(()),
+            buffers: Budget::new(BUDGET),
             started_unix_ms: ids::now_ms(),
         });
         let lease = me.register().await?;

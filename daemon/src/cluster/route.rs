@@ -17,14 +17,17 @@ use airlock_api::v1::{
     DestroySandboxResponse, ListSandboxesRequest, ListSandboxesResponse, ListTemplatesResponse,
     SandboxState,
 };
-use bytes::{BufMut as _, Bytes, BytesMut};
-use http_body_util::BodyExt as _;
+use bytes::Bytes;
 use prost::Message;
 use tonic::Status;
 use tonic::body::Body;
 use tower::{Layer, Service, ServiceExt as _};
 use tracing::warn;
 
+use super::frames::{
+    MAX_REQUEST, MAX_SMALL_REQUEST, collect, first_message, grpc_ok, moves_on, peek_id, rebuild,
+    unary_answer,
+};
 use super::members::{Cluster, Target};
 use super::templates::PATH as TEMPLATE_PATH;
 use crate::auth::Auth;
@@ -33,25 +36,8 @@ use crate::rpc::{self, Routing};
 
 /// The service's path prefix.
 const API: &str = "/airlock.v1.Airlock/";
-/// The largest first message read to route a call (a CreateSandbox with its files is the
-/// largest; the daemon's own cap on a message applies after).
-const MAX_FIRST_MESSAGE: usize = 64 << 20;
 /// How long a gathering call waits for one node.
 const GATHER_TIMEOUT: Duration = Duration::from_secs(15);
-
-/// Field 1 as a string (every sandbox and execution request has its id there).
-#[derive(Clone, PartialEq, Message)]
-struct IdField {
-    #[prost(string, tag = "1")]
-    id: String,
-}
-
-/// WriteFile's first message: its header (field 1) has the sandbox id in field 1.
-#[derive(Clone, PartialEq, Message)]
-struct WriteFileHead {
-    #[prost(message, optional, tag = "1")]
-    header: Option<IdField>,
-}
 
 /// The layer, per listener (its authentication).
 #[derive(Clone, Debug)]
@@ -162,15 +148,7 @@ where
         match routing {
             Routing::Local => self.local(req).await,
             r @ (Routing::BySandbox | Routing::ByExecution | Routing::ByWriteFileHeader) => {
-                let (req, first) = peek_first(req).await?;
-                let id = match r {
-                    Routing::ByWriteFileHeader => WriteFileHead::decode(first)
-                        .ok()
-                        .and_then(|h| h.header)
-                        .map(|h| h.id),
-                    _ => IdField::decode(first).ok().map(|f| f.id),
-                }
-                .unwrap_or_default();
+                let (req, id) = peek_id(req, r == Routing::ByWriteFileHeader).await?;
                 self.by_id(req, method, &id, &tenant).await
             }
             Routing::Place => self.create(req, &tenant).await,
@@ -266,7 +244,8 @@ where
     /// it; a node without any source for it answers TEMPLATE_NOT_FOUND).
     async fn create(&self, req: http::Request<Body>, tenant: &str) -> Result<Response, Status> {
         let (parts, body) = req.into_parts();
-        let bytes = collect(body, MAX_FIRST_MESSAGE).await?;
+        // Held while it is tried on one node after another.
+        let (bytes, _held) = collect(body, MAX_REQUEST, &self.cluster.buffers).await?;
         let request = first_message(&bytes)
             .and_then(|m| airlock_api::v1::CreateSandboxRequest::decode(m).ok())
             .unwrap_or_default();
@@ -312,14 +291,13 @@ where
     /// the call: a partial list would look complete).
     async fn gather<M: Message + Default>(
         &self,
-        req: http::Request<Body>,
+        parts: &http::request::Parts,
+        bytes: &Bytes,
         tenant: &str,
     ) -> Result<Vec<M>, Status> {
-        let (parts, body) = req.into_parts();
-        let bytes = collect(body, MAX_FIRST_MESSAGE).await?;
         let mut out = Vec::new();
         for target in self.cluster.everyone() {
-            let call = self.send(&target, tenant, rebuild(&parts, bytes.clone()));
+            let call = self.send(&target, tenant, rebuild(parts, bytes.clone()));
             let resp = tokio::time::timeout(GATHER_TIMEOUT, call)
                 .await
                 .map_err(|_| Status::unavailable(format!("{target:?} did not answer")))??;
@@ -334,12 +312,11 @@ where
         tenant: &str,
     ) -> Result<Response, Status> {
         let (parts, body) = req.into_parts();
-        let bytes = collect(body, MAX_FIRST_MESSAGE).await?;
+        let (bytes, _held) = collect(body, MAX_SMALL_REQUEST, &self.cluster.buffers).await?;
         let request = first_message(&bytes)
             .and_then(|m| ListSandboxesRequest::decode(m).ok())
             .unwrap_or_default();
-        let answers: Vec<ListSandboxesResponse> =
-            self.gather(rebuild(&parts, bytes), tenant).await?;
+        let answers: Vec<ListSandboxesResponse> = self.gather(&parts, &bytes, tenant).await?;
         let mut seen = std::collections::HashSet::new();
         let mut sandboxes: Vec<_> = answers
             .into_iter()
@@ -366,7 +343,9 @@ where
         req: http::Request<Body>,
         tenant: &str,
     ) -> Result<Response, Status> {
-        let answers: Vec<ListTemplatesResponse> = self.gather(req, tenant).await?;
+        let (parts, body) = req.into_parts();
+        let (bytes, _held) = collect(body, MAX_SMALL_REQUEST, &self.cluster.buffers).await?;
+        let answers: Vec<ListTemplatesResponse> = self.gather(&parts, &bytes, tenant).await?;
         let mut by_name = HashMap::new();
         for t in answers.into_iter().flat_map(|a| a.templates) {
             by_name
@@ -386,7 +365,7 @@ where
         tenant: &str,
     ) -> Result<Response, Status> {
         let (parts, body) = req.into_parts();
-        let bytes = collect(body, MAX_FIRST_MESSAGE).await?;
+        let (bytes, _held) = collect(body, MAX_SMALL_REQUEST, &self.cluster.buffers).await?;
         let mut first_error = None;
         let mut deleted = None;
         for target in self.cluster.everyone() {
@@ -405,262 +384,5 @@ where
             (None, Some(e)) => Err(e),
             (None, None) => Err(Status::internal("no node answered")),
         }
-    }
-}
-
-/// Reads `body` whole (at most `limit` bytes).
-async fn collect(body: Body, limit: usize) -> Result<Bytes, Status> {
-    http_body_util::Limited::new(body, limit)
-        .collect()
-        .await
-        .map(|c| c.to_bytes())
-        .map_err(|e| Status::invalid_argument(format!("reading the request: {e}")))
-}
-
-/// The request again from its parts and body bytes.
-fn rebuild(parts: &http::request::Parts, body: Bytes) -> http::Request<Body> {
-    let mut req = http::Request::new(Body::new(http_body_util::Full::new(body)));
-    *req.method_mut() = parts.method.clone();
-    *req.uri_mut() = parts.uri.clone();
-    *req.version_mut() = parts.version;
-    *req.headers_mut() = parts.headers.clone();
-    req
-}
-
-/// The first gRPC message in `bytes` (uncompressed; `None` otherwise or incomplete).
-fn first_message(bytes: &[u8]) -> Option<&[u8]> {
-    if bytes.len() < 5 || bytes[0] != 0 {
-        return None;
-    }
-    let len = u32::from_be_bytes([bytes[1], bytes[2], bytes[3], bytes[4]]) as usize;
-    bytes.get(5..5 + len)
-}
-
-/// Reads `req`'s body until its first message is complete; answers the request with the body
-/// whole again, and that message.
-async fn peek_first(req: http::Request<Body>) -> Result<(http::Request<Body>, Bytes), Status> {
-    let (parts, mut body) = req.into_parts();
-    let mut buf = BytesMut::new();
-    let mut ended = false;
-    loop {
-        if let Some(len) =
-            (buf.len() >= 5).then(|| u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize)
-        {
-            if len > MAX_FIRST_MESSAGE {
-                return Err(Status::resource_exhausted("the first message is too large"));
-            }
-            if buf.len() >= 5 + len || ended {
-                break;
-            }
-        } else if ended {
-            break;
-        }
-        match body.frame().await {
-            Some(Ok(frame)) => {
-                if let Ok(data) = frame.into_data() {
-                    buf.put(data);
-                }
-            }
-            Some(Err(e)) => return Err(Status::invalid_argument(format!("the request: {e}"))),
-            None => ended = true,
-        }
-    }
-    let first = Bytes::copy_from_slice(first_message(&buf).unwrap_or_default());
-    let head = buf.freeze();
-    let rest = body.into_data_stream();
-    let stream = futures_util::stream::once(async move { Ok::<_, Status>(head) }).chain(
-        futures_util::StreamExt::map(rest, |r| r.map_err(|e| Status::internal(e.to_string()))),
-    );
-    let stream = futures_util::StreamExt::map(stream, |r| r.map(http_body::Frame::data));
-    let req = http::Request::from_parts(parts, Body::new(http_body_util::StreamBody::new(stream)));
-    Ok((req, first))
-}
-
-use futures_util::StreamExt as _;
-
-/// Whether a create's response sends it to the next node: CAPACITY_EXHAUSTED or
-/// TEMPLATE_NOT_FOUND (a trailers-only answer).
-fn moves_on(headers: &http::HeaderMap) -> bool {
-    use tonic_types::StatusExt as _;
-    Status::from_header_map(headers).is_some_and(|s| {
-        s.get_details_error_info()
-            .is_some_and(|i| i.reason == "CAPACITY_EXHAUSTED" || i.reason == "TEMPLATE_NOT_FOUND")
-    })
-}
-
-/// The message of a unary gRPC answer, or its error.
-async fn unary_answer<M: Message + Default>(resp: Response) -> Result<M, Status> {
-    if let Some(s) = Status::from_header_map(resp.headers())
-        && s.code() != tonic::Code::Ok
-    {
-        return Err(s);
-    }
-    let collected = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| Status::unavailable(format!("a node's answer: {e}")))?;
-    if let Some(trailers) = collected.trailers()
-        && let Some(s) = Status::from_header_map(trailers)
-        && s.code() != tonic::Code::Ok
-    {
-        return Err(s);
-    }
-    let bytes = collected.to_bytes();
-    let msg = first_message(&bytes)
-        .ok_or_else(|| Status::internal("a node's answer is no gRPC message"))?;
-    M::decode(msg).map_err(|e| Status::internal(format!("a node's answer: {e}")))
-}
-
-/// A successful unary gRPC answer carrying `m`.
-fn grpc_ok<M: Message>(m: &M) -> Response {
-    let msg = m.encode_to_vec();
-    let mut frame = BytesMut::with_capacity(5 + msg.len());
-    frame.put_u8(0);
-    frame.put_u32(u32::try_from(msg.len()).unwrap_or(u32::MAX));
-    frame.put_slice(&msg);
-    let mut trailers = http::HeaderMap::new();
-    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
-    let frames = futures_util::stream::iter([
-        Ok::<_, Infallible>(http_body::Frame::data(frame.freeze())),
-        Ok(http_body::Frame::trailers(trailers)),
-    ]);
-    let mut resp = http::Response::new(Body::new(http_body_util::StreamBody::new(frames)));
-    resp.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("application/grpc"),
-    );
-    resp
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-    use super::*;
-
-    fn framed(m: &impl Message) -> Bytes {
-        let msg = m.encode_to_vec();
-        let mut b = BytesMut::new();
-        b.put_u8(0);
-        b.put_u32(msg.len() as u32);
-        b.put_slice(&msg);
-        b.freeze()
-    }
-
-    #[test]
-    fn every_call_on_a_sandbox_or_an_execution_names_it_in_field_1() {
-        use airlock_api::v1::*;
-        let id = "sb-beef000000000001".to_owned();
-        let requests: Vec<(&str, Bytes)> = vec![
-            (
-                "GetSandbox",
-                framed(&GetSandboxRequest {
-                    sandbox_id: id.clone(),
-                }),
-            ),
-            (
-                "Exec",
-                framed(&ExecRequest {
-                    sandbox_id: id.clone(),
-                    ..Default::default()
-                }),
-            ),
-            (
-                "ReadFile",
-                framed(&ReadFileRequest {
-                    sandbox_id: id.clone(),
-                    ..Default::default()
-                }),
-            ),
-            (
-                "ExposePort",
-                framed(&ExposePortRequest {
-                    sandbox_id: id.clone(),
-                    ..Default::default()
-                }),
-            ),
-            (
-                "StreamExecution",
-                framed(&StreamExecutionRequest {
-                    execution_id: id.clone(),
-                    ..Default::default()
-                }),
-            ),
-            (
-                "WriteStdin",
-                framed(&WriteStdinRequest {
-                    execution_id: id.clone(),
-                    ..Default::default()
-                }),
-            ),
-        ];
-        for (method, bytes) in requests {
-            assert_ne!(
-                rpc::by_name(method).unwrap().routing,
-                Routing::Local,
-                "{method}"
-            );
-            let got = IdField::decode(first_message(&bytes).unwrap()).unwrap();
-            assert_eq!(got.id, id, "{method}");
-        }
-        let wf = WriteFileRequest {
-            part: Some(write_file_request::Part::Header(WriteFileHeader {
-                sandbox_id: id.clone(),
-                path: "/tmp/x".into(),
-                ..Default::default()
-            })),
-        };
-        let head = WriteFileHead::decode(first_message(&framed(&wf)).unwrap()).unwrap();
-        assert_eq!(head.header.unwrap().id, id);
-        assert_eq!(
-            rpc::by_name("CreateTemplate").unwrap().routing,
-            Routing::Local
-        );
-    }
-
-    #[test]
-    fn a_frame_that_is_compressed_short_or_cut_is_not_decoded() {
-        assert!(first_message(&[1, 0, 0, 0, 0]).is_none());
-        assert!(first_message(&[0, 0, 0]).is_none());
-        assert!(first_message(&[0, 0, 0, 0, 9, 1, 2]).is_none());
-        assert_eq!(first_message(&[0, 0, 0, 0, 1, 7]), Some(&[7u8][..]));
-    }
-
-    #[tokio::test]
-    async fn a_peeked_request_keeps_its_whole_body() {
-        let msg = airlock_api::v1::GetSandboxRequest {
-            sandbox_id: "sb-beef000000000001".into(),
-        };
-        let mut body = framed(&msg).to_vec();
-        body.extend_from_slice(b"more");
-        let req = http::Request::new(Body::new(http_body_util::Full::new(Bytes::from(
-            body.clone(),
-        ))));
-        let (req, first) = peek_first(req).await.unwrap();
-        assert_eq!(IdField::decode(first).unwrap().id, msg.sandbox_id);
-        let all = req.into_body().collect().await.unwrap().to_bytes();
-        assert_eq!(all.to_vec(), body);
-    }
-
-    #[tokio::test]
-    async fn an_answer_made_here_decodes_as_a_grpc_answer() {
-        let r = grpc_ok(&DestroySandboxResponse { destroyed: true });
-        let back: DestroySandboxResponse = unary_answer(r).await.unwrap();
-        assert!(back.destroyed);
-        let err: Status = ApiError::Capacity {
-            what: "sandboxes",
-            limit: 1,
-            current: 1,
-        }
-        .into();
-        assert!(moves_on(err.into_http::<Body>().headers()));
-        let quota: Status = ApiError::Quota {
-            tenant: "t".into(),
-            what: "sandboxes",
-            limit: 1,
-            current: 1,
-        }
-        .into();
-        assert!(!moves_on(quota.into_http::<Body>().headers()));
     }
 }
