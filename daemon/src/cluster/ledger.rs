@@ -3,7 +3,8 @@
 //! records of sandboxes whose node was lost.
 //!
 //! Keys (under `[cluster] prefix`):
-//! - `nodes/NAME`: a node's [`NodeInfo`] (JSON), under its lease.
+//! - `nodes/NAME`: a node's [`NodeInfo`] (JSON) signed with the cluster key
+//!   ([`records::seal`]), under its lease; a record without a valid signature is ignored.
 //! - `tags/TAG`: the node that claimed the tag (no lease: a tag stays its node's).
 //! - `sandboxes/TENANT/ID`: a live sandbox's record (`Sandbox`, protobuf) as created.
 //! - `lost/ID`: the record of a sandbox whose node left (state DEAD, end reason NODE_LOST).
@@ -18,7 +19,7 @@ use tracing::warn;
 
 use super::ClusterConfig;
 use super::ClusterError;
-use super::records::NodeInfo;
+use super::records::{self, NodeInfo, RecordKey};
 use crate::config::Config;
 use crate::error::{ApiError, ApiResult};
 use crate::reason::EndReason;
@@ -35,6 +36,10 @@ pub struct EtcdLedger {
     /// This node's name.
     node: String,
     cfg: Arc<Config>,
+    /// What node records are signed with.
+    key: RecordKey,
+    /// The node records refused already (key and revision), each logged once.
+    refused: Arc<std::sync::Mutex<std::collections::HashSet<(String, i64)>>>,
 }
 
 impl std::fmt::Debug for EtcdLedger {
@@ -47,6 +52,33 @@ impl std::fmt::Debug for EtcdLedger {
 
 fn unavailable(e: etcd_client::Error) -> ApiError {
     ApiError::ClusterUnavailable(e.to_string())
+}
+
+/// How the client reaches etcd: timeouts, keep-alives and, for `https://` endpoints, TLS
+/// with `[cluster] etcd_ca` and this node's client certificate (`etcd_cert`, `etcd_key`).
+fn connect_options(cluster: &ClusterConfig) -> Result<ConnectOptions, ClusterError> {
+    let opts = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(3))
+        .with_timeout(Duration::from_secs(5))
+        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
+    let read = |what: &str, path: &std::path::Path| {
+        std::fs::read(path).map_err(|source| ClusterError::File {
+            what: format!("[cluster] {what} {}", path.display()),
+            source,
+        })
+    };
+    let Some(ca) = &cluster.etcd_ca else {
+        return Ok(opts);
+    };
+    let mut tls = etcd_client::TlsOptions::new()
+        .ca_certificate(etcd_client::Certificate::from_pem(read("etcd_ca", ca)?));
+    if let (Some(cert), Some(key)) = (&cluster.etcd_cert, &cluster.etcd_key) {
+        tls = tls.identity(etcd_client::Identity::from_pem(
+            read("etcd_cert", cert)?,
+            read("etcd_key", key)?,
+        ));
+    }
+    Ok(opts.with_tls(tls))
 }
 
 /// A record of a node that left: DEAD, NODE_LOST.
@@ -62,11 +94,12 @@ pub fn lost_record(mut s: Sandbox, node: &str, now_ms: i64) -> Sandbox {
 
 impl EtcdLedger {
     /// Connects to etcd (any of the endpoints; the client moves between them).
-    pub async fn connect(cluster: &ClusterConfig, cfg: Arc<Config>) -> Result<Self, ClusterError> {
-        let opts = ConnectOptions::new()
-            .with_connect_timeout(Duration::from_secs(3))
-            .with_timeout(Duration::from_secs(5))
-            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
+    pub async fn connect(
+        cluster: &ClusterConfig,
+        cfg: Arc<Config>,
+        key: RecordKey,
+    ) -> Result<Self, ClusterError> {
+        let opts = connect_options(cluster)?;
         let client = Client::connect(&cluster.etcd, Some(opts))
             .await
             .map_err(|source| ClusterError::Connect {
@@ -78,6 +111,8 @@ impl EtcdLedger {
             prefix: cluster.prefix.clone(),
             node: cluster.node_name(),
             cfg,
+            key,
+            refused: Arc::default(),
         })
     }
 
@@ -173,7 +208,7 @@ impl EtcdLedger {
 
     /// Writes this node's record under `lease`.
     pub async fn put_node(&self, info: &NodeInfo, lease: i64) -> Result<(), etcd_client::Error> {
-        let value = serde_json::to_vec(info).unwrap_or_default();
+        let value = records::seal(&self.key, info);
         let key = self.key(&format!("nodes/{}", info.name));
         retry(|| {
             let (mut kv, key, value) = (self.kv(), key.clone(), value.clone());
@@ -186,13 +221,32 @@ impl EtcdLedger {
         .map(drop)
     }
 
-    /// The nodes present now.
+    /// The nodes present now: those whose record carries the cluster key's signature (the
+    /// others are logged, once per revision, and ignored).
     pub async fn nodes(&self) -> Result<Vec<NodeInfo>, etcd_client::Error> {
-        let resp = self.get(self.key("nodes/"), true).await?;
+        let prefix = self.key("nodes/");
+        let resp = self.get(prefix.clone(), true).await?;
         Ok(resp
             .kvs()
             .iter()
-            .filter_map(|kv| serde_json::from_slice(kv.value()).ok())
+            .filter_map(|kv| {
+                let key = String::from_utf8_lossy(kv.key()).into_owned();
+                let name = key.strip_prefix(&prefix).unwrap_or_default();
+                match records::open(&self.key, name, kv.value()) {
+                    Ok(n) => Some(n),
+                    Err(e) => {
+                        let first = self
+                            .refused
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert((key.clone(), kv.mod_revision()));
+                        if first {
+                            warn!(key = %key, "a node record that is not believed (ignored): {e}");
+                        }
+                        None
+                    }
+                }
+            })
             .collect())
     }
 
@@ -435,3 +489,7 @@ where
     }
     op().await
 }
+
+#[cfg(test)]
+#[path = "ledger_tests.rs"]
+mod tests;

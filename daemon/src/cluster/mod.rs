@@ -23,6 +23,7 @@
 //! - **Records** (`records.rs`): the data the others exchange, below them all: a node's
 //!   record, its template entries, a template's manifest and content hash.
 
+mod frames;
 mod ledger;
 mod members;
 mod peers;
@@ -101,9 +102,17 @@ pub struct ClusterConfig {
     pub lease_ttl_s: u64,
     /// The key prefix in etcd (one etcd can hold several clusters).
     pub prefix: String,
-    /// The CA of the other nodes' TLS certificates (`https://` addresses; default: the
-    /// public roots).
+    /// The CA of the other nodes' TLS certificates (`https://` addresses).
     pub ca: Option<PathBuf>,
+    /// The CA of etcd's server certificates (`https://` endpoints).
+    pub etcd_ca: Option<PathBuf>,
+    /// This node's client certificate for etcd (PEM; etcd's `--client-cert-auth`).
+    pub etcd_cert: Option<PathBuf>,
+    /// The key of `etcd_cert` (PEM).
+    pub etcd_key: Option<PathBuf>,
+    /// Allows plain `http://` to etcd and between nodes beyond loopback (both then belong
+    /// on a network of their own: the cluster token and etcd's records cross it in clear).
+    pub allow_plaintext: bool,
 }
 
 impl Default for ClusterConfig {
@@ -117,6 +126,10 @@ impl Default for ClusterConfig {
             lease_ttl_s: 5,
             prefix: "/airlock/".into(),
             ca: None,
+            etcd_ca: None,
+            etcd_cert: None,
+            etcd_key: None,
+            allow_plaintext: false,
         }
     }
 }
@@ -150,6 +163,40 @@ impl ClusterConfig {
         }
     }
 
+    /// Checks that etcd's traffic and node-to-node calls cross the network only over TLS
+    /// (plain `http://` on loopback, or with `allow_plaintext`), and that TLS has its files.
+    fn check_transport(&self) -> Result<(), ClusterError> {
+        let bad = |m: String| Err(ClusterError::Setting(m));
+        let clear = |url: &str| url.starts_with("http://") && !is_loopback(url);
+        if !self.allow_plaintext {
+            if let Some(url) = self.etcd.iter().find(|u| clear(u)) {
+                return bad(format!(
+                    "[cluster] etcd {url:?}: plain http beyond loopback carries every record \
+                     in clear; use https:// with etcd_ca, etcd_cert and etcd_key (or set \
+                     allow_plaintext on a network of etcd's own)"
+                ));
+            }
+            if clear(&self.advertise) {
+                return bad(format!(
+                    "[cluster] advertise {:?}: node-to-node calls carry the cluster token and \
+                     tenants' calls; use https:// with [tls] and [cluster] ca (or set \
+                     allow_plaintext on a network of the nodes' own)",
+                    self.advertise
+                ));
+            }
+        }
+        if self.etcd.iter().any(|u| u.starts_with("https://")) && self.etcd_ca.is_none() {
+            return bad("[cluster] etcd_ca: https:// endpoints need etcd's CA".into());
+        }
+        if self.etcd_cert.is_some() != self.etcd_key.is_some() {
+            return bad("[cluster] etcd_cert and etcd_key: both or neither".into());
+        }
+        if self.advertise.starts_with("https://") && self.ca.is_none() {
+            return bad("[cluster] ca: https:// nodes need the CA of their certificates".into());
+        }
+        Ok(())
+    }
+
     /// Checks the settings and reads the cluster token.
     pub fn check(&self) -> Result<String, ClusterError> {
         let name = self.node_name();
@@ -168,6 +215,7 @@ impl ClusterConfig {
                     .into(),
             ));
         }
+        self.check_transport()?;
         if self.lease_ttl_s < 2 {
             return Err(ClusterError::Setting(
                 "[cluster] lease_ttl_s: at least 2".into(),
@@ -200,6 +248,19 @@ impl ClusterConfig {
     }
 }
 
+/// Whether `url` (`SCHEME://HOST:PORT`) names this host: `localhost` or a loopback address.
+pub(crate) fn is_loopback(url: &str) -> bool {
+    let Ok(uri) = url.parse::<http::Uri>() else {
+        return false;
+    };
+    let host = uri.host().unwrap_or_default();
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 pub use crate::auth::FORWARDED_TENANT;
 
 /// Joins `daemon` to the cluster `cfg` describes; the returned handle is the routing layer's
@@ -209,7 +270,8 @@ pub async fn join(
     cfg: ClusterConfig,
 ) -> Result<Arc<Cluster>, ClusterError> {
     let token = cfg.check()?;
-    let ledger = Arc::new(EtcdLedger::connect(&cfg, daemon.cfg.clone()).await?);
+    let key = records::RecordKey::from_token(&token);
+    let ledger = Arc::new(EtcdLedger::connect(&cfg, daemon.cfg.clone(), key).await?);
     let cluster = Cluster::join(daemon.clone(), cfg, ledger.clone(), token).await?;
     daemon
         .sandboxes
@@ -256,5 +318,65 @@ pub fn local_node(d: &crate::daemon::Daemon) -> airlock_api::v1::Node {
             .map(|t| format!("{}/{}", t.record.tenant, t.record.name))
             .collect(),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn settings(dir: &std::path::Path) -> ClusterConfig {
+        let token = dir.join("token");
+        std::fs::write(&token, "x".repeat(40)).unwrap();
+        ClusterConfig {
+            etcd: vec!["https://10.0.0.1:2379".into()],
+            node: "node-a".into(),
+            advertise: "https://10.0.0.11:7443".into(),
+            token_file: Some(token),
+            ca: Some(dir.join("ca.pem")),
+            etcd_ca: Some(dir.join("etcd-ca.pem")),
+            etcd_cert: Some(dir.join("node.pem")),
+            etcd_key: Some(dir.join("node.key")),
+            ..Default::default()
+        }
+    }
+
+    /// Issue 37, item 3: settings that would put etcd's traffic or the cluster token on the
+    /// network in clear (or TLS without what it needs) are refused at start.
+    #[test]
+    fn settings_that_would_cross_the_network_in_clear_are_refused() {
+        let dir = std::env::temp_dir().join(format!("airlock-cluster-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = settings(&dir);
+        good.check().unwrap();
+        let refused = |c: ClusterConfig, why: &str| {
+            let err = c.check().unwrap_err().to_string();
+            assert!(err.contains(why), "{err}");
+        };
+        let mut c = settings(&dir);
+        c.etcd = vec!["http://10.0.0.1:2379".into()];
+        refused(c.clone(), "allow_plaintext");
+        c.allow_plaintext = true;
+        c.check().unwrap();
+        let mut c = settings(&dir);
+        c.advertise = "http://10.0.0.11:7443".into();
+        refused(c.clone(), "allow_plaintext");
+        // Loopback needs no TLS (one host, the tests).
+        c.advertise = "http://127.0.0.1:7443".into();
+        c.etcd = vec![
+            "http://127.0.0.1:2379".into(),
+            "http://localhost:2380".into(),
+        ];
+        c.check().unwrap();
+        let mut c = settings(&dir);
+        c.etcd_ca = None;
+        refused(c, "etcd_ca");
+        let mut c = settings(&dir);
+        c.etcd_key = None;
+        refused(c, "etcd_key");
+        let mut c = settings(&dir);
+        c.ca = None;
+        refused(c, "[cluster] ca");
     }
 }

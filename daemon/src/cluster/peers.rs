@@ -11,7 +11,7 @@ use tonic::body::Body;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tower::ServiceExt as _;
 
-use super::{ClusterConfig, ClusterError, FORWARDED_TENANT};
+use super::{ClusterConfig, ClusterError, FORWARDED_TENANT, is_loopback};
 
 /// How long a node-to-node connection may take to open.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -21,6 +21,8 @@ pub struct Peers {
     channels: Mutex<HashMap<String, Channel>>,
     tls: Option<ClientTlsConfig>,
     token: HeaderValue,
+    /// `[cluster] allow_plaintext`: plain `http://` to nodes beyond loopback.
+    allow_plaintext: bool,
 }
 
 impl std::fmt::Debug for Peers {
@@ -49,6 +51,7 @@ impl Peers {
             channels: Mutex::default(),
             tls,
             token,
+            allow_plaintext: cfg.allow_plaintext,
         })
     }
 
@@ -57,6 +60,12 @@ impl Peers {
         let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(c) = channels.get(address) {
             return Ok(c.clone());
+        }
+        if address.starts_with("http://") && !self.allow_plaintext && !is_loopback(address) {
+            return Err(tonic::Status::unavailable(format!(
+                "node address {address}: the cluster token goes to another host only over \
+                 https (or with [cluster] allow_plaintext)"
+            )));
         }
         let bad = |e: tonic::transport::Error| {
             tonic::Status::internal(format!("node address {address}: {e}"))
@@ -108,5 +117,40 @@ impl Peers {
             .oneshot(req)
             .await
             .map_err(|e| tonic::Status::unavailable(format!("node {address}: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// Issue 37, item 3: the cluster token (and tenants' calls) cross the network only over
+    /// TLS: plain `http://` to another node only on loopback, unless `allow_plaintext`.
+    #[tokio::test]
+    async fn the_cluster_token_goes_in_clear_only_to_loopback() {
+        let token = "t".repeat(32);
+        let peers = Peers::new(&ClusterConfig::default(), token.clone()).unwrap();
+        for local in [
+            "http://127.0.0.1:7443",
+            "http://[::1]:7443",
+            "http://localhost:7443",
+        ] {
+            assert!(peers.channel(local).is_ok(), "{local}");
+        }
+        for remote in [
+            "http://10.0.0.5:7443",
+            "http://node-b:7443",
+            "http://[fd00::1]:7443",
+        ] {
+            let err = peers.channel(remote).unwrap_err();
+            assert!(err.message().contains("allow_plaintext"), "{remote}: {err}");
+        }
+        let open = ClusterConfig {
+            allow_plaintext: true,
+            ..Default::default()
+        };
+        let peers = Peers::new(&open, token).unwrap();
+        assert!(peers.channel("http://10.0.0.5:7443").is_ok());
     }
 }

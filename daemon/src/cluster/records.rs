@@ -85,3 +85,142 @@ pub fn content_hash(owner: &str, name: &str, files: &[FileEntry]) -> String {
     }
     hex(&h.finalize())
 }
+
+/// The key node records are signed with: derived from the cluster token, so only a node
+/// (a holder of the token) can write a record the others believe.
+#[derive(Clone)]
+pub struct RecordKey([u8; 32]);
+
+impl std::fmt::Debug for RecordKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RecordKey(..)")
+    }
+}
+
+impl RecordKey {
+    /// The key of the cluster whose token is `token`.
+    pub fn from_token(token: &str) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"airlock-cluster-record-key-v1\n");
+        h.update(token.as_bytes());
+        Self(h.finalize().into())
+    }
+}
+
+/// Why a node record read from etcd is not believed.
+#[derive(Debug, thiserror::Error)]
+pub enum Unsealed {
+    #[error("not a signed node record: {0}")]
+    Format(#[from] serde_json::Error),
+    #[error("its signature is not the cluster key's")]
+    Signature,
+    #[error("it names node {0:?}, not the node of its key")]
+    Name(String),
+}
+
+/// A node's record as etcd holds it: the record's JSON as signed, and the signature.
+#[derive(Serialize, Deserialize)]
+struct Sealed {
+    record: String,
+    /// HMAC-SHA256 (hex) with the cluster key over the key's node name and `record`.
+    mac: String,
+}
+
+type Mac = hmac::Hmac<Sha256>;
+
+/// The MAC of `record` stored for the node `name`, not yet finalized.
+fn mac(key: &RecordKey, name: &str, record: &str) -> Mac {
+    use hmac::Mac as _;
+    let mut m = <Mac as hmac::Mac>::new_from_slice(&key.0).unwrap_or_else(|_| unreachable!());
+    m.update(format!("airlock-node-record-v1\n{name}\n").as_bytes());
+    m.update(record.as_bytes());
+    m
+}
+
+/// A node's record as etcd holds it (`nodes/NAME`), signed with the cluster key.
+pub fn seal(key: &RecordKey, info: &NodeInfo) -> Vec<u8> {
+    use hmac::Mac as _;
+    let record = serde_json::to_string(info).unwrap_or_default();
+    let mac = hex(&mac(key, &info.name, &record).finalize().into_bytes());
+    serde_json::to_vec(&Sealed { record, mac }).unwrap_or_default()
+}
+
+/// The record stored under `nodes/NAME` for the node `name`: believed only with the cluster
+/// key's signature over it and `name` (compared in constant time), and naming `name`.
+pub fn open(key: &RecordKey, name: &str, value: &[u8]) -> Result<NodeInfo, Unsealed> {
+    use hmac::Mac as _;
+    let sealed: Sealed = serde_json::from_slice(value)?;
+    let given = unhex(&sealed.mac).ok_or(Unsealed::Signature)?;
+    mac(key, name, &sealed.record)
+        .verify_slice(&given)
+        .map_err(|_| Unsealed::Signature)?;
+    let info: NodeInfo = serde_json::from_str(&sealed.record)?;
+    if info.name != name {
+        return Err(Unsealed::Name(info.name));
+    }
+    Ok(info)
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn node(name: &str) -> NodeInfo {
+        NodeInfo {
+            name: name.into(),
+            tag: "beef".into(),
+            address: "https://10.0.0.11:7443".into(),
+            version: "1".into(),
+            sandboxes: 0,
+            max_sandboxes: 10,
+            committed_mib: 0,
+            capacity_mib: 1024,
+            templates: vec![TemplateEntry {
+                owner: String::new(),
+                name: "base".into(),
+                id: "tpl-1".into(),
+                hash: "ab".into(),
+                memory_mib: 128,
+            }],
+            started_unix_ms: 1,
+        }
+    }
+
+    /// Issue 37, item 3: someone who can write etcd but lacks the cluster token cannot make
+    /// the nodes send calls (and the cluster token) elsewhere: a node record must carry the
+    /// cluster key's signature over its content and its key's name.
+    #[test]
+    fn only_a_record_signed_with_the_cluster_key_for_its_own_name_is_believed() {
+        let key = RecordKey::from_token("the cluster token, 32 characters or more");
+        let a = node("node-a");
+        let sealed = seal(&key, &a);
+        assert_eq!(open(&key, "node-a", &sealed).unwrap(), a);
+        // Unsigned (the old format), signed with another key, moved to another name.
+        let plain = serde_json::to_vec(&a).unwrap();
+        assert!(open(&key, "node-a", &plain).is_err());
+        let other = RecordKey::from_token("another cluster's token, 32 characters");
+        assert!(open(&key, "node-a", &seal(&other, &a)).is_err());
+        assert!(open(&key, "node-b", &sealed).is_err());
+        // Any change to a signed record: its address, a template's hash.
+        let text = String::from_utf8(sealed.clone()).unwrap();
+        assert!(text.contains("10.0.0.11"), "{text}");
+        let moved = text.replace("10.0.0.11", "10.6.6.6");
+        assert!(open(&key, "node-a", moved.as_bytes()).is_err());
+        let mut b = node("node-b");
+        b.address = "https://10.6.6.6:7443".into();
+        let resigned = String::from_utf8(seal(&other, &b)).unwrap();
+        assert!(open(&key, "node-b", resigned.as_bytes()).is_err());
+        assert!(open(&key, "node-a", b"").is_err());
+    }
+}
