@@ -440,6 +440,64 @@ async fn losing_one_etcd_member_changes_nothing() {
     step("etcd member m0 back", &mut t);
 }
 
+/// Issue 37, item 3: someone who can write etcd (here etcdctl with a client certificate) but
+/// lacks the cluster token puts node records of theirs there — one in place of node b's, one
+/// of a node "mallory" — naming an address of theirs: the nodes ignore both (b writes its own
+/// record again), and no call reaches that address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn node_records_without_the_cluster_key_are_ignored() {
+    let (_serial, k) = scenario().await;
+    let mut t = Instant::now();
+    let trap = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    trap.set_nonblocking(true).unwrap();
+    let evil = format!("http://{}", trap.local_addr().unwrap());
+    let mut c = k.node("a").client(TOKEN).await;
+    let b = list_nodes(&mut c)
+        .await
+        .into_iter()
+        .find(|n| n.name == "b")
+        .unwrap();
+    // Records as the nodes wrote them before they were signed.
+    let forged = |name: &str, tag: &str| {
+        serde_json::json!({
+            "name": name, "tag": tag, "address": evil, "version": b.version,
+            "sandboxes": 0, "max_sandboxes": 64, "committed_mib": 0,
+            "capacity_mib": 1u64 << 30, "templates": [], "started_unix_ms": 1,
+        })
+        .to_string()
+    };
+    k.etcd
+        .ctl_ok(0, &["put", "/airlock/nodes/b", &forged("b", &b.tag)]);
+    k.etcd.ctl_ok(
+        0,
+        &["put", "/airlock/nodes/mallory", &forged("mallory", "0bad")],
+    );
+    step("forged records of b and mallory put in etcd", &mut t);
+    // Four membership rounds: b is never listed at that address, mallory never at all.
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        let nodes = list_nodes(&mut c).await;
+        assert!(
+            nodes
+                .iter()
+                .all(|n| n.address != evil && n.name != "mallory"),
+            "{nodes:?}"
+        );
+        // Gathered from every node the caller's node believes in.
+        live_ids(&mut c).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let names = wait_nodes(&mut c, 3, Duration::from_secs(10)).await;
+    assert_eq!(names, ["a", "b", "c"], "b wrote its record again");
+    let called = trap.accept();
+    assert!(called.is_err(), "a node called the forged address");
+    k.etcd.ctl_ok(0, &["del", "/airlock/nodes/mallory"]);
+    step(
+        "ignored; b's own record back; nothing called the forged address",
+        &mut t,
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lost_node_is_reported_and_reconciles_when_it_returns() {
     let (_serial, k) = scenario().await;

@@ -1,6 +1,8 @@
 //! An etcd cluster of the test's own on loopback: members on free ports, data in the test's
 //! directory, started with `--initial-cluster-state new` (a restarted member: `existing`, its
-//! data directory kept), each killed and reaped by its pid.
+//! data directory kept), each killed and reaped by its pid. Clients reach it as the nodes of a
+//! deployment do: TLS only, with a client certificate of the cluster's CA
+//! (`--client-cert-auth`; [`Etcd::tls_settings`] are the nodes' `[cluster]` keys).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -46,7 +48,7 @@ pub struct Member {
 
 impl Member {
     pub fn client_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        format!("https://127.0.0.1:{}", self.client_port)
     }
 
     fn peer_url(&self) -> String {
@@ -65,6 +67,28 @@ pub struct Etcd {
     etcd: PathBuf,
     etcdctl: PathBuf,
     token: String,
+    /// The CA, the members' certificate and a client's (`etcd-tls/`).
+    tls: PathBuf,
+}
+
+/// A CA (`ca.pem`), the members' server certificate for 127.0.0.1 (`server.pem`, `.key`) and
+/// a client certificate (`client.pem`, `.key`), in `dir`.
+fn certificates(dir: &Path) {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    std::fs::create_dir_all(dir).expect("etcd's tls directory");
+    let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().expect("CA key")).expect("CA");
+    std::fs::write(dir.join("ca.pem"), ca.pem()).expect("ca.pem");
+    for (name, san) in [("server", "127.0.0.1"), ("client", "airlock-node")] {
+        let key = KeyPair::generate().expect("key");
+        let cert = CertificateParams::new(vec![san.to_owned()])
+            .expect("certificate parameters")
+            .signed_by(&key, &ca)
+            .expect("certificate");
+        std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).expect("certificate file");
+        std::fs::write(dir.join(format!("{name}.key")), key.serialize_pem()).expect("key file");
+    }
 }
 
 impl Etcd {
@@ -82,12 +106,41 @@ impl Etcd {
                 pid: Mutex::new(None),
             })
             .collect();
+        let tls = dir.join("etcd-tls");
+        certificates(&tls);
         Self {
             members,
             etcd,
             etcdctl,
             token: format!("airlock-test-{}", std::process::id()),
+            tls,
         }
+    }
+
+    /// The nodes' `[cluster]` keys for etcd's TLS: its CA and their client certificate.
+    pub fn tls_settings(&self) -> String {
+        let f = |n: &str| format!("{:?}", self.tls.join(n).display().to_string());
+        format!(
+            "etcd_ca = {}\netcd_cert = {}\netcd_key = {}\n",
+            f("ca.pem"),
+            f("client.pem"),
+            f("client.key")
+        )
+    }
+
+    /// etcdctl with a member's endpoint and the client certificate.
+    fn ctl(&self, m: &Member) -> Command {
+        let mut cmd = Command::new(&self.etcdctl);
+        cmd.env("ETCDCTL_API", "3")
+            .arg("--endpoints")
+            .arg(m.client_url())
+            .arg("--cacert")
+            .arg(self.tls.join("ca.pem"))
+            .arg("--cert")
+            .arg(self.tls.join("client.pem"))
+            .arg("--key")
+            .arg(self.tls.join("client.key"));
+        cmd
     }
 
     /// The client URLs of every member.
@@ -140,6 +193,14 @@ impl Etcd {
             // No metrics or pprof listeners beyond the client port; a small WAL/snapshot.
             .arg("--snapshot-count")
             .arg("10000")
+            // Clients: TLS only, and only with a certificate of the cluster's CA.
+            .arg("--cert-file")
+            .arg(self.tls.join("server.pem"))
+            .arg("--key-file")
+            .arg(self.tls.join("server.key"))
+            .arg("--trusted-ca-file")
+            .arg(self.tls.join("ca.pem"))
+            .arg("--client-cert-auth")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);
@@ -190,10 +251,7 @@ impl Etcd {
 
     /// Whether member `i` answers `endpoint health` (a read through the raft quorum).
     pub fn healthy(&self, i: usize) -> bool {
-        Command::new(&self.etcdctl)
-            .env("ETCDCTL_API", "3")
-            .arg("--endpoints")
-            .arg(self.members[i].client_url())
+        self.ctl(&self.members[i])
             .arg("--command-timeout=3s")
             .arg("endpoint")
             .arg("health")
@@ -223,14 +281,27 @@ impl Etcd {
         }
     }
 
+    /// Runs etcdctl `args` through member `i` (as anyone who can write etcd could).
+    pub fn ctl_ok(&self, i: usize, args: &[&str]) {
+        let out = self
+            .ctl(&self.members[i])
+            .arg("--command-timeout=5s")
+            .args(args)
+            .output()
+            .expect("run etcdctl");
+        assert!(
+            out.status.success(),
+            "etcdctl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// Writes `key` = `value` through member `i` and reads it back through every other live
     /// member: the cluster takes writes and replicates them.
     pub fn put_get(&self, i: usize, key: &str, value: &str) {
         let ctl = |m: &Member, args: &[&str]| {
-            let out = Command::new(&self.etcdctl)
-                .env("ETCDCTL_API", "3")
-                .arg("--endpoints")
-                .arg(m.client_url())
+            let out = self
+                .ctl(m)
                 .arg("--command-timeout=5s")
                 .args(args)
                 .output()

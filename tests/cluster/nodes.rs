@@ -249,11 +249,12 @@ impl Cluster {
                      [tenants.capped]\ntokens = [\"{CAPPED_TOKEN}\"]\n\
                      [tenants.capped.quota]\nmax_sandboxes = {CAPPED_MAX}\n\
                      [jail]\nuid_base = {}\nuid_count = {UID_STRIDE}\n\
-                     [cluster]\netcd = [{}]\nnode = \"{name}\"\n\
+                     [cluster]\netcd = [{}]\n{}node = \"{name}\"\n\
                      advertise = \"http://127.0.0.1:{}\"\ntoken_file = \"{}\"\n\
                      placement = \"spread\"\nlease_ttl_s = {LEASE_TTL_S}\n",
                     UID_BASE + UID_STRIDE * i as u32,
                     endpoints.join(", "),
+                    etcd.tls_settings(),
                     ports[i],
                     token_file.display(),
                 );

@@ -212,7 +212,9 @@ impl Cluster {
                 }
             }
             let now = self.info();
-            if now != written {
+            // Also when etcd's copy is not what was written (deleted or overwritten: a record
+            // that is not signed is read as none).
+            if now != written || !self.shows(&written) {
                 match self.ledger.put_node(&now, lease).await {
                     Ok(()) => written = now,
                     Err(e) => warn!("writing this node's record: {e}"),
@@ -270,6 +272,11 @@ impl Cluster {
             .map(|(t, n)| (t.clone(), n.clone()))
             .collect();
         Ok(gone)
+    }
+
+    /// Whether etcd, as last read, holds `record` as this node's.
+    fn shows(&self, record: &NodeInfo) -> bool {
+        lock(&self.members).nodes.get(&self.name) == Some(record)
     }
 
     /// The present nodes.
