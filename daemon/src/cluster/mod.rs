@@ -249,7 +249,7 @@ impl ClusterConfig {
 }
 
 /// Whether `url` (`SCHEME://HOST:PORT`) names this host: `localhost` or a loopback address.
-pub(crate) fn is_loopback(url: &str) -> bool {
+fn is_loopback(url: &str) -> bool {
     let Ok(uri) = url.parse::<http::Uri>() else {
         return false;
     };
