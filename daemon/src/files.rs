@@ -288,8 +288,6 @@ fn read_blocking(
     tx: &Sender<ApiResult<FileChunk>>,
 ) -> ApiResult<()> {
     let mut client = target.connect(rel)?;
-    let limit = target.max_file_bytes;
-    let policy = &target.policy;
     let path = format!("{}{}", root.trim_end_matches('/'), rel);
     let mut offset = 0u64;
     loop {
@@ -315,43 +313,7 @@ fn read_blocking(
             }
             Err(e) => return Err(from_agent(e, target.call(rel))),
         };
-        // Each chunk is read from the file the agent opened for it: a symlink inside the root
-        // (or one swapped in between chunks) does not carry a denied file out under another
-        // name.
-        denied_resolved(&policy.export_denied, &path, &chunk.resolved)?;
-        if chunk.size > limit || offset + chunk.data.len() as u64 > limit {
-            return Err(ApiError::FileTooLarge {
-                size: chunk.size.max(offset + chunk.data.len() as u64),
-                limit,
-            });
-        }
-        let size = chunk.size.max(offset + chunk.data.len() as u64);
-        if policy.max_export_file_bytes > 0 && size > policy.max_export_file_bytes {
-            return Err(ApiError::ExportDenied {
-                path,
-                rule: format!(
-                    "{size} bytes, over the per-file export cap of {}",
-                    policy.max_export_file_bytes
-                ),
-            });
-        }
-        // Counted before it is sent: what the cap allows is what can leave.
-        let n = chunk.data.len() as u64;
-        let before = target
-            .exported
-            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-        if policy.max_export_total_bytes > 0 && before + n > policy.max_export_total_bytes {
-            target
-                .exported
-                .fetch_sub(n, std::sync::atomic::Ordering::Relaxed);
-            return Err(ApiError::ExportDenied {
-                path,
-                rule: format!(
-                    "the sandbox's export cap of {} bytes ({before} exported so far)",
-                    policy.max_export_total_bytes
-                ),
-            });
-        }
+        check_chunk(target, &path, offset, &chunk)?;
         offset += chunk.data.len() as u64;
         let eof = chunk.eof || chunk.data.is_empty();
         let msg = FileChunk {
@@ -362,6 +324,57 @@ fn read_blocking(
             return Ok(());
         }
     }
+}
+
+/// Read step: `chunk` (at `offset` of `path`) may leave the sandbox under its policy; its bytes
+/// are counted against the sandbox's export cap.
+fn check_chunk(
+    target: &FileTarget,
+    path: &str,
+    offset: u64,
+    chunk: &pb::FileData,
+) -> ApiResult<()> {
+    let limit = target.max_file_bytes;
+    let policy = &target.policy;
+    let path = path.to_owned();
+    // Each chunk is read from the file the agent opened for it: a symlink inside the root
+    // (or one swapped in between chunks) does not carry a denied file out under another
+    // name.
+    denied_resolved(&policy.export_denied, &path, &chunk.resolved)?;
+    if chunk.size > limit || offset + chunk.data.len() as u64 > limit {
+        return Err(ApiError::FileTooLarge {
+            size: chunk.size.max(offset + chunk.data.len() as u64),
+            limit,
+        });
+    }
+    let size = chunk.size.max(offset + chunk.data.len() as u64);
+    if policy.max_export_file_bytes > 0 && size > policy.max_export_file_bytes {
+        return Err(ApiError::ExportDenied {
+            path,
+            rule: format!(
+                "{size} bytes, over the per-file export cap of {}",
+                policy.max_export_file_bytes
+            ),
+        });
+    }
+    // Counted before it is sent: what the cap allows is what can leave.
+    let n = chunk.data.len() as u64;
+    let before = target
+        .exported
+        .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    if policy.max_export_total_bytes > 0 && before + n > policy.max_export_total_bytes {
+        target
+            .exported
+            .fetch_sub(n, std::sync::atomic::Ordering::Relaxed);
+        return Err(ApiError::ExportDenied {
+            path,
+            rule: format!(
+                "the sandbox's export cap of {} bytes ({before} exported so far)",
+                policy.max_export_total_bytes
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// One request to the agent about `rel` on a blocking thread; its answer.
