@@ -75,7 +75,30 @@ pub struct Volumes {
     slots: usize,
     max_size_mib: u32,
     all: Mutex<Vec<Entry>>,
+    /// Creates under way (tenant, name, size): counted against the quota and the names from
+    /// the quota check until their volume is listed or the create fails. Only ever locked
+    /// while `all` is held, so the check and the reservation are one step.
+    pending: Mutex<Vec<(String, String, u32)>>,
     users: Mutex<HashMap<String, Users>>,
+}
+
+/// A create's place in [`Volumes::pending`], given back when dropped.
+struct Reserved<'v> {
+    volumes: &'v Volumes,
+    tenant: String,
+    name: String,
+    /// Already taken out of `pending` (by [`Volumes::keep`], with the volume listed).
+    listed: bool,
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        if self.listed {
+            return;
+        }
+        let _all = lock(&self.volumes.all);
+        lock(&self.volumes.pending).retain(|(t, n, _)| !(*t == self.tenant && *n == self.name));
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -144,6 +167,7 @@ impl Volumes {
             slots: slots as usize,
             max_size_mib,
             all: Mutex::new(all),
+            pending: Mutex::new(Vec::new()),
             users: Mutex::new(HashMap::new()),
         })
     }
@@ -191,7 +215,7 @@ impl Volumes {
                     .into(),
             )
         })?;
-        let id = self.new_id(tenant, quota, name, size_mib)?;
+        let (id, reserved) = self.new_id(tenant, quota, name, size_mib)?;
         let file = self.file(&id);
         format(&mkfs, &file, name, size_mib)
             .await
@@ -209,22 +233,37 @@ impl Volumes {
             id: id.clone(),
             record,
         };
-        self.keep(tenant, &file, &entry)?;
+        self.keep(tenant, &file, &entry, reserved)?;
         info!(tenant, volume = name, size_mib, "volume created");
         Ok(self.view(&entry))
     }
 
     /// Create step: the new volume's id, once `tenant` has no volume `name` and room for
-    /// `size_mib` more within its quota.
-    fn new_id(&self, tenant: &str, quota: &Quota, name: &str, size_mib: u32) -> ApiResult<String> {
+    /// `size_mib` more within its quota, counting the creates under way; its place among them
+    /// is reserved until the returned guard is dropped (after [`Volumes::keep`]).
+    fn new_id(
+        &self,
+        tenant: &str,
+        quota: &Quota,
+        name: &str,
+        size_mib: u32,
+    ) -> ApiResult<(String, Reserved<'_>)> {
         let all = lock(&self.all);
-        if all
+        let mut pending = lock(&self.pending);
+        let mine: Vec<(&str, u32)> = all
             .iter()
-            .any(|e| e.tenant == tenant && e.record.name == name)
-        {
+            .filter(|e| e.tenant == tenant)
+            .map(|e| (e.record.name.as_str(), e.record.size_mib))
+            .chain(
+                pending
+                    .iter()
+                    .filter(|(t, _, _)| t == tenant)
+                    .map(|(_, n, s)| (n.as_str(), *s)),
+            )
+            .collect();
+        if mine.iter().any(|(n, _)| *n == name) {
             return Err(ApiError::VolumeExists(name.to_owned()));
         }
-        let mine: Vec<_> = all.iter().filter(|e| e.tenant == tenant).collect();
         if quota.max_volumes > 0 && mine.len() >= quota.max_volumes {
             return Err(ApiError::Quota {
                 tenant: tenant.to_owned(),
@@ -233,7 +272,7 @@ impl Volumes {
                 current: mine.len() as u64,
             });
         }
-        let used: u64 = mine.iter().map(|e| u64::from(e.record.size_mib)).sum();
+        let used: u64 = mine.iter().map(|(_, s)| u64::from(*s)).sum();
         if quota.max_volume_mib > 0 && used + u64::from(size_mib) > quota.max_volume_mib {
             return Err(ApiError::Quota {
                 tenant: tenant.to_owned(),
@@ -242,27 +281,36 @@ impl Volumes {
                 current: used,
             });
         }
-        Ok(ids::new_id(ids::Kind::Volume)?)
+        let id = ids::new_id(ids::Kind::Volume)?;
+        pending.push((tenant.to_owned(), name.to_owned(), size_mib));
+        let reserved = Reserved {
+            volumes: self,
+            tenant: tenant.to_owned(),
+            name: name.to_owned(),
+            listed: false,
+        };
+        Ok((id, reserved))
     }
 
-    /// Create step: the formatted volume `entry` recorded and listed (its `file` removed when
-    /// it cannot be).
-    fn keep(&self, tenant: &str, file: &Path, entry: &Entry) -> ApiResult<()> {
-        let name = &entry.record.name;
-        // Checked again: another create of the same name may have won meanwhile.
+    /// Create step: the formatted volume `entry` recorded and listed in place of its
+    /// reservation (its `file` removed when it cannot be).
+    fn keep(
+        &self,
+        tenant: &str,
+        file: &Path,
+        entry: &Entry,
+        mut reserved: Reserved<'_>,
+    ) -> ApiResult<()> {
+        // The name and the quota were reserved by `new_id`: no other create can have taken them.
+        // (On an error `all` goes before `reserved`, whose drop takes it again.)
         let mut all = lock(&self.all);
-        if all
-            .iter()
-            .any(|e| e.tenant == tenant && e.record.name == *name)
-        {
-            let _ = std::fs::remove_file(file);
-            return Err(ApiError::VolumeExists(name.clone()));
-        }
         if let Err(e) = self.store.put_volume(tenant, &entry.id, &entry.record) {
             let _ = std::fs::remove_file(file);
             return Err(e);
         }
         all.push(entry.clone());
+        lock(&self.pending).retain(|(t, n, _)| !(t == tenant && *n == entry.record.name));
+        reserved.listed = true;
         Ok(())
     }
 

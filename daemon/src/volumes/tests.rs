@@ -193,3 +193,42 @@ fn attachments_name_distinct_volumes_at_distinct_normal_paths_within_the_slots()
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test]
+async fn concurrent_creates_cannot_both_pass_the_quota() {
+    // Each create checks the quota, then formats for a while: the check and the
+    // reservation are one step, so a quota of 2 lets exactly 2 of 6 racing creates through.
+    let (v, dir) = volumes("race");
+    let q = Quota {
+        max_volumes: 2,
+        max_volume_mib: 1024,
+        ..Quota::default()
+    };
+    let names = ["r0", "r1", "r2", "r3", "r4", "r5"];
+    let creates = names.iter().map(|n| v.create("t", &q, n, 16));
+    let results = futures_util::future::join_all(creates).await;
+    let made = results.iter().filter(|r| r.is_ok()).count();
+    assert_eq!(made, 2, "{results:?}");
+    assert!(results.iter().all(|r| match r {
+        Ok(_) => true,
+        Err(e) => matches!(
+            e,
+            ApiError::Quota {
+                what: "volumes",
+                ..
+            }
+        ),
+    }));
+    assert_eq!(v.list("t").len(), 2);
+    assert_eq!(std::fs::read_dir(dir.join("volumes")).unwrap().count(), 2);
+    // The MiB quota is reserved the same way; a failed create gives its reservation back.
+    let q = Quota {
+        max_volumes: 10,
+        max_volume_mib: 64,
+        ..Quota::default()
+    };
+    let creates = ["m0", "m1", "m2"].map(|n| v.create("u", &q, n, 32));
+    let made = futures_util::future::join_all(creates).await;
+    assert_eq!(made.iter().filter(|r| r.is_ok()).count(), 2, "{made:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
