@@ -125,6 +125,19 @@ pub struct Config {
     /// TCP connections at once (more are closed at once), and calls at once per connection.
     pub max_connections: usize,
     pub max_calls_per_connection: usize,
+    /// TCP listeners (gRPC and E2B): a TLS handshake must be done within this (ms), or the
+    /// connection is closed.
+    pub tls_handshake_timeout_ms: u64,
+    /// TCP listeners (gRPC and E2B): a connection that moves no byte either way for this long
+    /// (ms) is closed (the gRPC listener pings its clients at half of it, so live ones move).
+    pub idle_timeout_ms: u64,
+    /// An HTTP/1 request's head (E2B), and a metrics request as a whole, must arrive within
+    /// this (ms), or the connection is closed.
+    pub header_read_timeout_ms: u64,
+    /// The most bytes of stored output all GetExecution calls with `include_output` hold at
+    /// once; a call that would go over fails with CAPACITY_EXHAUSTED (resource
+    /// `get_execution_output_bytes`) and may be retried or use StreamExecution.
+    pub max_output_read_bytes: u64,
     /// How long a sandbox may take from restore to the agent's answer.
     pub ready_timeout_ms: u64,
     /// Restores (create → ready) running at once (0: twice the host's CPUs); more creates wait
@@ -311,6 +324,10 @@ impl Default for Config {
             allow_insecure_tcp: false,
             max_connections: 1024,
             max_calls_per_connection: 64,
+            tls_handshake_timeout_ms: 10_000,
+            idle_timeout_ms: 120_000,
+            header_read_timeout_ms: 30_000,
+            max_output_read_bytes: 512 << 20,
             ready_timeout_ms: 30_000,
             max_concurrent_starts: 0,
             max_start_queue: 1024,

@@ -168,7 +168,10 @@ async fn serve_metrics(daemon: &Arc<Daemon>) -> Result<(), StartError> {
     info!("metrics on http://{addr}/metrics");
     let d = daemon.clone();
     let token = (!daemon.cfg.metrics_token.is_empty()).then(|| digest(&daemon.cfg.metrics_token));
-    tokio::spawn(metrics::serve(listener, token, move || d.metrics_text()));
+    let deadline = Duration::from_millis(daemon.cfg.header_read_timeout_ms);
+    tokio::spawn(metrics::serve(listener, token, deadline, move || {
+        d.metrics_text()
+    }));
     Ok(())
 }
 
