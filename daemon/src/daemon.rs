@@ -131,6 +131,7 @@ fn exec_limits(cfg: &Config) -> ExecLimits {
         default_timeout_ms: cfg.default_exec_timeout_ms,
         max_timeout_ms: cfg.max_exec_timeout_ms,
         max_output_bytes: cfg.max_output_bytes,
+        max_output_read_bytes: cfg.max_output_read_bytes,
     }
 }
 

@@ -143,9 +143,13 @@ async fn a_sandbox_is_created_runs_pauses_snapshots_and_is_destroyed() {
     );
     assert_eq!(mode(&t.daemon.data_dir.join("airlock.db")), 0o600);
     assert_eq!(mode(&t.daemon.executions.output_paths(&ex)[0]), 0o600);
-    let out = crate::stream::read_output(&t.daemon.executions, &ex, 1 << 20)
+    let out = t
+        .daemon
+        .executions
+        .read_output(&ex, 1 << 20)
         .await
-        .unwrap();
+        .unwrap()
+        .0;
     assert_eq!(out[0], b"echo hi");
     let paused = t.daemon.sandboxes.pause("default", &s.id).await.unwrap();
     assert_eq!(paused.state(), SandboxState::Paused);
@@ -317,9 +321,13 @@ async fn retention_deletes_output_then_records_and_caps_a_tenants_output() {
     assert_eq!((swept.outputs, swept.bytes), (1, 700_000));
     let (first, _) = t.daemon.executions.get("default", &ids[0]).unwrap();
     assert!(first.output_deleted);
-    let out = crate::stream::read_output(&t.daemon.executions, &ids[0], 1 << 20)
+    let out = t
+        .daemon
+        .executions
+        .read_output(&ids[0], 1 << 20)
         .await
-        .unwrap();
+        .unwrap()
+        .0;
     assert!(out[0].is_empty(), "deleted output reads as empty");
     assert_eq!(t.daemon.usage("default").unwrap().output_bytes, 700_000);
     // An ended sandbox's output goes after a day, its records after a week.
@@ -494,9 +502,13 @@ async fn a_restarted_daemon_adopts_a_running_sandbox_and_follows_its_execution()
     assert!(t.daemon.executions.kill("default", &ex, 0).unwrap());
     let rec = finished(&t, &ex).await;
     assert_eq!(rec.state(), ExecutionState::Killed, "{rec:?}");
-    let out = crate::stream::read_output(&t.daemon.executions, &ex, 1 << 20)
+    let out = t
+        .daemon
+        .executions
+        .read_output(&ex, 1 << 20)
         .await
-        .unwrap();
+        .unwrap()
+        .0;
     assert_eq!(
         out[0], b"before after",
         "the output continues without a gap"

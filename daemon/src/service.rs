@@ -364,12 +364,16 @@ impl Airlock for Service {
     ) -> Result<Response<GetExecutionResponse>, Status> {
         let tenant = authorize(&req, &rpc::GET_EXECUTION)?;
         let r = req.into_inner();
-        traced(&rpc::GET_EXECUTION, &tenant, async {
+        // The output's share of the daemon's budget goes with the response (to its encoding).
+        let mut held = None;
+        let answer = traced(&rpc::GET_EXECUTION, &tenant, async {
             let executions = &self.daemon.executions;
             let (execution, _) = executions.get(&tenant, &r.execution_id)?;
             let [stdout, stderr] = if r.include_output {
-                stream::read_output(executions, &r.execution_id, self.daemon.cfg.max_file_bytes)
-                    .await?
+                let max = self.daemon.cfg.max_file_bytes;
+                let (out, hold) = executions.read_output(&r.execution_id, max).await?;
+                held = Some(hold);
+                out
             } else {
                 Default::default()
             };
@@ -379,7 +383,11 @@ impl Airlock for Service {
                 stderr,
             })
         })
-        .await
+        .await;
+        answer.map(|mut resp| {
+            resp.extensions_mut().insert(held);
+            resp
+        })
     }
 
     async fn kill_execution(

@@ -122,22 +122,3 @@ async fn send_range(
     }
     true
 }
-
-/// The stored output of execution `id`, at most `limit` bytes per stream.
-pub async fn read_output(
-    executions: &Executions,
-    id: &str,
-    limit: u64,
-) -> std::io::Result<[Vec<u8>; 2]> {
-    let mut out = [Vec::new(), Vec::new()];
-    for (p, buf) in executions.output_paths(id).iter().zip(out.iter_mut()) {
-        let f = match tokio::fs::File::open(p).await {
-            Ok(f) => f,
-            // Deleted by retention (the record says so).
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e),
-        };
-        f.take(limit).read_to_end(buf).await?;
-    }
-    Ok(out)
-}

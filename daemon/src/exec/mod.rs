@@ -4,6 +4,7 @@
 //! after a restart. Stored output lives in `DATA_DIR/output/ID.stdout` / `.stderr`: the same
 //! files serve a live stream and a replay after the fact.
 
+mod output;
 mod record;
 mod rt;
 mod runner;
@@ -17,6 +18,7 @@ use airlock_api::v1::{ExecRequest, Execution, ExecutionState, exec_request};
 use airlock_proto::pb;
 use tracing::info;
 
+use output::OutputBudget;
 pub use rt::ExecRt;
 use rt::Ledger;
 pub use runner::Start;
@@ -33,6 +35,8 @@ pub struct ExecLimits {
     pub default_timeout_ms: u64,
     pub max_timeout_ms: u64,
     pub max_output_bytes: u64,
+    /// The most stored output all GetExecution calls hold at once ([`output`]).
+    pub max_output_read_bytes: u64,
 }
 
 /// Where an execution runs.
@@ -58,6 +62,7 @@ pub struct Executions {
     limits: ExecLimits,
     output_dir: PathBuf,
     ledger: Arc<Ledger>,
+    output_budget: OutputBudget,
 }
 
 impl Executions {
@@ -68,6 +73,7 @@ impl Executions {
         metrics: Arc<Metrics>,
     ) -> Self {
         Self {
+            output_budget: OutputBudget::new(limits.max_output_read_bytes),
             limits,
             output_dir,
             ledger: Arc::new(Ledger {
