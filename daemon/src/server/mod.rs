@@ -1,10 +1,12 @@
 //! The listeners: the gRPC service (with reflection, behind the same authentication) on every
 //! configured Unix socket and TCP address (TCP with TLS, at most `max_connections` at once, at
-//! most `max_calls_per_connection` calls each), and the Prometheus endpoint; they serve until a
-//! signal or a listener's failure.
+//! most `max_calls_per_connection` calls each, handshakes and idle connections under
+//! [`limit`]'s timeouts), and the Prometheus endpoint; they serve until a signal or a
+//! listener's failure.
 
-mod limit;
+pub mod limit;
 mod metrics;
+pub mod tls;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -16,11 +18,10 @@ use tokio_stream::Stream;
 use tracing::info;
 
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 use crate::auth::{Auth, Tokens, digest};
 use crate::cluster::Cluster;
-use crate::config::{Config, TlsSettings};
+use crate::config::Config;
 use crate::daemon::Daemon;
 use crate::e2b::E2bConfig;
 use crate::error::StartError;
@@ -67,14 +68,13 @@ pub async fn listen(
             cluster: c.clone(),
             auth: auth.clone(),
         });
-        let mut builder = tonic::transport::Server::builder()
+        // Live clients answer the pings, so only a dead or stalled one idles out (limit.rs).
+        let ping = Duration::from_millis(cfg.idle_timeout_ms.max(2) / 2);
+        let builder = tonic::transport::Server::builder()
             .concurrency_limit_per_connection(cfg.max_calls_per_connection)
-            .max_concurrent_streams(u32::try_from(cfg.max_calls_per_connection).ok());
-        if tcp && let Some(tls) = &cfg.tls {
-            builder = builder
-                .tls_config(tls_config(tls)?)
-                .map_err(|e| StartError::Tls(e.to_string()))?;
-        }
+            .max_concurrent_streams(u32::try_from(cfg.max_calls_per_connection).ok())
+            .http2_keepalive_interval(Some(ping))
+            .http2_keepalive_timeout(Some(ping));
         // Reflection describes the API to callers the listener authenticates, like the API.
         let router = builder
             .layer(tower::util::option_layer(route))
@@ -124,11 +124,15 @@ fn auth_of(tokens: &Arc<Tokens>, cfg: &Config, tcp: bool, cluster: Option<&Clust
 }
 
 /// Listen step: the connections of a TCP listener on `hostport`, at most `max_connections` at
-/// once.
+/// once, TLS (with `[tls]`) done by [`limit::connections`] under its handshake timeout.
 async fn tcp_incoming(
     hostport: &str,
     cfg: &Config,
-) -> Result<impl Stream<Item = std::io::Result<limit::Counted>> + use<>, StartError> {
+) -> Result<impl Stream<Item = std::io::Result<limit::Conn>> + use<>, StartError> {
+    let acceptor = match &cfg.tls {
+        Some(t) => Some(tls::acceptor(t, &[b"h2"], true)?),
+        None => None,
+    };
     let listener = bind_tcp(hostport)
         .await
         .map_err(StartError::io(format!("listening on {hostport}")))?;
@@ -137,7 +141,11 @@ async fn tcp_incoming(
         .map_err(StartError::io(format!("listening on {hostport}")))?;
     let tls = if cfg.tls.is_some() { "TLS" } else { "no TLS" };
     info!("listening on tcp://{local} (tokens required, {tls})");
-    Ok(limit::connections(listener, cfg.max_connections))
+    Ok(limit::connections(
+        listener,
+        limit::ConnLimits::of(cfg),
+        acceptor,
+    ))
 }
 
 /// A Unix socket (mode 0660: its permissions are the access control), replacing a stale one
@@ -173,18 +181,6 @@ async fn serve_metrics(daemon: &Arc<Daemon>) -> Result<(), StartError> {
         d.metrics_text()
     }));
     Ok(())
-}
-
-/// The TLS of the TCP listeners, from PEM files.
-fn tls_config(tls: &TlsSettings) -> Result<ServerTlsConfig, StartError> {
-    let read =
-        |p: &std::path::Path| std::fs::read(p).map_err(StartError::io(p.display().to_string()));
-    let identity = Identity::from_pem(read(&tls.cert)?, read(&tls.key)?);
-    let mut config = ServerTlsConfig::new().identity(identity);
-    if let Some(ca) = &tls.client_ca {
-        config = config.client_ca_root(Certificate::from_pem(read(ca)?));
-    }
-    Ok(config)
 }
 
 /// Serves until SIGTERM, SIGINT or a listener's failure (its error).
