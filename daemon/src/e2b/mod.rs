@@ -20,6 +20,7 @@
 mod control;
 mod files;
 mod filesystem;
+mod listen;
 mod process;
 mod templates;
 
@@ -67,6 +68,20 @@ pub struct E2bConfig {
     /// Paths the gateway's sandboxes may write and read through files calls (E2B's envd acts
     /// with the guest account's own permissions everywhere).
     pub file_paths: Vec<String>,
+    /// The largest request body (bytes): a larger declared `Content-Length` is answered 413
+    /// before the body is read. 0: the daemon's `max_file_bytes` and 1 MiB (for a multipart
+    /// upload's framing).
+    pub max_body_bytes: u64,
+}
+
+impl E2bConfig {
+    /// The largest request body, `max_file_bytes` being the daemon's largest file.
+    pub fn body_limit(&self, max_file_bytes: u64) -> u64 {
+        match self.max_body_bytes {
+            0 => max_file_bytes.saturating_add(1 << 20),
+            n => n,
+        }
+    }
 }
 
 impl Default for E2bConfig {
@@ -76,6 +91,7 @@ impl Default for E2bConfig {
             domain: String::new(),
             default_timeout_s: 300,
             file_paths: vec!["/".into()],
+            max_body_bytes: 0,
         }
     }
 }
@@ -358,14 +374,17 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .fallback_service(connect.into_axum_service())
         .layer(axum::middleware::from_fn_with_state(gw.clone(), envd_auth))
         .with_state(gw.clone());
-    control::routes()
+    let max_body = gw.cfg.body_limit(gw.daemon.cfg.max_file_bytes);
+    let app = control::routes()
         .merge(templates::routes())
         .with_state(gw)
         .fallback_service(envd)
-        .layer(axum::extract::DefaultBodyLimit::disable())
+        .layer(axum::extract::DefaultBodyLimit::disable());
+    listen::limit_bodies(app, max_body)
 }
 
-/// Serves the gateway on `listener` (TLS with the daemon's `[tls]`) until it fails.
+/// Serves the gateway on `listener` (TLS with the daemon's `[tls]`) until it fails, within
+/// the daemon's limits on TCP connections ([`listen`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     daemon: Arc<Daemon>,
@@ -373,7 +392,11 @@ pub async fn serve(
     tokens: Arc<Tokens>,
 ) -> Result<(), StartError> {
     let tls = match &daemon.cfg.tls {
-        Some(t) => Some(tls_acceptor(t)?),
+        Some(t) => Some(crate::server::tls::acceptor(
+            t,
+            &[b"h2", b"http/1.1"],
+            false,
+        )?),
         None => None,
     };
     let gw = Arc::new(Gateway::new(daemon.clone(), cfg, tokens)?);
@@ -383,62 +406,9 @@ pub async fn serve(
         .map_err(StartError::io("[e2b] listen"))?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     info!("E2B gateway on {scheme}://{local}");
-    let max = daemon.cfg.max_connections;
-    let open = Arc::new(tokio::sync::Semaphore::new(max));
-    loop {
-        let (stream, _) = listener
-            .accept()
-            .await
-            .map_err(StartError::io("[e2b] accepting a connection"))?;
-        let Ok(permit) = open.clone().try_acquire_owned() else {
-            continue; // over the connection limit: closed at once
-        };
-        let (app, tls) = (app.clone(), tls.clone());
-        tokio::spawn(async move {
-            let _permit = permit;
-            let svc = hyper_util::service::TowerToHyperService::new(app);
-            let builder =
-                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
-            let served = match tls {
-                Some(acceptor) => match acceptor.accept(stream).await {
-                    Ok(s) => {
-                        builder
-                            .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
-                            .await
-                    }
-                    Err(_) => return,
-                },
-                None => {
-                    builder
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                        .await
-                }
-            };
-            if let Err(e) = served {
-                tracing::debug!("e2b connection: {e}");
-            }
-        });
-    }
-}
-
-/// The daemon's certificate and key, offering HTTP/2 and HTTP/1.1.
-fn tls_acceptor(t: &crate::config::TlsSettings) -> Result<tokio_rustls::TlsAcceptor, StartError> {
-    use rustls::pki_types::pem::PemObject as _;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let certs = CertificateDer::pem_file_iter(&t.cert)
-        .and_then(Iterator::collect::<Result<Vec<_>, _>>)
-        .map_err(|e| StartError::Setting(format!("{}: {e}", t.cert.display())))?;
-    let key = PrivateKeyDer::from_pem_file(&t.key)
-        .map_err(|e| StartError::Setting(format!("{}: {e}", t.key.display())))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| StartError::Tls(e.to_string()))?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)
-        .map_err(|e| StartError::Setting(format!("[e2b] TLS: {e}")))?;
-    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(cfg)))
+    let limits = crate::server::limit::ConnLimits::of(&daemon.cfg);
+    let header = std::time::Duration::from_millis(daemon.cfg.header_read_timeout_ms.max(1));
+    listen::serve_on(listener, app, limits, tls, header).await
 }
 
 /// `Content-Type: application/json` responses of a value.

@@ -137,7 +137,8 @@ fn keepalive(ctx: &RequestContext) -> Duration {
     let secs = super::header_str(ctx.headers(), "keepalive-ping-interval")
         .and_then(|v| v.trim().parse::<u64>().ok())
         .unwrap_or(50);
-    Duration::from_secs(secs.clamp(1, 300))
+    // At most 60 s: a stream that is quiet longer than the idle timeout (120 s) is cut.
+    Duration::from_secs(secs.clamp(1, 60))
 }
 
 /// The events of execution `id` from `offsets`, after a start event: output, keepalives in

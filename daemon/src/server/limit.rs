@@ -232,4 +232,4 @@ pub fn connections(
 }
 
 #[cfg(test)]
-mod tests;
+pub mod tests;
