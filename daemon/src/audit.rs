@@ -35,6 +35,14 @@ pub struct AuditConfig {
     pub retention_days: u32,
     /// Record executions' code itself (not only its SHA-256 and size). Off by default.
     pub record_code: bool,
+    /// Events a tenant may write a second, on average (0: no cap); more are dropped and
+    /// counted in an `audit.dropped` event before the tenant's next one ([`rate`]).
+    pub max_events_per_s: u32,
+    /// Events a tenant may write at once above that rate.
+    pub burst_events: u32,
+    /// An event's detail over this many bytes of JSON is kept as its size and SHA-256 only
+    /// (0: no cap).
+    pub max_event_bytes: usize,
 }
 
 impl Default for AuditConfig {
@@ -42,21 +50,67 @@ impl Default for AuditConfig {
         Self {
             retention_days: 90,
             record_code: false,
+            max_events_per_s: 50,
+            burst_events: 500,
+            max_event_bytes: 64 << 10,
         }
     }
 }
 
-/// Where events go: the daemon's store (set once at its start; without it, as in unit tests
+mod rate;
+
+/// Where events go: the daemon's store, under its config's caps.
+#[derive(Debug)]
+pub struct Trail {
+    store: Arc<Store>,
+    cfg: AuditConfig,
+    limiter: rate::Limiter,
+}
+
+impl Trail {
+    pub fn new(store: Arc<Store>, cfg: AuditConfig) -> Self {
+        let limiter = rate::Limiter::new(&cfg);
+        Self {
+            store,
+            cfg,
+            limiter,
+        }
+    }
+
+    /// Appends an event to `tenant`'s trail at `now_ms` within the caps ([`rate`]): the
+    /// event, after a note of the events dropped before it; none when it is over the rate.
+    pub fn record(
+        &self,
+        tenant: &str,
+        kind: Kind,
+        ids: (&str, &str),
+        detail: Value,
+        now_ms: i64,
+    ) -> ApiResult<Option<AuditEvent>> {
+        let (sandbox_id, execution_id) = ids;
+        let dropped = match self.limiter.admit(tenant, kind, now_ms) {
+            rate::Admit::Drop => return Ok(None),
+            rate::Admit::Write { dropped } => dropped,
+        };
+        if let Some(note) = dropped {
+            append(&self.store, tenant, Kind::AuditDropped, "", "", note)?;
+        }
+        let detail = rate::capped(detail, self.cfg.max_event_bytes);
+        append(&self.store, tenant, kind, sandbox_id, execution_id, detail).map(Some)
+    }
+}
+
+/// Where events go: the daemon's trail (set once at its start; without it, as in unit tests
 /// of other parts, events are not kept).
-static SINK: OnceLock<(Arc<Store>, AuditConfig)> = OnceLock::new();
+static SINK: OnceLock<Trail> = OnceLock::new();
 
 pub fn init(store: Arc<Store>, cfg: AuditConfig) {
-    let _ = SINK.set((store, cfg));
+    let _ = SINK.set(Trail::new(store, cfg));
 }
 
 /// Whether executions' code is recorded as is.
 pub fn records_code() -> bool {
-    SINK.get().is_some_and(|(_, c)| c.record_code)
+    SINK.get().is_some_and(|t| t.cfg.record_code)
 }
 
 /// SHA-256 (hex) and size of `data`, as events name code and files.
@@ -89,11 +143,14 @@ pub enum Kind {
     Package,
     /// `denial`: a call, connection or package was refused by policy.
     Denial,
+    /// `audit.dropped`: events over the tenant's rate were not written (how many, of which
+    /// kinds, when).
+    AuditDropped,
 }
 
 impl Kind {
     #[cfg(test)]
-    pub const ALL: [Kind; 11] = [
+    pub const ALL: [Kind; 12] = [
         Kind::SandboxCreate,
         Kind::SandboxEnd,
         Kind::ExecStart,
@@ -105,6 +162,7 @@ impl Kind {
         Kind::Egress,
         Kind::Package,
         Kind::Denial,
+        Kind::AuditDropped,
     ];
 
     /// The kind's name in the trail and in ListAuditEvents' filter.
@@ -121,6 +179,7 @@ impl Kind {
             Kind::Egress => "egress",
             Kind::Package => "package",
             Kind::Denial => "denial",
+            Kind::AuditDropped => "audit.dropped",
         }
     }
 }
@@ -217,10 +276,11 @@ pub fn logged(tenant: &str, sandbox_id: &str, e: &impl Audited) {
 
 /// Appends an event to `tenant`'s trail (a failure is logged: the call it records goes on).
 pub fn emit(tenant: &str, kind: Kind, sandbox_id: &str, execution_id: &str, detail: Value) {
-    let Some((store, _)) = SINK.get() else {
+    let Some(trail) = SINK.get() else {
         return;
     };
-    if let Err(e) = append(store, tenant, kind, sandbox_id, execution_id, detail) {
+    let ids = (sandbox_id, execution_id);
+    if let Err(e) = trail.record(tenant, kind, ids, detail, ids::now_ms()) {
         warn!(tenant, kind = kind.as_str(), "audit event not stored: {e}");
     }
 }
@@ -322,7 +382,7 @@ pub fn list(
 
 /// Removes events older than the retention (the retention loop calls it); how many.
 pub fn prune(store: &Store) -> ApiResult<usize> {
-    let Some((_, cfg)) = SINK.get().filter(|(_, c)| c.retention_days > 0) else {
+    let Some(cfg) = SINK.get().map(|t| &t.cfg).filter(|c| c.retention_days > 0) else {
         return Ok(0);
     };
     let cutoff = ids::now_ms() - i64::from(cfg.retention_days) * 86_400_000;
@@ -462,6 +522,63 @@ mod tests {
         assert_eq!(v["allow"], json!(["requests"]));
         assert_eq!(v["offline"], json!(true));
         assert!(!v.to_string().contains("PackagePolicy"), "{v}");
+    }
+
+    #[test]
+    fn events_over_the_rate_are_counted_in_the_chain_and_oversize_details_kept_as_digests() {
+        let cfg = AuditConfig {
+            max_events_per_s: 10,
+            burst_events: 5,
+            max_event_bytes: 4096,
+            ..Default::default()
+        };
+        let trail = Trail::new(Arc::new(store()), cfg);
+        let t0 = 1_000_000;
+        let written = (0..20)
+            .filter_map(|i| {
+                let kind = if i % 2 == 0 {
+                    Kind::FileRead
+                } else {
+                    Kind::Egress
+                };
+                trail
+                    .record("t", kind, ("sb-1", ""), json!({ "i": i }), t0)
+                    .unwrap()
+            })
+            .count();
+        assert_eq!(written, 5, "a burst of 5, the other 15 dropped");
+        // A second later there is room again: the drop note first, then the event.
+        let big = json!({ "blob": "x".repeat(1 << 20) });
+        let e = trail
+            .record("t", Kind::FileWrite, ("sb-1", ""), big.clone(), t0 + 1000)
+            .unwrap()
+            .unwrap();
+        let all = list(&trail.store, "t", &ListAuditEventsRequest::default()).unwrap();
+        assert_eq!(all.events.len(), 7);
+        assert!(verify(&all.events).is_empty(), "the chain is whole");
+        let note = &all.events[5];
+        assert_eq!(note.kind, "audit.dropped");
+        let d: Value = serde_json::from_str(&note.detail_json).unwrap();
+        assert_eq!(d["dropped"], 15);
+        assert_eq!(d["by_kind"]["file.read"], 7);
+        assert_eq!(d["by_kind"]["egress"], 8);
+        // The oversize detail: its size and digest, which the original matches.
+        assert_eq!(e.seq, 7);
+        assert!(e.detail_json.len() < 4096, "{}", e.detail_json.len());
+        let d: Value = serde_json::from_str(&e.detail_json).unwrap();
+        let text = big.to_string();
+        assert_eq!(d["oversize"]["bytes"], text.len());
+        assert_eq!(
+            d["oversize"]["sha256"],
+            hex(&Sha256::digest(text.as_bytes()))
+        );
+        // Tenants are apart: another has its own allowance.
+        assert!(
+            trail
+                .record("u", Kind::Egress, ("sb-2", ""), json!({}), t0)
+                .unwrap()
+                .is_some()
+        );
     }
 
     #[test]
