@@ -13,6 +13,7 @@ use airlock_proto::pb::{self, StreamKind, exec_exit};
 use airlock_proto::{AGENT_VSOCK_PORT, AgentClient, ClientError, Requests};
 
 pub mod harness;
+pub mod limits;
 pub mod shared;
 
 /// The one command that builds every artifact and runs every test.

@@ -50,6 +50,7 @@ mod settings;
 mod store;
 mod stream;
 mod supervisor;
+mod tcp;
 mod templates;
 mod transfer;
 mod versions;

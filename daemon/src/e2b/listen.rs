@@ -1,4 +1,4 @@
-//! The gateway's listener: connections within the daemon's TCP limits (`server::limit`: at
+//! The gateway's listener: connections within the daemon's TCP limits (`tcp::limit`: at
 //! most `max_connections`, TLS handshakes under `tls_handshake_timeout_ms`, idle connections
 //! closed after `idle_timeout_ms`), HTTP/1 request heads within `header_read_timeout_ms`, and
 //! request bodies of at most `[e2b] max_body_bytes`: a larger declared `Content-Length` is
@@ -17,7 +17,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_stream::StreamExt;
 
 use crate::error::StartError;
-use crate::server::limit::{self, ConnLimits};
+use crate::tcp::limit::{self, ConnLimits};
 
 /// `router` with request bodies of at most `max` bytes.
 pub fn limit_bodies(router: Router, max: u64) -> Router {

@@ -392,11 +392,7 @@ pub async fn serve(
     tokens: Arc<Tokens>,
 ) -> Result<(), StartError> {
     let tls = match &daemon.cfg.tls {
-        Some(t) => Some(crate::server::tls::acceptor(
-            t,
-            &[b"h2", b"http/1.1"],
-            false,
-        )?),
+        Some(t) => Some(crate::tcp::tls::acceptor(t, &[b"h2", b"http/1.1"], false)?),
         None => None,
     };
     let gw = Arc::new(Gateway::new(daemon.clone(), cfg, tokens)?);
@@ -406,7 +402,7 @@ pub async fn serve(
         .map_err(StartError::io("[e2b] listen"))?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     info!("E2B gateway on {scheme}://{local}");
-    let limits = crate::server::limit::ConnLimits::of(&daemon.cfg);
+    let limits = crate::tcp::limit::ConnLimits::of(&daemon.cfg);
     let header = std::time::Duration::from_millis(daemon.cfg.header_read_timeout_ms.max(1));
     listen::serve_on(listener, app, limits, tls, header).await
 }

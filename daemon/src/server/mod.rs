@@ -1,12 +1,10 @@
 //! The listeners: the gRPC service (with reflection, behind the same authentication) on every
 //! configured Unix socket and TCP address (TCP with TLS, at most `max_connections` at once, at
 //! most `max_calls_per_connection` calls each, handshakes and idle connections under
-//! [`limit`]'s timeouts), and the Prometheus endpoint; they serve until a signal or a
+//! `tcp::limit`'s timeouts), and the Prometheus endpoint; they serve until a signal or a
 //! listener's failure.
 
-pub mod limit;
 mod metrics;
-pub mod tls;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -26,6 +24,7 @@ use crate::daemon::Daemon;
 use crate::e2b::E2bConfig;
 use crate::error::StartError;
 use crate::service::Service;
+use crate::tcp::{limit, tls};
 
 type Servers = JoinSet<Result<(), StartError>>;
 

@@ -9,7 +9,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::*;
-use crate::server::limit::tests::{closed_within, test_tls};
+use crate::tcp::limit::tests::{closed_within, test_tls};
 
 const MAX: u64 = 4 << 20;
 

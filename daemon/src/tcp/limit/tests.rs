@@ -14,7 +14,7 @@ pub fn test_tls(alpn: &[&[u8]]) -> (TlsAcceptor, tokio_rustls::TlsConnector) {
     let ck = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
     let der = CertificateDer::from(ck.cert.der().to_vec());
     let key = PrivateKeyDer::from(PrivatePkcs8KeyDer::from(ck.signing_key.serialize_der()));
-    let acceptor = crate::server::tls::acceptor_of(vec![der.clone()], key, None, alpn).unwrap();
+    let acceptor = crate::tcp::tls::acceptor_of(vec![der.clone()], key, None, alpn).unwrap();
     let mut roots = rustls::RootCertStore::empty();
     roots.add(der).unwrap();
     let provider = Arc::new(rustls::crypto::ring::default_provider());
