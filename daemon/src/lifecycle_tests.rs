@@ -578,9 +578,13 @@ async fn a_restarted_daemon_adopts_a_sandbox_with_its_sealed_secrets_only_under_
     assert_eq!(rt.vmm().unwrap().pid, vm.pid);
     assert!(t.daemon.executions.kill("default", &ex, 0).unwrap());
     finished(&t, &ex).await;
-    let out = crate::stream::read_output(&t.daemon.executions, &ex, 1 << 20)
+    let out = t
+        .daemon
+        .executions
+        .read_output(&ex, 1 << 20)
         .await
-        .unwrap();
+        .unwrap()
+        .0;
     assert_eq!(
         out[0], b"before [REDACTED:K]",
         "what it follows is redacted"
