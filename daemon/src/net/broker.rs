@@ -7,10 +7,13 @@
 //! proxy then terminates the guest's TLS with a certificate for the name from the sandbox's
 //! own CA ([`crate::secrets::ca`]; the guest trusts it, its key stays here) and speaks TLS to
 //! the host itself, verifying it against the public roots and the operator's
-//! `[network] broker_upstream_ca`. A request whose `Host` is not the name the connection was
-//! decided on gets no header (it goes on as it came).
+//! `[network] broker_upstream_ca`. Requests are checked and normalised by the relay
+//! ([`super::http`]: one `Host`, no absolute-form URI for another host, no `TRACE`); one whose
+//! `Host` is not the name the connection was decided on gets no header, and on a connection
+//! allowed by that name it is refused. The answer to a request that got a header is stripped
+//! of every form of the sandbox's secret values ([`strip_echoes`]).
 
-use std::convert::Infallible;
+use std::borrow::Cow;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -18,11 +21,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, combinators::BoxBody};
-use hyper::body::Incoming;
+use http_body_util::BodyExt;
+use hyper::body::{Frame, Incoming};
 use hyper::header::{HeaderName, HeaderValue};
-use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper::{Request, Response};
 use rustls::pki_types::ServerName;
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
@@ -30,8 +32,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::NetState;
-
-type Body = BoxBody<Bytes, hyper::Error>;
+use super::http::{Body, Conn, HttpError};
+use crate::secrets::redact::{Patterns, StreamRedactor};
 
 /// Why a brokered connection stopped early (the proxy's event shows it).
 #[derive(Debug, thiserror::Error)]
@@ -52,10 +54,8 @@ pub(super) enum BrokerError {
     },
     #[error("TLS to {name}: {source}")]
     UpstreamTls { name: String, source: io::Error },
-    #[error("HTTP to {name}: {source}")]
-    UpstreamHttp { name: String, source: hyper::Error },
-    #[error("HTTP from the guest: {0}")]
-    GuestHttp(hyper::Error),
+    #[error(transparent)]
+    Http(#[from] HttpError),
 }
 
 /// Why the broker's TLS client could not be made.
@@ -85,27 +85,31 @@ pub(super) struct Counts {
 }
 
 /// Serves the guest's connection `guest` (whose first bytes, `head`, were read to learn its
-/// name) to `upstream`, adding the brokered headers for `name`; `tls`: the guest speaks TLS.
-/// Returns the secrets' names used, or why it stopped early.
+/// name) to `upstream` through the HTTP relay, which adds the brokered headers for
+/// `conn.name`; `conn.tls`: the guest speaks TLS, terminated here. Also serves the plain-HTTP
+/// connections that are relayed request by request without a secret (`conn.pinned`).
+/// Returns why it stopped early.
 pub(super) async fn serve(
     state: Arc<NetState>,
     guest: TcpStream,
     head: Vec<u8>,
     upstream: TcpStream,
-    name: String,
-    tls: bool,
+    mut conn: Conn,
     counts: Arc<Counts>,
 ) -> Result<(), BrokerError> {
-    let name = airlock_egress::policy::normalise_name(&name).unwrap_or(name);
+    if let Some(n) = airlock_egress::policy::normalise_name(&conn.name) {
+        conn.name = n;
+    }
     let guest = Prefixed {
         head,
         pos: 0,
         inner: guest,
         counts: counts.clone(),
     };
-    if !tls {
-        return relay(state, guest, upstream, name, false).await;
+    if !conn.tls {
+        return Ok(super::http::relay(state, guest, upstream, conn).await?);
     }
+    let name = conn.name.clone();
     let ca = state.secrets.ca().cloned().ok_or(BrokerError::NoCa)?;
     let leaf = ca.leaf(&name).map_err(BrokerError::Leaf)?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -129,64 +133,22 @@ pub(super) async fn serve(
             name: name.clone(),
             source,
         })?;
-    relay(state, guest, upstream, name, true).await
+    Ok(super::http::relay(state, guest, upstream, conn).await?)
 }
 
-/// HTTP/1.1 from the guest to the upstream, one request at a time, with the headers added.
-async fn relay<G, U>(
-    state: Arc<NetState>,
-    guest: G,
-    upstream: U,
-    name: String,
+/// Adds the brokered headers for `name` to `req` if its `host` is `name` (and audits their
+/// use); the patterns to strip from its answer, if it got any.
+pub(super) fn add_headers<B>(
+    state: &NetState,
+    req: &mut Request<B>,
+    host: &str,
+    name: &str,
     tls: bool,
-) -> Result<(), BrokerError>
-where
-    G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    U: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
-    let (sender, conn) =
-        hyper::client::conn::http1::handshake::<_, Incoming>(TokioIo::new(upstream))
-            .await
-            .map_err(|source| BrokerError::UpstreamHttp {
-                name: name.clone(),
-                source,
-            })?;
-    let conn = tokio::spawn(conn);
-    let sender = Arc::new(tokio::sync::Mutex::new(sender));
-    let name = Arc::new(name);
-    let svc = hyper::service::service_fn(move |req| {
-        let (state, sender, name) = (state.clone(), sender.clone(), name.clone());
-        async move { Ok::<_, Infallible>(forward(&state, &sender, req, &name, tls).await) }
-    });
-    let served = hyper::server::conn::http1::Builder::new()
-        .max_buf_size(64 << 10)
-        .serve_connection(TokioIo::new(guest), svc)
-        .await;
-    conn.abort();
-    served.map_err(BrokerError::GuestHttp)
-}
-
-/// The request's host name (its `Host` header, else its URI's), lowercase, without a port.
-fn request_host<B>(req: &Request<B>) -> Option<String> {
-    let raw = req
-        .headers()
-        .get(hyper::header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .map(str::to_owned)
-        .or_else(|| req.uri().host().map(str::to_owned))?;
-    let host = match raw.rsplit_once(':') {
-        Some((h, port)) if !h.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => h,
-        _ => raw.as_str(),
-    };
-    airlock_egress::policy::normalise_name(host)
-}
-
-/// Adds the brokered headers for `name` to `req` (if it is for `name`); the secrets' names.
-fn add_headers<B>(state: &NetState, req: &mut Request<B>, name: &str, tls: bool) -> Vec<String> {
-    let mut used = Vec::new();
-    if request_host(req).as_deref() != Some(name) {
-        return used;
+) -> Option<Arc<Patterns>> {
+    if host != name {
+        return None;
     }
+    let mut used = Vec::new();
     for (header, value, secret) in state.secrets.headers_for(name, tls) {
         let (Ok(h), Ok(mut v)) = (
             HeaderName::from_bytes(header.as_bytes()),
@@ -199,47 +161,99 @@ fn add_headers<B>(state: &NetState, req: &mut Request<B>, name: &str, tls: bool)
         req.headers_mut().insert(h, v);
         used.push(secret);
     }
-    used
+    if used.is_empty() {
+        return None;
+    }
+    // An answer that echoes the request is stripped of the secret below: it must come
+    // uncompressed for that.
+    req.headers_mut().insert(
+        hyper::header::ACCEPT_ENCODING,
+        HeaderValue::from_static("identity"),
+    );
+    crate::audit::emit(
+        &state.tenant,
+        crate::audit::Kind::SecretUse,
+        &state.sandbox_id,
+        "",
+        serde_json::json!({
+            "names": used,
+            "by": "broker",
+            "host": name,
+            "https": tls,
+            "method": req.method().as_str(),
+        }),
+    );
+    Some(state.secrets.patterns())
 }
 
-async fn forward(
-    state: &NetState,
-    sender: &tokio::sync::Mutex<hyper::client::conn::http1::SendRequest<Incoming>>,
-    mut req: Request<Incoming>,
-    name: &str,
-    tls: bool,
-) -> Response<Body> {
-    let used = add_headers(state, &mut req, name, tls);
-    if !used.is_empty() {
-        crate::audit::emit(
-            &state.tenant,
-            crate::audit::Kind::SecretUse,
-            &state.sandbox_id,
-            "",
-            serde_json::json!({
-                "names": used,
-                "by": "broker",
-                "host": name,
-                "https": tls,
-                "method": req.method().as_str(),
-            }),
-        );
+/// The answer to a request that carried secrets, with every form of the sandbox's secret
+/// values replaced in its headers and (as it streams) in its body: an upstream that echoes
+/// the request (a debugging endpoint, an error page) must not hand the value to the guest.
+/// A body with a `Content-Encoding` the upstream chose in spite of `identity` goes as it is.
+pub(super) fn strip_echoes(resp: Response<Incoming>, patterns: Arc<Patterns>) -> Response<Body> {
+    let (mut parts, body) = resp.into_parts();
+    for value in parts.headers.values_mut() {
+        if let Cow::Owned(clean) = patterns.redact(value.as_bytes()) {
+            *value = HeaderValue::from_bytes(&clean)
+                .unwrap_or_else(|_| HeaderValue::from_static("[REDACTED]"));
+        }
     }
-    let mut sender = sender.lock().await;
-    let sent = match sender.ready().await {
-        Ok(()) => sender.send_request(req).await,
-        Err(e) => Err(e),
+    let encoded = parts
+        .headers
+        .get(hyper::header::CONTENT_ENCODING)
+        .is_some_and(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity"));
+    if encoded {
+        return Response::from_parts(parts, body.boxed());
+    }
+    // The length changes with every replacement: the body goes chunked.
+    parts.headers.remove(hyper::header::CONTENT_LENGTH);
+    let body = Redacted {
+        inner: body,
+        redactor: Some(StreamRedactor::new(patterns)),
     };
-    match sent {
-        Ok(resp) => resp.map(BodyExt::boxed),
-        Err(e) => {
-            let mut r = Response::new(
-                Full::new(Bytes::from(format!("airlock: the upstream {name}: {e}\n")))
-                    .map_err(|never| match never {})
-                    .boxed(),
-            );
-            *r.status_mut() = StatusCode::BAD_GATEWAY;
-            r
+    Response::from_parts(parts, body.boxed())
+}
+
+/// A body with the secrets' forms replaced as it streams.
+struct Redacted {
+    inner: Incoming,
+    /// `None` once the end was released.
+    redactor: Option<StreamRedactor>,
+}
+
+impl hyper::body::Body for Redacted {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        loop {
+            let Some(redactor) = this.redactor.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => {
+                        let out = redactor.push(&data);
+                        if !out.is_empty() {
+                            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(out)))));
+                        }
+                    }
+                    // Trailers end the body: what is held back goes before them (dropped).
+                    Err(_) => {}
+                },
+                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
+                None => {
+                    let rest = redactor.finish();
+                    this.redactor = None;
+                    if !rest.is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::data(Bytes::from(rest)))));
+                    }
+                }
+            }
         }
     }
 }
@@ -345,43 +359,4 @@ pub fn upstream_tls(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn req(host: &str) -> Request<()> {
-        Request::builder()
-            .uri("/x")
-            .header(hyper::header::HOST, host)
-            .body(())
-            .unwrap()
-    }
-
-    #[test]
-    fn the_host_is_lowercase_without_its_port() {
-        assert_eq!(
-            request_host(&req("API.Example.com:8080")).as_deref(),
-            Some("api.example.com")
-        );
-        assert_eq!(
-            request_host(&req("api.example.com")).as_deref(),
-            Some("api.example.com")
-        );
-        assert_eq!(request_host(&req("")), None);
-    }
-
-    #[test]
-    fn the_upstream_client_takes_the_public_roots_and_an_extra_ca() {
-        assert!(upstream_tls(None).is_ok());
-        let dir = std::env::temp_dir().join(format!("airlock-broker-ca-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let ca = crate::secrets::ca::SandboxCa::new("sb-x").unwrap();
-        let pem = dir.join("ca.pem");
-        std::fs::write(&pem, ca.pem()).unwrap();
-        assert!(upstream_tls(Some(&pem)).is_ok());
-        std::fs::write(&pem, "not a certificate").unwrap();
-        // No PEM section at all: nothing added, nothing wrong.
-        assert!(upstream_tls(Some(&pem)).is_ok());
-        assert!(upstream_tls(Some(&dir.join("missing.pem"))).is_err());
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-}
+mod tests;

@@ -19,6 +19,7 @@
 mod broker;
 mod dns;
 mod expose;
+mod http;
 mod proxy;
 
 use std::collections::{BTreeMap, HashMap, HashSet};

@@ -125,17 +125,8 @@ async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
         crate::pkg::serve(state.packages.clone(), guest).await;
         return;
     }
-    let mut head = Vec::new();
-    let mut sniffed_tls = false;
-    let verdict = decide(
-        &state,
-        &mut guest,
-        dst,
-        &mut ev,
-        &mut head,
-        &mut sniffed_tls,
-    )
-    .await;
+    let mut head = Head::default();
+    let verdict = decide(&state, &mut guest, dst, &mut ev, &mut head).await;
     let allowance = match verdict {
         Ok(a) => a,
         Err(d) => {
@@ -147,7 +138,7 @@ async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
     };
     ev.allowed = true;
     ev.verdict = allowance_text(&allowance);
-    let brokered = is_brokered(&state, &mut guest, &mut ev, &mut head, &mut sniffed_tls).await;
+    let brokered = is_brokered(&state, &mut guest, &mut ev, &mut head).await;
     let upstream = match connect(&state, dst).await {
         Ok(u) => u,
         Err(e) => {
@@ -157,26 +148,30 @@ async fn handle(state: Arc<NetState>, mut guest: TcpStream) {
             return;
         }
     };
-    let _ = upstream.set_nodelay(true);
-    let _ = guest.set_nodelay(true);
-    if brokered {
-        serve_brokered(&state, guest, head, upstream, sniffed_tls, &mut ev).await;
-    } else {
-        relay(guest, &head, upstream, &mut ev).await;
-    }
+    serve_allowed(&state, guest, head, upstream, brokered, &mut ev).await;
     finish(&state, ev, t0);
 }
 
+/// What the proxy read of a connection before deciding it.
+#[derive(Debug, Default)]
+pub(super) struct Head {
+    /// The guest's first bytes (they go upstream first).
+    pub bytes: Vec<u8>,
+    /// They were a TLS ClientHello (else an HTTP request head, or nothing read).
+    pub tls: bool,
+    /// The connection was allowed on the name they state (a domain rule), not its address.
+    pub by_name: bool,
+}
+
 /// Decide step: the policy's verdict on the destination alone, or, when a name could change
-/// it, on the name the guest's first bytes state (read into `head`; `ev.name` and
-/// `sniffed_tls` say what they stated) and the daemon's resolution of that name.
+/// it, on the name the guest's first bytes state (read into `head`; `ev.name` says what they
+/// stated) and the daemon's resolution of that name.
 async fn decide(
     state: &NetState,
     guest: &mut TcpStream,
     dst: SocketAddr,
     ev: &mut EgressEvent,
-    head: &mut Vec<u8>,
-    sniffed_tls: &mut bool,
+    head: &mut Head,
 ) -> Result<Allowance, Denial> {
     let policy = state.policy();
     let bare = Attempt {
@@ -192,8 +187,8 @@ async fn decide(
             if wants_name(&policy) =>
         {
             let wait = Duration::from_millis(state.cfg().sniff_timeout_ms);
-            let sniffed = read_name(guest, head, wait).await;
-            *sniffed_tls = sniffed.as_ref().is_some_and(|(_, tls)| *tls);
+            let sniffed = read_name(guest, &mut head.bytes, wait).await;
+            head.tls = sniffed.as_ref().is_some_and(|(_, tls)| *tls);
             match sniffed.map(|(name, _)| name) {
                 // A name no rule allows is never resolved: the guest must not make the
                 // daemon's resolver query names of its choosing (a tunnel through `Host`).
@@ -209,6 +204,7 @@ async fn decide(
                         pinned,
                         ..bare
                     });
+                    head.by_name = v.is_ok();
                     ev.name = name;
                     v
                 }
@@ -225,20 +221,19 @@ async fn is_brokered(
     state: &NetState,
     guest: &mut TcpStream,
     ev: &mut EgressEvent,
-    head: &mut Vec<u8>,
-    sniffed_tls: &mut bool,
+    head: &mut Head,
 ) -> bool {
-    if state.secrets.brokers() && head.is_empty() {
+    if state.secrets.brokers() && head.bytes.is_empty() {
         let wait = Duration::from_millis(state.cfg().sniff_timeout_ms);
-        if let Some((name, tls)) = read_name(guest, head, wait).await {
+        if let Some((name, tls)) = read_name(guest, &mut head.bytes, wait).await {
             ev.name = name;
-            *sniffed_tls = tls;
+            head.tls = tls;
         }
     }
     // (A sandbox without brokered secrets asks nothing more of its secrets.)
     state.secrets.brokers()
         && !ev.name.is_empty()
-        && !state.secrets.headers_for(&ev.name, *sniffed_tls).is_empty()
+        && !state.secrets.headers_for(&ev.name, head.tls).is_empty()
 }
 
 /// Why the daemon's own connection to the guest's destination failed.
@@ -268,31 +263,56 @@ async fn connect(state: &NetState, dst: SocketAddr) -> Result<TcpStream, Connect
     }
 }
 
-/// Serve step (brokered): the secrets broker serves the connection; `ev` gets its outcome and
-/// byte counts.
-async fn serve_brokered(
+/// Serve step: brokered connections, and plain-HTTP ones allowed on their `Host`, request by
+/// request (so that a kept-alive connection cannot switch host after its first request); the
+/// others spliced. (TLS allowed on its SNI is spliced: what it carries inside is not seen.)
+pub(super) async fn serve_allowed(
     state: &Arc<NetState>,
     guest: TcpStream,
-    head: Vec<u8>,
+    head: Head,
     upstream: TcpStream,
-    sniffed_tls: bool,
+    brokered: bool,
+    ev: &mut EgressEvent,
+) {
+    let _ = upstream.set_nodelay(true);
+    let _ = guest.set_nodelay(true);
+    if brokered || (head.by_name && !head.tls) {
+        serve_http(state, guest, head, upstream, brokered, ev).await;
+    } else {
+        relay(guest, &head.bytes, upstream, ev).await;
+    }
+}
+
+/// Serve step (request by request): the HTTP relay serves the connection (the broker's,
+/// which adds its headers for the connection's name if it is `brokered`); `ev` gets its
+/// outcome and byte counts.
+async fn serve_http(
+    state: &Arc<NetState>,
+    guest: TcpStream,
+    head: Head,
+    upstream: TcpStream,
+    brokered: bool,
     ev: &mut EgressEvent,
 ) {
     let counts = Arc::new(super::broker::Counts::default());
-    let name = ev.name.clone();
+    let conn = super::http::Conn {
+        name: ev.name.clone(),
+        tls: head.tls,
+        pinned: head.by_name,
+    };
     let served = super::broker::serve(
         state.clone(),
         guest,
-        head,
+        head.bytes,
         upstream,
-        name,
-        sniffed_tls,
+        conn,
         counts.clone(),
     )
     .await;
+    let how = if brokered { "brokered" } else { "per request" };
     ev.verdict = match served {
-        Ok(()) => format!("{}; brokered", ev.verdict),
-        Err(e) => format!("{}; brokered: {e}", ev.verdict),
+        Ok(()) => format!("{}; {how}", ev.verdict),
+        Err(e) => format!("{}; {how}: {e}", ev.verdict),
     };
     ev.bytes_out = counts.from_guest.load(std::sync::atomic::Ordering::Relaxed);
     ev.bytes_in = counts.to_guest.load(std::sync::atomic::Ordering::Relaxed);
@@ -366,3 +386,6 @@ pub(super) async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf) -> u64
     let _ = to.shutdown().await;
     n
 }
+
+#[cfg(test)]
+mod tests;

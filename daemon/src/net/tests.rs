@@ -5,6 +5,8 @@ use std::os::fd::AsFd;
 
 use super::*;
 
+pub(super) mod loopback;
+
 fn rule(domain: &str, cidr: &str, ports: &[u32]) -> EgressRule {
     EgressRule {
         target: if domain.is_empty() {
@@ -42,6 +44,39 @@ fn egress(ceilings: &str) -> Egress {
         Arc::new(packages),
     )
     .unwrap()
+}
+
+/// A sandbox's network state for tests that serve connections on loopback: `policy`, and
+/// `secrets` (brokered ones among them).
+pub(super) fn state(policy: Policy, secrets: Vec<crate::secrets::Spec>) -> Arc<NetState> {
+    let egress = Arc::new(egress(""));
+    let id = format!("sb-test-{}", now_ms());
+    Arc::new(NetState {
+        packages: egress.packages.session("t", &id, pkg_policy(), false),
+        log: SandboxLog::new(egress.store.clone(), "t", &id, 100),
+        sandbox_id: id,
+        tenant: "t".into(),
+        policy: RwLock::new(Arc::new(policy)),
+        resolved: Mutex::new(HashMap::new()),
+        egress,
+        secrets: Arc::new(crate::secrets::SandboxSecrets::new(secrets)),
+    })
+}
+
+/// A secret brokered as `Authorization: Bearer VALUE` to `host` (plain HTTP only).
+pub(super) fn brokered(name: &str, value: &str, host: &str) -> crate::secrets::Spec {
+    crate::secrets::Spec {
+        name: name.into(),
+        value: value.to_owned().into(),
+        delivery: crate::secrets::Delivery::Broker(crate::secrets::Broker {
+            hosts: vec![airlock_egress::DomainPattern::parse(host).unwrap()],
+            host_names: vec![host.into()],
+            header: "authorization".into(),
+            format: "Bearer {value}".into(),
+            https: false,
+        }),
+        ttl: None,
+    }
 }
 
 #[test]
@@ -203,4 +238,10 @@ fn the_hosts_own_addresses_are_known() {
     for i in if_addrs::get_if_addrs().unwrap() {
         assert!(addrs.contains(i.ip()), "{i:?}");
     }
+}
+
+/// A package policy that allows nothing (the proxy's tests install nothing).
+fn pkg_policy() -> airlock_packages::policy::Policy {
+    let none = airlock_packages::policy::Parts::default();
+    airlock_packages::policy::Policy::combine(&none, &none, &[]).unwrap()
 }

@@ -1,0 +1,54 @@
+#![allow(clippy::unwrap_used)]
+
+use super::*;
+use crate::net::tests::loopback::{Upstream, exchange, pair};
+use crate::net::tests::state;
+
+/// A plain-HTTP connection the policy allowed on its first request's `Host` (`a.test`),
+/// served by the proxy to an echoing upstream on loopback: the guest's end, the upstream,
+/// and the connection's event once it ends.
+async fn allowed_by_name() -> (TcpStream, Upstream, tokio::task::JoinHandle<EgressEvent>) {
+    let st = state(
+        Policy::Rules(vec![Rule::domain("a.test", &[]).unwrap()]),
+        vec![],
+    );
+    let upstream = Upstream::start().await;
+    let (guest, ours) = pair().await;
+    let up = upstream.connect().await;
+    let head = Head {
+        bytes: b"GET /1 HTTP/1.1\r\nHost: a.test\r\n\r\n".to_vec(),
+        tls: false,
+        by_name: true,
+    };
+    let serving = tokio::spawn(async move {
+        let mut ev = EgressEvent {
+            name: "a.test".into(),
+            ..Default::default()
+        };
+        serve_allowed(&st, ours, head, up, false, &mut ev).await;
+        ev
+    });
+    (guest, upstream, serving)
+}
+
+#[tokio::test]
+async fn a_kept_alive_connection_allowed_by_its_host_cannot_switch_host() {
+    let (mut guest, upstream, serving) = allowed_by_name().await;
+    // The first request was read to decide; its answer, then one more for the same host.
+    assert!(exchange(&mut guest, "").await.starts_with("HTTP/1.1 200"));
+    let again = exchange(&mut guest, "GET /2 HTTP/1.1\r\nHost: a.test\r\n\r\n").await;
+    assert!(again.starts_with("HTTP/1.1 200"), "{again}");
+    let other = exchange(&mut guest, "GET /3 HTTP/1.1\r\nHost: b.test\r\n\r\n").await;
+    assert!(other.starts_with("HTTP/1.1 403"), "{other}");
+    assert!(other.contains("allowed for a.test, not b.test"), "{other}");
+    let heads = upstream.heads();
+    assert_eq!(heads.len(), 2, "{heads:?}");
+    assert!(
+        heads
+            .iter()
+            .all(|h| h.contains("host: a.test") || h.contains("Host: a.test"))
+    );
+    drop(guest);
+    let ev = serving.await.unwrap();
+    assert!(ev.bytes_out > 0 && ev.bytes_in > 0, "{ev:?}");
+}
