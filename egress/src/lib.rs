@@ -6,4 +6,5 @@ pub mod dns;
 pub mod policy;
 pub mod sniff;
 
+pub use ipnet::IpNet;
 pub use policy::{Allowance, Attempt, Denial, DomainPattern, Policy, PolicyError, Rule};

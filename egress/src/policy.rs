@@ -10,6 +10,8 @@
 //! allow-internet never opens them. Domain rules are decided on the name the connection states
 //! (TLS SNI, HTTP `Host`) *and* on the address the proxy resolved for that name itself, so a
 //! guest that lies in DNS, connects to a literal address or follows a CNAME gets nothing more.
+//! Addresses the caller marks never-reachable ([`Attempt::never`]: the daemon's cluster peers
+//! and etcd, the operator's list) are refused whatever the rules.
 
 use std::fmt;
 use std::net::IpAddr;
@@ -160,12 +162,8 @@ impl Rule {
     /// `cidr` (an address alone is a /32 or /128) with `ports` (empty: any).
     pub fn cidr(cidr: &str, ports: &[u16]) -> Result<Self, PolicyError> {
         check_ports(ports)?;
-        let net = cidr
-            .parse::<IpNet>()
-            .or_else(|_| cidr.parse::<IpAddr>().map(IpNet::from))
-            .map_err(|_| PolicyError::Cidr(cidr.to_owned()))?;
         Ok(Self::Cidr {
-            net: net.trunc(),
+            net: parse_net(cidr)?,
             ports: ports.to_vec(),
         })
     }
@@ -217,6 +215,9 @@ pub enum Denial {
     HostAddress(IpAddr),
     /// The connection named no host (no SNI, no `Host`) and no CIDR rule allows its address.
     NoName,
+    /// The address is out of every sandbox's reach (the cluster's peers, etcd, the operator's
+    /// list): no rule opens it.
+    Never(IpAddr),
     /// The name is allowed, but the proxy did not resolve it to this address.
     NotResolvedTo(String),
     /// No rule matches (name and port, or address and port).
@@ -238,6 +239,11 @@ impl fmt::Display for Denial {
                  exactly that address"
             ),
             Self::NoName => write!(f, "the connection names no host and no CIDR rule allows it"),
+            Self::Never(addr) => write!(
+                f,
+                "{addr} is out of every sandbox's reach (the cluster's own or the operator's \
+                 never-reachable addresses); no rule opens it"
+            ),
             Self::NotResolvedTo(name) => {
                 write!(f, "{name} does not resolve to this address")
             }
@@ -270,6 +276,9 @@ pub struct Attempt<'a> {
     /// `addr` is one of the host's own addresses (the caller knows its interfaces): guarded
     /// like a range of its own, a single address wide, whatever range it is in.
     pub host: bool,
+    /// `addr` is one the operator put out of every sandbox's reach (the cluster's peers and
+    /// etcd, a configured list): no rule of any kind opens it.
+    pub never: bool,
 }
 
 impl Policy {
@@ -291,6 +300,9 @@ impl Policy {
             Self::Rules(rules) => rules.as_slice(),
             Self::AllowInternet => &[],
         };
+        if attempt.never {
+            return Err(Denial::Never(addr));
+        }
         // A CIDR rule decides on the address alone; inside a guarded range only a rule that
         // lies inside that range counts (for the host's own address: that address alone).
         let own = attempt.host.then(|| IpNet::from(addr));
@@ -433,8 +445,17 @@ fn rule_covers(c: &Rule, r: &Rule) -> bool {
     }
 }
 
+/// A CIDR (an address alone is a /32 or /128), its host bits cleared.
+pub fn parse_net(cidr: &str) -> Result<IpNet, PolicyError> {
+    let net = cidr
+        .parse::<IpNet>()
+        .or_else(|_| cidr.parse::<IpAddr>().map(IpNet::from))
+        .map_err(|_| PolicyError::Cidr(cidr.to_owned()))?;
+    Ok(net.trunc())
+}
+
 /// IPv4-mapped IPv6 addresses are judged as the IPv4 address they carry.
-fn canonical(addr: IpAddr) -> IpAddr {
+pub fn canonical(addr: IpAddr) -> IpAddr {
     match addr {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
         v4 => v4,

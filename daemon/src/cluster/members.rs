@@ -115,6 +115,7 @@ impl Cluster {
         });
         let lease = me.register().await?;
         me.refresh_members().await?;
+        me.guard_endpoints().await;
         info!(node = %name, tag = %tag, "joined the cluster");
         tokio::spawn(me.clone().run(lease));
         tokio::spawn(me.clone().keep_manifests());
@@ -233,6 +234,7 @@ impl Cluster {
                 Ok(_) => {}
                 Err(e) => warn!("reading the cluster's nodes: {e}"),
             }
+            self.guard_endpoints().await;
             if reconciled.elapsed() >= RECONCILE_EVERY {
                 reconciled = Instant::now();
                 if let Err(e) = self.reconcile().await {
@@ -277,6 +279,15 @@ impl Cluster {
     /// Whether etcd, as last read, holds `record` as this node's.
     fn shows(&self, record: &NodeInfo) -> bool {
         lock(&self.members).nodes.get(&self.name) == Some(record)
+    }
+
+    /// Puts etcd's endpoints and every present node's address out of the sandboxes' reach
+    /// (`net::NeverReach`): a guest must not speak to the cluster's control plane.
+    async fn guard_endpoints(&self) {
+        let mut urls = self.cfg.etcd.clone();
+        urls.extend(self.nodes().into_iter().map(|n| n.address));
+        let egress = &self.daemon.sandboxes.egress;
+        egress.never_reach.set_cluster(urls).await;
     }
 
     /// The present nodes.

@@ -19,20 +19,22 @@
 mod broker;
 mod dns;
 mod expose;
+mod hosts;
 mod http;
 mod proxy;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+pub use hosts::{HostAddrs, NeverReach};
+
+use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Write as _};
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use airlock_api::v1::{EgressEvent, EgressRule, NetworkPolicy, egress_rule};
 use airlock_egress::{Policy, Rule};
 use serde::Deserialize;
-use tracing::warn;
 
 use crate::error::{ApiError, ApiResult, StartError};
 use crate::events::{self, Query, SandboxLog};
@@ -173,6 +175,10 @@ pub struct NetworkConfig {
     /// CAs (a PEM file) the proxy trusts, besides the public roots, when it speaks TLS to a
     /// host for a secret brokered over HTTPS (an internal API's CA).
     pub broker_upstream_ca: Option<PathBuf>,
+    /// Addresses and CIDRs no sandbox may reach whatever its policy (no rule opens them: not
+    /// even a CIDR rule of exactly that address), besides the cluster's etcd and peers, which
+    /// are never reachable in cluster mode: a control plane, a database, a bastion.
+    pub never_reach: Vec<String>,
 }
 
 impl Default for NetworkConfig {
@@ -193,6 +199,7 @@ impl Default for NetworkConfig {
             expose_default_ttl_s: 3600,
             expose_max_ttl_s: 24 * 3600,
             broker_upstream_ca: None,
+            never_reach: Vec::new(),
         }
     }
 }
@@ -285,50 +292,13 @@ pub struct Egress {
     metrics: Arc<Metrics>,
     /// The host's own addresses, which no policy opens but a CIDR rule of exactly one.
     pub host_addrs: HostAddrs,
+    /// Addresses no policy opens: `never_reach`, and the cluster's etcd and peers.
+    pub never_reach: NeverReach,
     /// The package proxy, which every sandbox reaches at its gateway whatever its egress
     /// policy (its own policy decides there).
     pub packages: Arc<crate::pkg::Packages>,
     /// The TLS client of secrets brokered over HTTPS.
     broker_tls: Arc<rustls::ClientConfig>,
-}
-
-/// The host's own addresses (of its interfaces, in the daemon's namespace), read again at
-/// most once every [`HostAddrs::REFRESH`], so that an address added later is guarded too.
-#[derive(Debug, Default)]
-pub struct HostAddrs {
-    read: Mutex<Option<(Instant, Arc<HashSet<IpAddr>>)>>,
-}
-
-impl HostAddrs {
-    const REFRESH: Duration = Duration::from_secs(1);
-
-    /// Whether `addr` (IPv4-mapped IPv6 judged as IPv4) is one of the host's addresses.
-    pub fn contains(&self, addr: IpAddr) -> bool {
-        let addr = match addr {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(addr, IpAddr::V4),
-            v4 => v4,
-        };
-        self.current().contains(&addr)
-    }
-
-    fn current(&self) -> Arc<HashSet<IpAddr>> {
-        let mut read = self.read.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((at, addrs)) = read.as_ref()
-            && at.elapsed() < Self::REFRESH
-        {
-            return addrs.clone();
-        }
-        let addrs = match if_addrs::get_if_addrs() {
-            Ok(ifs) => Arc::new(ifs.iter().map(if_addrs::Interface::ip).collect()),
-            Err(e) => {
-                // Keep what was read before: an error must not open the host's addresses.
-                warn!("reading the host's addresses: {e}");
-                read.as_ref().map(|(_, a)| a.clone()).unwrap_or_default()
-            }
-        };
-        *read = Some((Instant::now(), addrs.clone()));
-        addrs
-    }
 }
 
 impl Egress {
@@ -350,6 +320,8 @@ impl Egress {
             })?;
             ceilings.insert(tenant.clone(), p);
         }
+        let never_reach = NeverReach::new(&cfg.never_reach)
+            .map_err(|e| StartError::Setting(format!("[network] never_reach: {e}")))?;
         let broker_tls = broker::upstream_tls(cfg.broker_upstream_ca.as_deref())
             .map_err(|e| StartError::Setting(format!("[network] broker_upstream_ca: {e}")))?;
         Ok(Self {
@@ -360,6 +332,7 @@ impl Egress {
             store,
             metrics,
             host_addrs: HostAddrs::default(),
+            never_reach,
             packages,
         })
     }

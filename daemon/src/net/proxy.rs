@@ -181,6 +181,7 @@ async fn decide(
         resolved: &[],
         pinned: false,
         host: state.egress.host_addrs.contains(dst.ip()),
+        never: state.egress.never_reach.contains(dst.ip()),
     };
     match policy.check(&bare) {
         Err(d @ (Denial::NoName | Denial::Guarded(_) | Denial::HostAddress(_)))

@@ -19,10 +19,13 @@ fn rule(domain: &str, cidr: &str, ports: &[u32]) -> EgressRule {
 }
 
 fn egress(ceilings: &str) -> Egress {
+    // Tests run at once: each its own store.
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let dir = std::env::temp_dir().join(format!(
-        "airlock-net-test-{}-{}",
+        "airlock-net-test-{}-{}-{}",
         std::process::id(),
-        now_ms()
+        now_ms(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     std::fs::create_dir_all(&dir).unwrap();
     let store = Arc::new(Store::open(&dir.join("db")).unwrap());
@@ -50,7 +53,9 @@ fn egress(ceilings: &str) -> Egress {
 /// `secrets` (brokered ones among them).
 pub(super) fn state(policy: Policy, secrets: Vec<crate::secrets::Spec>) -> Arc<NetState> {
     let egress = Arc::new(egress(""));
-    let id = format!("sb-test-{}", now_ms());
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let id = format!("sb-test-{}-{n}", now_ms());
     Arc::new(NetState {
         packages: egress.packages.session("t", &id, pkg_policy(), false),
         log: SandboxLog::new(egress.store.clone(), "t", &id, 100),
@@ -244,4 +249,34 @@ fn the_hosts_own_addresses_are_known() {
 fn pkg_policy() -> airlock_packages::policy::Policy {
     let none = airlock_packages::policy::Parts::default();
     airlock_packages::policy::Policy::combine(&none, &none, &[]).unwrap()
+}
+
+#[tokio::test]
+async fn the_operators_and_the_clusters_addresses_are_never_reachable() {
+    let never = NeverReach::new(&["198.51.100.7".into(), "203.0.113.0/24".into()]).unwrap();
+    let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+    assert!(never.contains(ip("198.51.100.7")));
+    assert!(never.contains(ip("::ffff:203.0.113.9")), "IPv4-mapped");
+    assert!(!never.contains(ip("198.51.100.8")));
+    assert!(!never.contains(ip("192.0.2.10")));
+    never
+        .set_cluster(vec![
+            "http://192.0.2.10:2379".into(),
+            "https://[2001:db8::5]:7443".into(),
+            "http://localhost:2379".into(),
+            "not a url".into(),
+        ])
+        .await;
+    assert!(never.contains(ip("192.0.2.10")));
+    assert!(never.contains(ip("2001:db8::5")));
+    assert!(never.contains(ip("127.0.0.1")), "a name, resolved");
+    // A new list replaces the old one.
+    never
+        .set_cluster(vec!["http://192.0.2.11:2379".into()])
+        .await;
+    assert!(!never.contains(ip("192.0.2.10")));
+    assert!(never.contains(ip("192.0.2.11")));
+    assert!(NeverReach::new(&["10.0.0.0/33".into()]).is_err());
+    let cfg: NetworkConfig = toml::from_str("never_reach = [\"10.9.0.0/16\"]").unwrap();
+    assert_eq!(cfg.never_reach, ["10.9.0.0/16"]);
 }

@@ -19,6 +19,7 @@ fn attempt<'a>(
         resolved,
         pinned: false,
         host: false,
+        never: false,
     }
 }
 
@@ -335,4 +336,28 @@ fn the_hosts_own_public_address_is_opened_only_by_a_cidr_rule_of_that_address() 
             .to_string()
             .contains("the host itself")
     );
+}
+
+#[test]
+fn a_never_reachable_address_is_refused_whatever_the_policy() {
+    // 198.51.200.9 stands for an etcd endpoint or a cluster peer (or an operator-listed one).
+    let r = [ip("198.51.200.9")];
+    let never = |p: &Policy, name: Option<&str>, pinned: bool| {
+        p.check(&Attempt {
+            never: true,
+            pinned,
+            ..attempt("198.51.200.9", 2379, name, &r)
+        })
+    };
+    let denied = Err(Denial::Never(ip("198.51.200.9")));
+    assert_eq!(never(&Policy::AllowInternet, None, false), denied);
+    let exact = rules(&[Rule::cidr("198.51.200.9/32", &[]).unwrap()]);
+    assert_eq!(never(&exact, None, false), denied, "an exact CIDR rule");
+    let by_name = rules(&[Rule::domain("etcd.example", &[]).unwrap()]);
+    assert_eq!(
+        never(&by_name, Some("etcd.example"), true),
+        denied,
+        "an exact domain rule for a pinned name"
+    );
+    assert_eq!(never(&Policy::DenyAll, None, false), Err(Denial::DenyAll));
 }

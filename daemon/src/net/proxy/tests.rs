@@ -52,3 +52,21 @@ async fn a_kept_alive_connection_allowed_by_its_host_cannot_switch_host() {
     let ev = serving.await.unwrap();
     assert!(ev.bytes_out > 0 && ev.bytes_in > 0, "{ev:?}");
 }
+
+#[tokio::test]
+async fn a_never_reachable_address_is_refused_even_by_a_cidr_rule_of_exactly_it() {
+    // 127.0.0.1 stands for an etcd endpoint of the cluster (the host's own address too).
+    let st = state(
+        Policy::Rules(vec![Rule::cidr("127.0.0.1", &[]).unwrap()]),
+        vec![],
+    );
+    st.egress
+        .never_reach
+        .set_cluster(vec!["http://127.0.0.1:2379".into()])
+        .await;
+    let (_guest, mut ours) = pair().await;
+    let dst: SocketAddr = "127.0.0.1:2379".parse().unwrap();
+    let (mut ev, mut head) = (EgressEvent::default(), Head::default());
+    let verdict = decide(&st, &mut ours, dst, &mut ev, &mut head).await;
+    assert_eq!(verdict, Err(Denial::Never(dst.ip())));
+}
