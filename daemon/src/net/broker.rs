@@ -11,20 +11,14 @@
 //! ([`super::http`]: one `Host`, no absolute-form URI for another host, no `TRACE`); one whose
 //! `Host` is not the name the connection was decided on gets no header, and on a connection
 //! allowed by that name it is refused. The answer to a request that got a header is stripped
-//! of every form of the sandbox's secret values ([`strip_echoes`]).
+//! of every form of the sandbox's secret values ([`super::inject`]).
 
-use std::borrow::Cow;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
-use http_body_util::BodyExt;
-use hyper::body::{Frame, Incoming};
-use hyper::header::{HeaderName, HeaderValue};
-use hyper::{Request, Response};
 use rustls::pki_types::ServerName;
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
@@ -32,8 +26,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::NetState;
-use super::http::{Body, Conn, HttpError};
-use crate::secrets::redact::{Patterns, StreamRedactor};
+use super::http::{Conn, HttpError};
 
 /// Why a brokered connection stopped early (the proxy's event shows it).
 #[derive(Debug, thiserror::Error)]
@@ -134,128 +127,6 @@ pub(super) async fn serve(
             source,
         })?;
     Ok(super::http::relay(state, guest, upstream, conn).await?)
-}
-
-/// Adds the brokered headers for `name` to `req` if its `host` is `name` (and audits their
-/// use); the patterns to strip from its answer, if it got any.
-pub(super) fn add_headers<B>(
-    state: &NetState,
-    req: &mut Request<B>,
-    host: &str,
-    name: &str,
-    tls: bool,
-) -> Option<Arc<Patterns>> {
-    if host != name {
-        return None;
-    }
-    let mut used = Vec::new();
-    for (header, value, secret) in state.secrets.headers_for(name, tls) {
-        let (Ok(h), Ok(mut v)) = (
-            HeaderName::from_bytes(header.as_bytes()),
-            HeaderValue::from_str(&value),
-        ) else {
-            continue;
-        };
-        v.set_sensitive(true);
-        // The guest's own value for the header goes: the secret's replaces it.
-        req.headers_mut().insert(h, v);
-        used.push(secret);
-    }
-    if used.is_empty() {
-        return None;
-    }
-    // An answer that echoes the request is stripped of the secret below: it must come
-    // uncompressed for that.
-    req.headers_mut().insert(
-        hyper::header::ACCEPT_ENCODING,
-        HeaderValue::from_static("identity"),
-    );
-    crate::audit::emit(
-        &state.tenant,
-        crate::audit::Kind::SecretUse,
-        &state.sandbox_id,
-        "",
-        serde_json::json!({
-            "names": used,
-            "by": "broker",
-            "host": name,
-            "https": tls,
-            "method": req.method().as_str(),
-        }),
-    );
-    Some(state.secrets.patterns())
-}
-
-/// The answer to a request that carried secrets, with every form of the sandbox's secret
-/// values replaced in its headers and (as it streams) in its body: an upstream that echoes
-/// the request (a debugging endpoint, an error page) must not hand the value to the guest.
-/// A body with a `Content-Encoding` the upstream chose in spite of `identity` goes as it is.
-pub(super) fn strip_echoes(resp: Response<Incoming>, patterns: Arc<Patterns>) -> Response<Body> {
-    let (mut parts, body) = resp.into_parts();
-    for value in parts.headers.values_mut() {
-        if let Cow::Owned(clean) = patterns.redact(value.as_bytes()) {
-            *value = HeaderValue::from_bytes(&clean)
-                .unwrap_or_else(|_| HeaderValue::from_static("[REDACTED]"));
-        }
-    }
-    let encoded = parts
-        .headers
-        .get(hyper::header::CONTENT_ENCODING)
-        .is_some_and(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity"));
-    if encoded {
-        return Response::from_parts(parts, body.boxed());
-    }
-    // The length changes with every replacement: the body goes chunked.
-    parts.headers.remove(hyper::header::CONTENT_LENGTH);
-    let body = Redacted {
-        inner: body,
-        redactor: Some(StreamRedactor::new(patterns)),
-    };
-    Response::from_parts(parts, body.boxed())
-}
-
-/// A body with the secrets' forms replaced as it streams.
-struct Redacted {
-    inner: Incoming,
-    /// `None` once the end was released.
-    redactor: Option<StreamRedactor>,
-}
-
-impl hyper::body::Body for Redacted {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = &mut *self;
-        loop {
-            let Some(redactor) = this.redactor.as_mut() else {
-                return Poll::Ready(None);
-            };
-            match std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => {
-                        let out = redactor.push(&data);
-                        if !out.is_empty() {
-                            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(out)))));
-                        }
-                    }
-                    // Trailers end the body: what is held back goes before them (dropped).
-                    Err(_) => {}
-                },
-                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
-                None => {
-                    let rest = redactor.finish();
-                    this.redactor = None;
-                    if !rest.is_empty() {
-                        return Poll::Ready(Some(Ok(Frame::data(Bytes::from(rest)))));
-                    }
-                }
-            }
-        }
-    }
 }
 
 /// The one certificate of a brokered connection (its name's, from the sandbox's CA).

@@ -1,6 +1,6 @@
 //! The proxy's HTTP/1.1 relay: the connections it serves request by request instead of
-//! splicing them — brokered ones ([`super::broker`] adds its headers to the requests for its
-//! host) and plain-HTTP ones that were allowed on the `Host` they stated (a domain rule), so
+//! splicing them — brokered ones (their headers added to the requests for their host, echoes of
+//! their values stripped from the answers: [`super::inject`]) and plain-HTTP ones that were allowed on the `Host` they stated (a domain rule), so
 //! that a kept-alive connection cannot switch to another host after its first request.
 //!
 //! Every request is normalised and checked before anything of it goes upstream: `TRACE` and
@@ -15,7 +15,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::header::{HOST, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode, Uri};
@@ -23,8 +23,7 @@ use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::NetState;
-
-pub(super) type Body = BoxBody<Bytes, hyper::Error>;
+use super::inject::Body;
 type Sender = tokio::sync::Mutex<hyper::client::conn::http1::SendRequest<Incoming>>;
 
 /// A connection the relay serves: the name it was decided on, whether the guest speaks TLS
@@ -116,7 +115,7 @@ async fn answer(
         Ok(h) => h,
         Err(refusal) => return refused(&refusal),
     };
-    let used = super::broker::add_headers(state, &mut req, &host, &conn.name, conn.tls);
+    let used = super::inject::add_headers(state, &mut req, &host, &conn.name, conn.tls);
     let guest_upgrade = hyper::upgrade::on(&mut req);
     let mut resp = match send(sender, req).await {
         Ok(resp) => resp,
@@ -131,7 +130,7 @@ async fn answer(
         join_upgrades(guest_upgrade, hyper::upgrade::on(&mut resp));
     }
     match used {
-        Some(patterns) => super::broker::strip_echoes(resp, patterns),
+        Some(patterns) => super::inject::strip_echoes(resp, patterns),
         None => resp.map(BodyExt::boxed),
     }
 }

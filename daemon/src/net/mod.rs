@@ -21,6 +21,7 @@ mod dns;
 mod expose;
 mod hosts;
 mod http;
+mod inject;
 mod proxy;
 
 pub use hosts::{HostAddrs, NeverReach};

@@ -70,3 +70,56 @@ async fn a_never_reachable_address_is_refused_even_by_a_cidr_rule_of_exactly_it(
     let verdict = decide(&st, &mut ours, dst, &mut ev, &mut head).await;
     assert_eq!(verdict, Err(Denial::Never(dst.ip())));
 }
+
+/// An upstream that switches every connection's protocol to a raw echo.
+async fn upgrading_upstream() -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut b = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") && s.read(&mut b).await.unwrap() == 1 {
+            head.push(b[0]);
+        }
+        let ok = "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n";
+        s.write_all(ok.as_bytes()).await.unwrap();
+        let (mut r, mut w) = s.into_split();
+        let _ = tokio::io::copy(&mut r, &mut w).await;
+    });
+    addr
+}
+
+#[tokio::test]
+async fn an_upgrade_on_a_connection_allowed_by_its_host_still_works() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let st = state(
+        Policy::Rules(vec![Rule::domain("a.test", &[]).unwrap()]),
+        vec![],
+    );
+    let up = TcpStream::connect(upgrading_upstream().await)
+        .await
+        .unwrap();
+    let (mut guest, ours) = pair().await;
+    let head = Head {
+        bytes: b"GET /ws HTTP/1.1\r\nHost: a.test\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n"
+            .to_vec(),
+        tls: false,
+        by_name: true,
+    };
+    tokio::spawn(async move {
+        let mut ev = EgressEvent {
+            name: "a.test".into(),
+            ..Default::default()
+        };
+        serve_allowed(&st, ours, head, up, false, &mut ev).await;
+    });
+    let switched = exchange(&mut guest, "").await;
+    assert!(switched.starts_with("HTTP/1.1 101"), "{switched}");
+    guest.write_all(b"ping").await.unwrap();
+    let mut back = [0u8; 4];
+    let read = tokio::time::timeout(Duration::from_secs(5), guest.read_exact(&mut back));
+    read.await.unwrap().unwrap();
+    assert_eq!(&back, b"ping");
+}

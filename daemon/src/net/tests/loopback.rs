@@ -103,6 +103,8 @@ async fn response(guest: &mut TcpStream) -> String {
                     .and_then(|v| v.trim().parse::<usize>().ok())
             });
             let done = match length {
+                // Switching protocols: what follows is not this response's.
+                _ if head.starts_with("http/1.1 101") => true,
                 Some(n) => buf.len() >= end + 4 + n,
                 None if head.contains("transfer-encoding: chunked") => {
                     buf.ends_with(b"\r\n0\r\n\r\n") || buf.ends_with(b"\r\n\r\n0\r\n\r\n")
