@@ -19,6 +19,10 @@ fn rule(domain: &str, cidr: &str, ports: &[u32]) -> EgressRule {
 }
 
 fn egress(ceilings: &str) -> Egress {
+    egress_with(NetworkConfig::default(), ceilings)
+}
+
+fn egress_with(cfg: NetworkConfig, ceilings: &str) -> Egress {
     // Tests run at once: each its own store.
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let dir = std::env::temp_dir().join(format!(
@@ -39,20 +43,22 @@ fn egress(ceilings: &str) -> Egress {
         metrics.clone(),
     )
     .unwrap();
-    Egress::new(
-        NetworkConfig::default(),
-        &tenants,
-        store,
-        metrics,
-        Arc::new(packages),
-    )
-    .unwrap()
+    Egress::new(cfg, &tenants, store, metrics, Arc::new(packages)).unwrap()
 }
 
 /// A sandbox's network state for tests that serve connections on loopback: `policy`, and
 /// `secrets` (brokered ones among them).
 pub(super) fn state(policy: Policy, secrets: Vec<crate::secrets::Spec>) -> Arc<NetState> {
-    let egress = Arc::new(egress(""));
+    state_with(NetworkConfig::default(), policy, secrets)
+}
+
+/// [`state`] under the settings `cfg`.
+pub(super) fn state_with(
+    cfg: NetworkConfig,
+    policy: Policy,
+    secrets: Vec<crate::secrets::Spec>,
+) -> Arc<NetState> {
+    let egress = Arc::new(egress_with(cfg, ""));
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let id = format!("sb-test-{}-{n}", now_ms());

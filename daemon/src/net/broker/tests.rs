@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::net::tests::loopback::{Upstream, exchange, pair};
-use crate::net::tests::{brokered, state};
+use crate::net::tests::{brokered, state, state_with};
 
 const SECRET: &str = "s3cr3t-token-4711";
 
@@ -30,6 +30,91 @@ async fn brokered_connection() -> (TcpStream, Upstream) {
         counts,
     ));
     (guest, upstream)
+}
+
+/// A brokered HTTPS connection for `api.test`, allowed by that name (`pinned`), through the
+/// broker (the guest trusting the sandbox's CA) to an echoing TLS upstream on loopback whose
+/// certificate the broker trusts through `broker_upstream_ca`: the guest's TLS session, and
+/// the upstream.
+async fn brokered_https_connection() -> (tokio_rustls::client::TlsStream<TcpStream>, Upstream) {
+    let dir = std::env::temp_dir().join(format!("airlock-broker-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let upstream_ca = crate::secrets::ca::SandboxCa::new("upstream").unwrap();
+    let ca_file = dir.join(format!("upstream-{}.pem", crate::net::now_ms()));
+    std::fs::write(&ca_file, upstream_ca.pem()).unwrap();
+    let cfg = crate::net::NetworkConfig {
+        broker_upstream_ca: Some(ca_file),
+        ..Default::default()
+    };
+    let mut secret = brokered("API_KEY", SECRET, "api.test");
+    if let crate::secrets::Delivery::Broker(b) = &mut secret.delivery {
+        b.https = true;
+    }
+    let st = state_with(cfg, airlock_egress::Policy::AllowInternet, vec![secret]);
+    let sandbox_ca = Arc::new(crate::secrets::ca::SandboxCa::new("sb").unwrap());
+    st.secrets.set_ca(sandbox_ca.clone());
+    let upstream = Upstream::start_tls(tls_server(&upstream_ca)).await;
+    let (guest, ours) = pair().await;
+    let up = upstream.connect().await;
+    let conn = crate::net::http::Conn {
+        name: "api.test".into(),
+        tls: true,
+        pinned: true,
+    };
+    tokio::spawn(serve(
+        st,
+        ours,
+        Vec::new(),
+        up,
+        conn,
+        Arc::new(Counts::default()),
+    ));
+    (tls_client(&sandbox_ca, guest).await, upstream)
+}
+
+fn tls_server(ca: &crate::secrets::ca::SandboxCa) -> rustls::ServerConfig {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(OneCert(ca.leaf("api.test").unwrap())))
+}
+
+/// The guest's TLS session to `api.test`, trusting `ca` alone.
+async fn tls_client(
+    ca: &crate::secrets::ca::SandboxCa,
+    s: TcpStream,
+) -> tokio_rustls::client::TlsStream<TcpStream> {
+    use rustls::pki_types::pem::PemObject as _;
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls::pki_types::CertificateDer::from_pem_slice(ca.pem().as_bytes()).unwrap())
+        .unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let name = ServerName::try_from("api.test").unwrap();
+    tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect(name, s)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn https_inside_a_terminated_connection_is_checked_per_request() {
+    let (mut guest, upstream) = brokered_https_connection().await;
+    let resp = exchange(&mut guest, "GET /x HTTP/1.1\r\nHost: api.test\r\n\r\n").await;
+    assert!(status(&resp).contains("200"), "{resp}");
+    assert!(!resp.contains(SECRET), "{resp}");
+    assert!(upstream.heads()[0].contains(&format!("Bearer {SECRET}")));
+    // Domain fronting inside the terminated session: refused, nothing sent.
+    let other = exchange(&mut guest, "GET /y HTTP/1.1\r\nHost: other.test\r\n\r\n").await;
+    assert!(status(&other).contains("403"), "{other}");
+    assert_eq!(upstream.heads().len(), 1, "{:?}", upstream.heads());
 }
 
 fn status(resp: &str) -> &str {

@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 /// Both ends of one loopback connection: (the guest's, the proxy's).
@@ -25,13 +25,32 @@ pub struct Upstream {
 
 impl Upstream {
     pub async fn start() -> Self {
+        Self::start_with(None).await
+    }
+
+    /// One that speaks TLS with `tls`'s certificate.
+    pub async fn start_tls(tls: rustls::ServerConfig) -> Self {
+        Self::start_with(Some(tokio_rustls::TlsAcceptor::from(Arc::new(tls)))).await
+    }
+
+    async fn start_with(tls: Option<tokio_rustls::TlsAcceptor>) -> Self {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let heads = Arc::new(Mutex::new(Vec::new()));
         let h = heads.clone();
         tokio::spawn(async move {
             while let Ok((s, _)) = l.accept().await {
-                tokio::spawn(echo(s, h.clone()));
+                let (h, tls) = (h.clone(), tls.clone());
+                tokio::spawn(async move {
+                    match tls {
+                        Some(t) => {
+                            if let Ok(s) = t.accept(s).await {
+                                echo(s, h).await;
+                            }
+                        }
+                        None => echo(s, h).await,
+                    }
+                });
             }
         });
         Self { addr, heads }
@@ -47,7 +66,7 @@ impl Upstream {
 }
 
 /// Answers each request (bodies are not expected) with its `Authorization` echoed.
-async fn echo(mut s: TcpStream, heads: Arc<Mutex<Vec<String>>>) {
+async fn echo<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, heads: Arc<Mutex<Vec<String>>>) {
     let mut buf = Vec::new();
     loop {
         let Some(end) = find(&buf, b"\r\n\r\n") else {
@@ -86,13 +105,13 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 
 /// Sends `request` on `guest` and reads one whole response (by its `Content-Length`, or
 /// chunked to its last chunk, or to the connection's end); "" if none came in 5 s.
-pub async fn exchange(guest: &mut TcpStream, request: &str) -> String {
+pub async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(guest: &mut S, request: &str) -> String {
     guest.write_all(request.as_bytes()).await.unwrap();
     let read = tokio::time::timeout(Duration::from_secs(5), response(guest));
     read.await.unwrap_or_default()
 }
 
-async fn response(guest: &mut TcpStream) -> String {
+async fn response<S: AsyncRead + Unpin>(guest: &mut S) -> String {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
     loop {
