@@ -27,12 +27,14 @@ use super::inject::Body;
 type Sender = tokio::sync::Mutex<hyper::client::conn::http1::SendRequest<Incoming>>;
 
 /// A connection the relay serves: the name it was decided on, whether the guest speaks TLS
-/// (terminated by the broker), and whether every request must be for that name.
-#[derive(Debug, Clone)]
+/// (terminated by the broker), and whether every request must be for that name; `refused`
+/// gets the refusal that ended it, if one did (for its egress event).
+#[derive(Debug, Clone, Default)]
 pub(super) struct Conn {
     pub name: String,
     pub tls: bool,
     pub pinned: bool,
+    pub refused: Arc<std::sync::OnceLock<String>>,
 }
 
 /// Why a relayed connection stopped early.
@@ -113,7 +115,10 @@ async fn answer(
 ) -> Response<Body> {
     let host = match normalise(&mut req, &conn.name, conn.pinned) {
         Ok(h) => h,
-        Err(refusal) => return refused(&refusal),
+        Err(refusal) => {
+            let _ = conn.refused.set(refusal.to_string());
+            return refused(&refusal);
+        }
     };
     let used = super::inject::add_headers(state, &mut req, &host, &conn.name, conn.tls);
     let guest_upgrade = hyper::upgrade::on(&mut req);

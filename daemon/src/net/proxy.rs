@@ -300,7 +300,9 @@ async fn serve_http(
         name: ev.name.clone(),
         tls: head.tls,
         pinned: head.by_name,
+        ..Default::default()
     };
+    let refused = conn.refused.clone();
     let served = super::broker::serve(
         state.clone(),
         guest,
@@ -310,10 +312,12 @@ async fn serve_http(
         counts.clone(),
     )
     .await;
-    let how = if brokered { "brokered" } else { "per request" };
-    ev.verdict = match served {
-        Ok(()) => format!("{}; {how}", ev.verdict),
-        Err(e) => format!("{}; {how}: {e}", ev.verdict),
+    // (A connection relayed per request without a secret keeps its verdict: the rule.)
+    let how = if brokered { "; brokered" } else { "" };
+    ev.verdict = match (served, refused.get()) {
+        (Err(e), _) => format!("{}{how}; stopped: {e}", ev.verdict),
+        (Ok(()), Some(r)) => format!("{}{how}; a request refused: {r}", ev.verdict),
+        (Ok(()), None) => format!("{}{how}", ev.verdict),
     };
     ev.bytes_out = counts.from_guest.load(std::sync::atomic::Ordering::Relaxed);
     ev.bytes_in = counts.to_guest.load(std::sync::atomic::Ordering::Relaxed);

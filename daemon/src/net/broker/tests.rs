@@ -24,8 +24,7 @@ async fn brokered_connection() -> (TcpStream, Upstream) {
         up,
         crate::net::http::Conn {
             name: "api.test".into(),
-            tls: false,
-            pinned: false,
+            ..Default::default()
         },
         counts,
     ));
@@ -60,6 +59,7 @@ async fn brokered_https_connection() -> (tokio_rustls::client::TlsStream<TcpStre
         name: "api.test".into(),
         tls: true,
         pinned: true,
+        ..Default::default()
     };
     tokio::spawn(serve(
         st,

@@ -51,6 +51,11 @@ async fn a_kept_alive_connection_allowed_by_its_host_cannot_switch_host() {
     drop(guest);
     let ev = serving.await.unwrap();
     assert!(ev.bytes_out > 0 && ev.bytes_in > 0, "{ev:?}");
+    assert!(
+        ev.verdict
+            .ends_with("; a request refused: this connection was allowed for a.test, not b.test"),
+        "{ev:?}"
+    );
 }
 
 #[tokio::test]
