@@ -1,26 +1,56 @@
 //! A hostile tenant (and a careless operator) against the shared daemon, the cheap checks of
 //! the security review together: a second daemon sharing a part of the first is refused and
 //! kills nothing; a create refused at admission leaves no trace of its secret; the daemon
-//! dumps no core; a symlink does not export a denied file under another name.
+//! dumps no core; a symlink does not export a denied file under another name; the broker
+//! refuses a request with two `Host` headers before its secret goes anywhere; the E2B gateway
+//! closes a socket that never speaks and refuses a declared 1 GiB body without reading it.
 //! Each part's own tests go further (daemon/src/instance.rs, lifecycle_tests.rs).
 #![allow(clippy::unwrap_used)] // a failed step is a failed test
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use airlock_api::v1::{
     CreateSandboxRequest, GetSandboxRequest, ListSandboxesRequest, ReadFileRequest, Secret,
-    SecretEnv, secret,
+    SecretBroker, SecretEnv, secret,
 };
 use airlock_system_tests::harness::{cgroups_left, read_all, reason, run};
 use airlock_system_tests::shared::{Shared, scenario};
 use airlock_system_tests::{binary, kernel, rootfs};
 
+#[path = "egress/upstream.rs"]
+mod upstream;
+
 const TOKEN: &str = "hostile-test-token-mallory";
-const CONFIG: &str = "pool_size = 1\n\
-    [tenants.mallory]\ntokens = [\"hostile-test-token-mallory\"]\n\
-    [tenants.mallory.quota]\nmax_sandboxes = 1\n";
+
+/// The shared daemon's settings: short listener timeouts, the upstream's host map and CA
+/// (`egress/upstream.rs`), a tenant at one sandbox, an E2B gateway on a port of its own.
+fn config() -> &'static str {
+    static CONFIG: OnceLock<String> = OnceLock::new();
+    CONFIG.get_or_init(|| {
+        format!(
+            "idle_timeout_ms = 1500\ntls_handshake_timeout_ms = 1000\n{}\n\
+             [tenants.mallory]\ntokens = [\"{TOKEN}\"]\n\
+             [tenants.mallory.quota]\nmax_sandboxes = 1\n\
+             [e2b]\nlisten = \"{}\"\ndomain = \"e2b.hostile.test\"\n",
+            upstream::config(upstream::upstream()),
+            gateway_addr()
+        )
+    })
+}
+
+/// The E2B gateway's address (a free loopback port, picked once).
+fn gateway_addr() -> SocketAddr {
+    static ADDR: OnceLock<SocketAddr> = OnceLock::new();
+    *ADDR.get_or_init(|| {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+    })
+}
 
 /// A second `airlockd` with `data_dir`, `socket`, `cgroup_parent` and uid range: how it ended
 /// (it must not start) and its log.
@@ -100,7 +130,7 @@ fn vmm_pids(parent: &str) -> Vec<(PathBuf, String)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_daemon_sharing_any_part_is_refused_and_kills_nothing() {
-    let (_guard, s) = scenario(CONFIG).await;
+    let (_guard, s) = scenario(config()).await;
     let before = vmm_pids(&s.cgroup_parent);
     assert!(
         !before.is_empty(),
@@ -163,7 +193,7 @@ async fn a_second_daemon_sharing_any_part_is_refused_and_kills_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_create_refused_by_the_quota_leaves_no_trace_of_its_secret() {
-    let (_guard, s) = scenario(CONFIG).await;
+    let (_guard, s) = scenario(config()).await;
     s.clean(&[TOKEN]).await;
     let mut c = s.client(Some(TOKEN)).await;
     let first = c
@@ -204,7 +234,7 @@ async fn a_create_refused_by_the_quota_leaves_no_trace_of_its_secret() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_daemon_holding_the_secrets_dumps_no_core() {
-    let (_guard, s) = scenario(CONFIG).await;
+    let (_guard, s) = scenario(config()).await;
     let limits = std::fs::read_to_string(format!("/proc/{}/limits", s.pid)).unwrap();
     let core = limits
         .lines()
@@ -216,7 +246,7 @@ async fn the_daemon_holding_the_secrets_dumps_no_core() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_symlink_does_not_export_a_denied_file_under_another_name() {
-    let (_guard, s) = scenario(CONFIG).await;
+    let (_guard, s) = scenario(config()).await;
     s.clean(&[TOKEN]).await;
     let mut c = s.client(Some(TOKEN)).await;
     let sb = c
@@ -251,4 +281,53 @@ async fn a_symlink_does_not_export_a_denied_file_under_another_name() {
     c.destroy_sandbox(airlock_api::v1::DestroySandboxRequest { sandbox_id: sb.id })
         .await
         .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_refuses_a_second_host_header_before_the_secret_goes_anywhere() {
+    let (_guard, s) = scenario(config()).await;
+    s.clean(&[TOKEN]).await;
+    let up = upstream::upstream();
+    let value = format!("hostile-broker-{}", std::process::id());
+    let mut c = s.client(Some(TOKEN)).await;
+    let sb = c
+        .create_sandbox(CreateSandboxRequest {
+            network: Some(upstream::domains(&["allowed.test"], &[80])),
+            secrets: vec![Secret {
+                name: "API".into(),
+                value: value.clone(),
+                delivery: Some(secret::Delivery::Broker(SecretBroker {
+                    hosts: vec!["allowed.test".into()],
+                    ..Default::default()
+                })),
+                ttl_s: 0,
+            }],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let seen = up.seen();
+    // bash's /dev/tcp: a guest's Python start takes tens of seconds on nested hosts.
+    let script = "exec 3<>/dev/tcp/allowed.test/80 && \
+        printf 'GET /twice HTTP/1.1\\r\\nHost: allowed.test\\r\\nHost: denied.test\\r\\n\\r\\n' >&3 && \
+        head -c 12 <&3";
+    let (out, err, _) = run(&mut c, &sb.id, &["bash", "-c", script]).await;
+    assert_eq!(out, "HTTP/1.1 400", "{err}\n{}", s.log_tail());
+    assert_eq!(up.seen(), seen, "nothing reached the upstream");
+    assert!(!up.seen().contains(&value));
+    c.destroy_sandbox(airlock_api::v1::DestroySandboxRequest { sandbox_id: sb.id })
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_closes_a_silent_socket_and_refuses_a_1_gib_body() {
+    let (_guard, s) = scenario(config()).await;
+    airlock_system_tests::limits::gateway_closes_idle_and_refuses_huge_bodies(
+        gateway_addr(),
+        false,
+        Duration::from_secs(3),
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", s.log_tail()));
 }

@@ -1,5 +1,6 @@
-//! The upstream of the egress, broker, tools and restart tests: a network namespace the test
-//! process makes (`airlock-up-egress`, `-broker`, `-tools` or `-restart`, after the test binary, reached from the host over
+//! The upstream of the egress, broker, tools, restart and hostile tests: a network namespace
+//! the test process makes (`airlock-up-egress`, `-broker`, `-tools`, `-restart` or `-hostile`,
+//! after the test binary, reached from the host over
 //! a veth pair on a /30 of its own: the binaries may run at the same time), where a Python
 //! HTTP/HTTPS server of the test listens on [`UPSTREAM`] and logs what reaches it; the daemon's
 //! static host map names it (`allowed.test`, `denied.test`, `a.wild.test`). Under `/git/` it
@@ -17,18 +18,31 @@ use airlock_system_tests::harness::{Client, run_as};
 use airlock_system_tests::shared::Shared;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
 
-/// Which test binary this is (egress, broker, tools, restart): each has its own names and
+/// Which test binary this is (egress, broker, tools, restart, hostile): each has its own names and
 /// /30, so that they may run at the same time.
 const INDEX: usize = match env!("CARGO_CRATE_NAME").as_bytes()[0] {
     b'b' => 1,
     b't' => 2,
     b'r' => 3,
+    b'h' => 4,
     _ => 0,
 };
 pub const NS: &str = concat!("airlock-up-", env!("CARGO_CRATE_NAME"));
 pub const VETH: &str = concat!("al-up-", env!("CARGO_CRATE_NAME"));
-pub const HOST_SIDE: &str = ["10.213.0.1", "10.213.0.5", "10.213.0.9", "10.213.0.13"][INDEX];
-pub const UPSTREAM: &str = ["10.213.0.2", "10.213.0.6", "10.213.0.10", "10.213.0.14"][INDEX];
+pub const HOST_SIDE: &str = [
+    "10.213.0.1",
+    "10.213.0.5",
+    "10.213.0.9",
+    "10.213.0.13",
+    "10.213.0.17",
+][INDEX];
+pub const UPSTREAM: &str = [
+    "10.213.0.2",
+    "10.213.0.6",
+    "10.213.0.10",
+    "10.213.0.14",
+    "10.213.0.18",
+][INDEX];
 
 /// The daemon's settings: the static host map (`UPSTREAM_ADDRESS` replaced by [`UPSTREAM`]),
 /// and the test CA as the broker's upstream CA (after `[network] broker_upstream_ca = "..."`,
