@@ -279,15 +279,19 @@ pub fn registries() -> &'static Registries {
     })
 }
 
+/// The registries are on loopback, an address the package proxy connects to only where a
+/// registry's `private_addresses` opens it.
+const LO: &str = "private_addresses = [\"127.0.0.1/32\"]\n";
+
 impl Registries {
     pub fn config(&self) -> String {
         format!(
             "pool_size = 1\n\
              [packages]\nmax_index_mib = 2\n\
-             [packages.registries.pypi]\nkind = \"pypi\"\nurl = \"http://127.0.0.1:{}/simple/\"\n\
-             [packages.registries.mirror]\nkind = \"pypi\"\nurl = \"http://127.0.0.1:{}/simple/\"\n\
-             [packages.registries.npm]\nkind = \"npm\"\nurl = \"http://127.0.0.1:{}/\"\n\
-             [packages.registries.debian]\nkind = \"debian\"\n\
+             [packages.registries.pypi]\nkind = \"pypi\"\nurl = \"http://127.0.0.1:{}/simple/\"\n{LO}\
+             [packages.registries.mirror]\nkind = \"pypi\"\nurl = \"http://127.0.0.1:{}/simple/\"\n{LO}\
+             [packages.registries.npm]\nkind = \"npm\"\nurl = \"http://127.0.0.1:{}/\"\n{LO}\
+             [packages.registries.debian]\nkind = \"debian\"\n{LO}\
              url = \"http://127.0.0.1:{}/debian/\"\nkeyring = {:?}\n",
             self.pypi_port,
             self.mirror_port,

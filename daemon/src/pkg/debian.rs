@@ -16,7 +16,7 @@
 //! source is `[trusted=yes]`): the signature check that matters happens here, against keys
 //! the operator chose, and the guest cannot reach another source.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,7 +27,7 @@ use hyper::{Response, StatusCode};
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncWriteExt as _;
 
-use super::files::file;
+use super::files::listed_file;
 use super::http::{FetchError, cached_or_fetch, get_bounded};
 use super::respond::{Body, event, fail, respond, stream, upstream_failed};
 use super::{FileRef, Kind, MAX_REFS, Packages, Registry, Session};
@@ -40,11 +40,57 @@ pub(super) struct State {
     /// Verified InRelease bodies by (registry, SHA-256), with their signed text: not verified
     /// twice.
     verified: HashMap<(String, String), (Arc<Release>, Arc<str>)>,
-    /// Packages indexes read, by (registry, digest key).
-    read: HashSet<(String, String)>,
-    /// `pool/...` paths by (registry, path): the digest key their index states.
-    pool: HashMap<(String, String), String>,
+    /// What the `Packages` indexes read list, by (registry, digest key); past [`MAX_REFS`]
+    /// files in all, the least recently read are forgotten first (and read again from the
+    /// cache when a sandbox that read one asks for a file of it).
+    listings: HashMap<(String, String), Arc<Listing>>,
+    order: VecDeque<(String, String)>,
+    listed: usize,
 }
+
+impl State {
+    fn listing(&mut self, id: &(String, String)) -> Option<Arc<Listing>> {
+        let l = self.listings.get(id)?.clone();
+        if let Some(at) = self.order.iter().position(|o| o == id) {
+            self.order.remove(at);
+        }
+        self.order.push_back(id.clone());
+        Some(l)
+    }
+
+    fn keep(&mut self, id: (String, String), l: Arc<Listing>) {
+        if self.listings.contains_key(&id) {
+            return;
+        }
+        self.listed += l.len();
+        self.listings.insert(id.clone(), l);
+        self.order.push_back(id);
+        while self.listed > MAX_REFS && self.order.len() > 1 {
+            if let Some(old) = self.order.pop_front()
+                && let Some(l) = self.listings.remove(&old)
+            {
+                self.listed -= l.len();
+            }
+        }
+    }
+}
+
+/// The `.deb`s one verified `Packages` index lists, by `pool/...` path: the digest key it
+/// states and the file.
+type Listing = HashMap<String, (String, FileRef)>;
+
+/// A `Packages` index one sandbox read (its `apt-get update`): whose `.deb`s it may fetch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct IndexRead {
+    reg: String,
+    /// Its digest key, and its path as the Release lists it (which says how it is packed).
+    key: String,
+    path: String,
+}
+
+/// Indexes remembered per sandbox, the latest (apt reads one per suite, component and
+/// architecture).
+const MAX_READ: usize = 64;
 
 /// How long gpgv may take over one InRelease.
 const GPGV_TIMEOUT: Duration = Duration::from_secs(30);
@@ -159,7 +205,7 @@ pub(super) async fn handle(s: &Session, reg: &str, rest: &[&str]) -> Response<Bo
         ["dists", suite, path @ ..] if !path.is_empty() => {
             index(s, reg, &registry, suite, &path.join("/")).await
         }
-        ["pool", ..] => pool(s, reg, &rest.join("/")).await,
+        ["pool", ..] => pool(s, reg, &registry, &rest.join("/")).await,
         _ => fail(
             StatusCode::NOT_FOUND,
             &format!(
@@ -335,10 +381,10 @@ async fn index(
     let max = s.pkgs.cfg.max_index_mib << 20;
     let (size, _) = match cached_or_fetch(&s.pkgs, &key, &r, max, false).await {
         Ok((f, _)) => f,
-        Err(FetchError::Mismatch { expected, got }) => {
+        Err(FetchError::Mismatch { expected }) => {
             let msg = format!(
-                "dists/{suite}/{path} of registry {reg} does not match the signed InRelease: \
-                 it states {expected}, the file has {got}; refused, not cached"
+                "dists/{suite}/{path} of registry {reg} does not match the signed InRelease \
+                 (which states {expected}); refused, not cached"
             );
             return refuse(
                 s,
@@ -354,15 +400,26 @@ async fn index(
         return fail(StatusCode::NOT_FOUND, "not a digest", false);
     };
     let listed_path = r.filename.as_str();
-    if deb::is_packages_index(listed_path)
-        && let Err(e) = read_index(&s.pkgs, reg, registry, &key, listed_path, &blob).await
-    {
-        return upstream_failed(
-            s,
-            ev,
-            &FetchError::Upstream(format!("its index dists/{suite}/{listed_path}: {e}")),
-            false,
-        );
+    if deb::is_packages_index(listed_path) {
+        let read = IndexRead {
+            reg: reg.to_owned(),
+            key: key.clone(),
+            path: listed_path.to_owned(),
+        };
+        if let Err(e) = listing(&s.pkgs, registry, &read).await {
+            return upstream_failed(
+                s,
+                ev,
+                &FetchError::Upstream(format!("its index dists/{suite}/{listed_path}: {e}")),
+                false,
+            );
+        }
+        let mut reads = s.debian_reads.lock().unwrap_or_else(|e| e.into_inner());
+        reads.retain(|r| *r != read);
+        if reads.len() >= MAX_READ {
+            reads.remove(0);
+        }
+        reads.push(read);
     }
     match tokio::fs::File::open(&blob).await {
         Ok(f) => stream(f, size),
@@ -419,84 +476,79 @@ fn listed_index(
     Ok((format!("sha256-{}", listed.sha256), r))
 }
 
-/// Reads a verified `Packages` index once: every `.deb` it lists becomes servable under its
-/// path, with the digest, package and version the index states.
-async fn read_index(
+/// What a verified `Packages` index lists: from memory, or read from the cache (once, and
+/// again if it was forgotten): every `.deb` with the digest, package and version it states.
+async fn listing(
     pkgs: &Arc<Packages>,
-    reg: &str,
     registry: &Registry,
-    key: &str,
-    listed_path: &str,
-    blob: &Path,
-) -> Result<(), IndexError> {
-    let id = (reg.to_owned(), key.to_owned());
-    if pkgs.debian().read.contains(&id) {
-        return Ok(());
+    read: &IndexRead,
+) -> Result<Arc<Listing>, IndexError> {
+    let id = (read.reg.clone(), read.key.clone());
+    if let Some(l) = pkgs.debian().listing(&id) {
+        return Ok(l);
     }
+    let blob = pkgs.blob_path(&read.key).ok_or_else(|| {
+        IndexError::Io(std::io::Error::other(format!("not a digest: {}", read.key)))
+    })?;
     // A compressed index may unpack to eight times the index limit (Debian's main index for
     // amd64: 9 MiB of xz, 45 MiB of text).
     let max = (pkgs.cfg.max_index_mib << 20).saturating_mul(8);
-    let (blob, path) = (blob.to_owned(), listed_path.to_owned());
+    let path = read.path.clone();
     let debs = tokio::task::spawn_blocking(move || -> Result<Vec<deb::Deb>, IndexError> {
         let packed = std::fs::read(&blob)?;
         let text = deb::decompress(&path, &packed, max)?;
         Ok(deb::parse_packages(&String::from_utf8_lossy(&text))?)
     })
     .await??;
-    let mut refs = Vec::with_capacity(debs.len());
-    {
-        let mut st = pkgs.debian();
-        if st.pool.len() + debs.len() > MAX_REFS {
-            st.pool.clear();
-            st.read.clear();
-        }
-        for d in debs {
-            let Ok(url) = registry.url.join(&d.filename) else {
-                continue;
-            };
-            let file_key = format!("sha256-{}", d.sha256);
-            st.pool
-                .insert((reg.to_owned(), d.filename.clone()), file_key.clone());
-            let filename = d.filename.rsplit('/').next().unwrap_or("").to_owned();
-            refs.push((
-                file_key,
-                FileRef {
-                    registry: reg.to_owned(),
-                    kind: Kind::Debian,
-                    package: d.package,
-                    version: d.version,
-                    filename,
-                    url,
-                },
-            ));
-        }
-        st.read.insert(id);
+    let mut listing = Listing::with_capacity(debs.len());
+    for d in debs {
+        let Ok(url) = registry.url.join(&d.filename) else {
+            continue;
+        };
+        let filename = d.filename.rsplit('/').next().unwrap_or("").to_owned();
+        let r = FileRef {
+            registry: read.reg.clone(),
+            kind: Kind::Debian,
+            package: d.package,
+            version: d.version,
+            filename,
+            url,
+        };
+        listing.insert(d.filename, (format!("sha256-{}", d.sha256), r));
     }
-    for (k, r) in refs {
-        pkgs.remember(k, r);
-    }
-    Ok(())
+    let listing = Arc::new(listing);
+    pkgs.debian().keep(id, listing.clone());
+    Ok(listing)
 }
 
-async fn pool(s: &Session, reg: &str, path: &str) -> Response<Body> {
+/// A `.deb` that an index this sandbox read lists.
+async fn pool(s: &Session, reg: &str, registry: &Registry, path: &str) -> Response<Body> {
     if !deb::valid_path(path) {
         return fail(StatusCode::NOT_FOUND, "not a repository path", false);
     }
-    let key = s
-        .pkgs
-        .debian()
-        .pool
-        .get(&(reg.to_owned(), path.to_owned()))
-        .cloned();
-    match key {
-        Some(key) => file(s, &key, false).await,
-        None => fail(
-            StatusCode::NOT_FOUND,
-            &format!(
-                "{path} is not listed by a Packages index this proxy has read for registry \
-                 {reg} (apt-get update reads them)"
-            ),
-            false,
-        ),
+    let reads: Vec<IndexRead> = {
+        let reads = s.debian_reads.lock().unwrap_or_else(|e| e.into_inner());
+        reads
+            .iter()
+            .rev()
+            .filter(|r| r.reg == reg)
+            .cloned()
+            .collect()
+    };
+    for read in reads {
+        let Ok(listing) = listing(&s.pkgs, registry, &read).await else {
+            continue;
+        };
+        if let Some((key, r)) = listing.get(path) {
+            return listed_file(s, key, r.clone(), false).await;
+        }
     }
+    fail(
+        StatusCode::NOT_FOUND,
+        &format!(
+            "{path} is not listed by a Packages index this sandbox has read from registry {reg} \
+             (apt-get update reads them)"
+        ),
+        false,
+    )
 }

@@ -12,7 +12,7 @@ use super::{FileRef, Kind, Session};
 /// A package file by its digest key: checked against the policy and the download cap, from
 /// the cache or the registry, recorded, and streamed.
 pub(super) async fn file(s: &Session, key: &str, npm_client: bool) -> Response<Body> {
-    let Some(r) = s.pkgs.file_ref(key) else {
+    let Some(r) = s.file_ref(key) else {
         return fail(
             StatusCode::NOT_FOUND,
             &format!(
@@ -21,6 +21,17 @@ pub(super) async fn file(s: &Session, key: &str, npm_client: bool) -> Response<B
             npm_client,
         );
     };
+    listed_file(s, key, r, npm_client).await
+}
+
+/// A file an index listed (`r`, under digest key `key`): checked against the policy and the
+/// download cap, from the cache or the registry, recorded, and streamed.
+pub(super) async fn listed_file(
+    s: &Session,
+    key: &str,
+    r: FileRef,
+    npm_client: bool,
+) -> Response<Body> {
     let Some(blob) = s.pkgs.blob_path(key) else {
         return fail(StatusCode::NOT_FOUND, "not a digest", npm_client);
     };
@@ -129,10 +140,10 @@ pub(super) fn fetch_failed(
                 npm_client,
             )
         }
-        FetchError::Mismatch { expected, got } => {
+        FetchError::Mismatch { expected } => {
             let msg = format!(
-                "{} from registry {} does not match its index: the index states {expected}, \
-                 the file has {got}; refused, not cached",
+                "{} from registry {} does not match its index (which states {expected}); \
+                 refused, not cached",
                 r.filename, r.registry
             );
             let outcome = InstallOutcome::HashMismatch;

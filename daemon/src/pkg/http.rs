@@ -6,6 +6,7 @@ use std::path::Path;
 
 use sha2::{Digest as _, Sha256, Sha512};
 
+use super::guard::{self, Refused};
 use super::{FileRef, Packages};
 
 /// Why a registry's answer was not used.
@@ -17,8 +18,28 @@ pub enum FetchError {
     NotFound,
     /// Larger than `limit` bytes (`cap`: the limit was what is left of the sandbox's cap).
     TooLarge { limit: u64, cap: bool },
-    /// The content's digest is not the one the index stated.
-    Mismatch { expected: String, got: String },
+    /// The content's digest is not the one the index stated (what it was is not kept: told
+    /// to a sandbox, it would answer guesses of what the URL serves).
+    Mismatch { expected: String },
+    /// The proxy would not connect there (`guard`): off the registry's hosts, a guarded
+    /// address, a redirect to another host.
+    Refused(Refused),
+}
+
+impl FetchError {
+    /// A client's error: the guard's refusal where it was one, else the error and its causes.
+    fn of(url: &url::Url, e: &reqwest::Error) -> Self {
+        if let Some(r) = guard::refusal(e) {
+            return Self::Refused(r);
+        }
+        let mut text = format!("{url}: {e}");
+        let mut cause = std::error::Error::source(e);
+        while let Some(c) = cause {
+            text.push_str(&format!(": {c}"));
+            cause = c.source();
+        }
+        Self::Upstream(text)
+    }
 }
 
 fn hex(b: &[u8]) -> String {
@@ -33,13 +54,14 @@ pub async fn get_bounded(
     accept: &str,
     max: u64,
 ) -> Result<(Vec<u8>, String), FetchError> {
+    pkgs.guard.check_literal(url).map_err(FetchError::Refused)?;
     let mut resp = pkgs
         .client
         .get(url.clone())
         .header(reqwest::header::ACCEPT, accept)
         .send()
         .await
-        .map_err(|e| FetchError::Upstream(format!("{url}: {e}")))?;
+        .map_err(|e| FetchError::of(url, &e))?;
     if resp.status() == reqwest::StatusCode::NOT_FOUND {
         return Err(FetchError::NotFound);
     }
@@ -62,11 +84,7 @@ pub async fn get_bounded(
         .unwrap_or("")
         .to_owned();
     let mut body = Vec::new();
-    while let Some(chunk) = resp
-        .chunk()
-        .await
-        .map_err(|e| FetchError::Upstream(format!("{url}: {e}")))?
-    {
+    while let Some(chunk) = resp.chunk().await.map_err(|e| FetchError::of(url, &e))? {
         if body.len() as u64 + chunk.len() as u64 > max {
             return Err(FetchError::TooLarge {
                 limit: max,
@@ -167,12 +185,17 @@ async fn fetch_to(
         limit,
         cap: limit_is_cap,
     };
+    let hosts = pkgs.registry(&r.registry).map_or(&[][..], |g| &g.hosts[..]);
+    guard::check_link(&r.registry, hosts, &r.url).map_err(FetchError::Refused)?;
+    pkgs.guard
+        .check_literal(&r.url)
+        .map_err(FetchError::Refused)?;
     let mut resp = pkgs
         .client
         .get(r.url.clone())
         .send()
         .await
-        .map_err(|e| FetchError::Upstream(format!("{}: {e}", r.url)))?;
+        .map_err(|e| FetchError::of(&r.url, &e))?;
     if !resp.status().is_success() {
         return Err(FetchError::Upstream(format!(
             "{}: HTTP {}",
@@ -188,11 +211,7 @@ async fn fetch_to(
     let mut s256 = Sha256::new();
     let mut s512 = key.starts_with("sha512-").then(Sha512::new);
     let mut size = 0u64;
-    while let Some(chunk) = resp
-        .chunk()
-        .await
-        .map_err(|e| FetchError::Upstream(format!("{}: {e}", r.url)))?
-    {
+    while let Some(chunk) = resp.chunk().await.map_err(|e| FetchError::of(&r.url, &e))? {
         size += chunk.len() as u64;
         if size > limit {
             return Err(too_large);
@@ -212,9 +231,10 @@ async fn fetch_to(
         None => format!("sha256-{sha256}"),
     };
     if got != key {
+        // The operator's log has it; the sandbox is not told.
+        tracing::warn!("{} ({}): digest {got}, not {key}", r.url, r.registry);
         return Err(FetchError::Mismatch {
             expected: key.to_owned(),
-            got,
         });
     }
     Ok((size, sha256))

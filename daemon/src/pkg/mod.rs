@@ -23,6 +23,7 @@
 
 mod debian;
 mod files;
+mod guard;
 mod http;
 mod respond;
 mod serve;
@@ -80,6 +81,15 @@ pub struct RegistryConfig {
     /// writes it) whose keys may sign the repository's `InRelease` files.
     #[serde(default)]
     pub keyring: Option<PathBuf>,
+    /// Hosts besides the URL's own that the registry's index pages may link files on: `HOST`
+    /// (the link's scheme's default port) or `HOST:PORT`. A file anywhere else is refused.
+    #[serde(default)]
+    pub file_hosts: Vec<String>,
+    /// CIDRs in the egress guards' ranges (loopback, private, link-local, CGNAT, ULA, the
+    /// host's own addresses) that this registry's hosts may be at: a mirror on loopback or on
+    /// the operator's network. Empty: such addresses are refused.
+    #[serde(default)]
+    pub private_addresses: Vec<String>,
 }
 
 /// A package policy in the settings: `[packages.default_ceiling]`, `[tenants.NAME.packages]`.
@@ -136,12 +146,17 @@ impl Default for PackagesConfig {
             kind,
             url: url.to_owned(),
             keyring: None,
+            file_hosts: Vec::new(),
+            private_addresses: Vec::new(),
         };
         Self {
             registries: BTreeMap::from([
                 (
                     "pypi".to_owned(),
-                    reg(Kind::Pypi, "https://pypi.org/simple/"),
+                    RegistryConfig {
+                        file_hosts: vec!["files.pythonhosted.org".to_owned()],
+                        ..reg(Kind::Pypi, "https://pypi.org/simple/")
+                    },
                 ),
                 (
                     "npm".to_owned(),
@@ -178,6 +193,10 @@ pub struct Registry {
     pub url: Url,
     /// `debian`: the keyring its InRelease files are verified against.
     pub keyring: Option<PathBuf>,
+    /// The hosts its files may be on: the URL's own first, then `file_hosts`.
+    pub hosts: Vec<guard::FileHost>,
+    /// `private_addresses`, parsed.
+    pub private: Vec<ipnet::IpNet>,
 }
 
 impl Registry {
@@ -225,11 +244,45 @@ impl Registry {
             }
             (_, None) => {}
         }
+        let (hosts, private) = Self::hosts_of(name, r, &url)?;
         Ok(Registry {
             kind: r.kind,
             url,
             keyring: r.keyring.clone(),
+            hosts,
+            private,
         })
+    }
+
+    /// `url`'s host and `file_hosts`, and `private_addresses`, parsed; a URL at a literal
+    /// address the guards refuse, and `private_addresses` does not open, is refused here.
+    fn hosts_of(
+        name: &str,
+        r: &RegistryConfig,
+        url: &Url,
+    ) -> Result<(Vec<guard::FileHost>, Vec<ipnet::IpNet>), StartError> {
+        let bad = |what: &str| StartError::Setting(format!("[packages.registries.{name}] {what}"));
+        let own = guard::FileHost::of(url).ok_or_else(|| bad("url: no host"))?;
+        let mut hosts = vec![own];
+        for h in &r.file_hosts {
+            hosts.push(
+                guard::FileHost::parse(h)
+                    .ok_or_else(|| bad(&format!("file_hosts: {h:?} is not HOST or HOST:PORT")))?,
+            );
+        }
+        let mut private = Vec::new();
+        for c in &r.private_addresses {
+            let net = c
+                .parse::<ipnet::IpNet>()
+                .or_else(|_| c.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                .map_err(|_| bad(&format!("private_addresses: {c:?} is not a CIDR")))?;
+            private.push(net.trunc());
+        }
+        let host = url.host_str().unwrap_or("");
+        guard::Guard::new([(host, private.as_slice())])
+            .check_literal(url)
+            .map_err(|e| bad(&format!("url: {e}")))?;
+        Ok((hosts, private))
     }
 }
 
@@ -260,10 +313,16 @@ fn prepare_cache(cfg: &PackagesConfig, data_dir: &Path) -> Result<PathBuf, Start
     Ok(cache)
 }
 
-/// The HTTP client towards the registries: no proxy, the configured timeouts.
-fn http_client(cfg: &PackagesConfig) -> Result<reqwest::Client, StartError> {
+/// The HTTP client towards the registries: no proxy, the configured timeouts, addresses
+/// checked by `guard` as they are resolved, redirects to the same host only.
+fn http_client(
+    cfg: &PackagesConfig,
+    guard: &Arc<guard::Guard>,
+) -> Result<reqwest::Client, StartError> {
     reqwest::Client::builder()
         .no_proxy()
+        .dns_resolver(Arc::new(guard::Resolver(guard.clone())))
+        .redirect(guard::redirects())
         .connect_timeout(Duration::from_secs(cfg.connect_timeout_s))
         .timeout(Duration::from_secs(cfg.fetch_timeout_s))
         .user_agent(concat!(
@@ -285,9 +344,36 @@ pub struct FileRef {
     pub url: Url,
 }
 
-/// Files remembered from index pages; past this the memory is cleared (clients fetch their
-/// index page again before a file, as pip and npm do).
+/// Files remembered from one sandbox's index pages, at most: the older half is forgotten when
+/// the newer is full (clients fetch their index page again before a file, as pip and npm do).
 pub(crate) const MAX_REFS: usize = 200_000;
+
+/// Files one sandbox's index pages listed, by digest key, in two generations of at most
+/// `MAX_REFS / 2` each: one sandbox's pages never make another's files forgotten, and a full
+/// memory forgets the older generation, never the files just listed.
+#[derive(Debug, Default)]
+struct Refs {
+    new: HashMap<String, FileRef>,
+    old: HashMap<String, FileRef>,
+}
+
+impl Refs {
+    fn locked(m: &Mutex<Self>) -> std::sync::MutexGuard<'_, Self> {
+        m.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn insert(&mut self, key: String, r: FileRef) {
+        if self.new.len() >= MAX_REFS / 2 && !self.new.contains_key(&key) {
+            self.old = std::mem::take(&mut self.new);
+        }
+        self.old.remove(&key);
+        self.new.insert(key, r);
+    }
+
+    fn get(&self, key: &str) -> Option<&FileRef> {
+        self.new.get(key).or_else(|| self.old.get(key))
+    }
+}
 
 /// The daemon-wide part: registries, ceilings, the cache and its index of listed files.
 #[derive(Debug)]
@@ -299,7 +385,12 @@ pub struct Packages {
     default_ceiling: Parts,
     pub(crate) cache: PathBuf,
     pub(crate) client: reqwest::Client,
-    refs: Mutex<HashMap<String, FileRef>>,
+    /// Where `client` may connect.
+    pub(crate) guard: Arc<guard::Guard>,
+    /// Every sandbox's listed files too, for a sandbox that asks for a file another listed
+    /// (a lockfile written in another sandbox): its policy still decides. Bounded like one
+    /// sandbox's; what a sandbox listed itself never depends on it.
+    shared: Mutex<Refs>,
     /// One fetch per digest at a time (others wait for it and then find it cached).
     fetching: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// What the Debian registries' verified indexes list.
@@ -335,7 +426,12 @@ impl Packages {
             ceilings.insert(tenant.clone(), p);
         }
         let cache = prepare_cache(&cfg, data_dir)?;
-        let client = http_client(&cfg)?;
+        let guard = Arc::new(guard::Guard::new(registries.values().flat_map(|r| {
+            r.hosts
+                .iter()
+                .map(|h| (h.host.as_str(), r.private.as_slice()))
+        })));
+        let client = http_client(&cfg, &guard)?;
         Ok(Self {
             cfg,
             registries,
@@ -344,7 +440,8 @@ impl Packages {
             default_ceiling,
             cache,
             client,
-            refs: Mutex::new(HashMap::new()),
+            guard,
+            shared: Mutex::default(),
             fetching: Mutex::new(HashMap::new()),
             debian: Mutex::new(debian::State::default()),
             store,
@@ -377,22 +474,6 @@ impl Packages {
 
     pub fn registry_names(&self) -> &[String] {
         &self.names
-    }
-
-    pub(crate) fn remember(&self, key: String, r: FileRef) {
-        let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
-        if refs.len() >= MAX_REFS && !refs.contains_key(&key) {
-            refs.clear();
-        }
-        refs.insert(key, r);
-    }
-
-    pub(crate) fn file_ref(&self, key: &str) -> Option<FileRef> {
-        self.refs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(key)
-            .cloned()
     }
 
     pub(crate) fn fetch_lock(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -438,6 +519,8 @@ impl Packages {
             tenant: tenant.to_owned(),
             policy,
             downloaded: AtomicU64::new(0),
+            refs: Mutex::default(),
+            debian_reads: Mutex::default(),
             log,
         })
     }
@@ -451,11 +534,27 @@ pub struct Session {
     pub policy: Policy,
     /// Bytes of files served to it (counted against `policy.max_download_bytes`).
     pub(crate) downloaded: AtomicU64,
+    /// The files its index pages listed (PyPI's and npm's; Debian's are the registry's).
+    refs: Mutex<Refs>,
+    /// The Debian `Packages` indexes it read: the `.deb`s it may fetch.
+    debian_reads: Mutex<Vec<debian::IndexRead>>,
     /// Its install log.
     log: SandboxLog<InstallEvent>,
 }
 
 impl Session {
+    /// Remembers a file an index page listed for this sandbox.
+    pub(crate) fn remember(&self, key: String, r: FileRef) {
+        Refs::locked(&self.pkgs.shared).insert(key.clone(), r.clone());
+        Refs::locked(&self.refs).insert(key, r);
+    }
+
+    /// A file an index page listed for this sandbox.
+    pub(crate) fn file_ref(&self, key: &str) -> Option<FileRef> {
+        let own = Refs::locked(&self.refs).get(key).cloned();
+        own.or_else(|| Refs::locked(&self.pkgs.shared).get(key).cloned())
+    }
+
     /// Takes `bytes` from the sandbox's download cap, or says how much is left.
     pub(crate) fn take(&self, bytes: u64) -> Result<(), u64> {
         let cap = self.policy.max_download_bytes;

@@ -108,9 +108,10 @@ pub(super) fn upstream_failed(
         FetchError::TooLarge { limit, .. } => {
             format!("the registry's answer is larger than the proxy's limit of {limit} bytes")
         }
-        FetchError::Mismatch { expected, got } => {
-            format!("the registry's answer has digest {got}, not {expected}")
+        FetchError::Mismatch { expected } => {
+            format!("the registry's answer does not have the digest {expected}")
         }
+        FetchError::Refused(r) => format!("the proxy did not connect: {r}"),
     };
     ev.outcome = InstallOutcome::UpstreamError as i32;
     ev.message = msg.clone();

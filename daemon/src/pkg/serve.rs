@@ -193,7 +193,7 @@ fn serve_pypi_files<'a>(
             continue;
         };
         let key = format!("sha256-{sha}");
-        s.pkgs.remember(
+        s.remember(
             key.clone(),
             FileRef {
                 registry: reg.to_owned(),
@@ -270,7 +270,7 @@ async fn npm_packument(s: &Session, reg: &str, name: &str) -> Response<Body> {
         Err(e) => return upstream_failed(s, ev, &FetchError::Upstream(e.to_string()), true),
     };
     for t in tarballs {
-        s.pkgs.remember(
+        s.remember(
             format!("sha512-{}", t.sha512),
             FileRef {
                 registry: reg.to_owned(),

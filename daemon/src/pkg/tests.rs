@@ -4,6 +4,10 @@ use super::*;
 use airlock_api::v1::InstallOutcome;
 
 fn packages(tenants: &str) -> Packages {
+    packages_with(PackagesConfig::default(), tenants)
+}
+
+fn packages_with(cfg: PackagesConfig, tenants: &str) -> Packages {
     // A directory (and database) of its own per call: tests run in parallel.
     static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let dir = std::env::temp_dir().join(format!(
@@ -15,14 +19,7 @@ fn packages(tenants: &str) -> Packages {
     std::fs::create_dir_all(&dir).unwrap();
     let store = Arc::new(Store::open(&dir.join("db")).unwrap());
     let ceilings: BTreeMap<String, CeilingConfig> = toml::from_str(tenants).unwrap();
-    Packages::new(
-        PackagesConfig::default(),
-        &dir,
-        &ceilings,
-        store,
-        Arc::new(Metrics::default()),
-    )
-    .unwrap()
+    Packages::new(cfg, &dir, &ceilings, store, Arc::new(Metrics::default())).unwrap()
 }
 
 #[test]
@@ -198,4 +195,291 @@ fn the_default_registries_include_debian_with_the_hosts_archive_keyring() {
     let deb = &d.registries["debian"];
     assert_eq!(deb.kind, Kind::Debian);
     assert_eq!(deb.keyring.as_deref(), Some(Path::new(DEBIAN_KEYRING)));
+}
+
+// ---- where the proxy connects (real servers on loopback) ----
+
+/// A registry (or any server) on loopback: each path answered as `routes` say (the status
+/// line's tail and headers, then the body), every request's path recorded.
+struct Upstream {
+    port: u16,
+    hits: Arc<Mutex<Vec<String>>>,
+}
+
+type Route = (String, String, Vec<u8>);
+
+async fn upstream(routes: Vec<Route>) -> Upstream {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let hits = Arc::new(Mutex::new(Vec::new()));
+    let (seen, routes) = (hits.clone(), Arc::new(routes));
+    tokio::spawn(async move {
+        while let Ok((mut c, _)) = l.accept().await {
+            let (seen, routes) = (seen.clone(), routes.clone());
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 65536 {
+                    let mut chunk = [0u8; 4096];
+                    match c.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let head = String::from_utf8_lossy(&buf).into_owned();
+                let path = head.split(' ').nth(1).unwrap_or("").to_owned();
+                seen.lock().unwrap().push(path.clone());
+                let (status, body) = routes
+                    .iter()
+                    .find(|(p, _, _)| *p == path)
+                    .map(|(_, h, b)| (h.clone(), b.clone()))
+                    .unwrap_or(("404 Not Found".into(), Vec::new()));
+                let resp = format!(
+                    "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = c.write_all(resp.as_bytes()).await;
+                let _ = c.write_all(&body).await;
+            });
+        }
+    });
+    Upstream { port, hits }
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
+}
+
+/// A PEP 691 page listing `files`: (filename, URL, the content whose digest it states).
+fn pypi_page(files: &[(&str, String, &[u8])]) -> Route {
+    let files: Vec<_> = files
+        .iter()
+        .map(|(name, url, content)| {
+            serde_json::json!({"filename": name, "url": url,
+                               "hashes": {"sha256": sha256_hex(content)}})
+        })
+        .collect();
+    let page = serde_json::json!({"meta": {"api-version": "1.0"}, "name": "demo",
+                                  "files": files});
+    (
+        "/simple/demo/".into(),
+        format!(
+            "200 OK\r\nContent-Type: {}",
+            airlock_packages::pypi::JSON_TYPE
+        ),
+        page.to_string().into_bytes(),
+    )
+}
+
+/// The proxy with one PyPI registry, `pypi`, configured as `registry` (TOML) says.
+fn proxy(registry: &str) -> Arc<Packages> {
+    let cfg: PackagesConfig =
+        toml::from_str(&format!("[registries.pypi]\nkind = \"pypi\"\n{registry}")).unwrap();
+    Arc::new(packages_with(cfg, ""))
+}
+
+fn sandbox(p: &Arc<Packages>, id: &str) -> Arc<Session> {
+    p.session(
+        "t",
+        id,
+        p.policy_for("t", &PackagePolicy::default()).unwrap(),
+        false,
+    )
+}
+
+/// What a guest gets for `path`: its status and body.
+async fn guest_get(s: &Arc<Session>, path: &str) -> (u16, String) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let s = s.clone();
+    tokio::spawn(async move {
+        let (c, _) = l.accept().await.unwrap();
+        serve(s, c).await;
+    });
+    let r = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .unwrap()
+        .get(format!("http://{addr}{path}"))
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+fn messages(p: &Packages, id: &str) -> Vec<String> {
+    let (events, _) = p.log(id, &Query::default()).unwrap();
+    events.into_iter().map(|e| e.message).collect()
+}
+
+#[tokio::test]
+async fn a_file_linked_off_the_registrys_hosts_is_never_fetched() {
+    // The "internal service": nothing of the proxy's may reach it.
+    let inner = upstream(vec![(
+        "/secret".into(),
+        "200 OK".into(),
+        b"secret".to_vec(),
+    )])
+    .await;
+    let secret = |host: &str| format!("http://{host}:{}/secret", inner.port);
+    let files: Vec<(&str, String, &[u8])> = vec![
+        // The registry's address, another port.
+        ("demo-1.0-py3-none-any.whl", secret("127.0.0.1"), b"one"),
+        // Another name for loopback.
+        ("demo-2.0-py3-none-any.whl", secret("localhost"), b"two"),
+        // On the registry's host, redirected to another.
+        ("demo-3.0-py3-none-any.whl", "/moved".into(), b"three"),
+    ];
+    let reg = upstream(vec![
+        pypi_page(&files),
+        (
+            "/moved".into(),
+            format!("302 Found\r\nLocation: {}", secret("localhost")),
+            Vec::new(),
+        ),
+    ])
+    .await;
+    let p = proxy(&format!(
+        "url = \"http://127.0.0.1:{}/simple/\"\nprivate_addresses = [\"127.0.0.1/32\"]\n",
+        reg.port
+    ));
+    let s = sandbox(&p, "sb-ssrf");
+    let (status, page) = guest_get(&s, "/r/pypi/simple/demo/").await;
+    assert_eq!(status, 200, "{page}");
+    for (name, _, stated) in &files {
+        let key = format!("sha256-{}", sha256_hex(stated));
+        let (status, body) = guest_get(&s, &format!("/f/{key}/{name}")).await;
+        assert_eq!(status, 502, "{name}: {body}");
+    }
+    assert!(inner.hits.lock().unwrap().is_empty(), "{:?}", inner.hits);
+    let msgs = messages(&p, "sb-ssrf");
+    assert!(
+        msgs.iter()
+            .any(|m| m.contains("is not on a host of registry pypi")),
+        "{msgs:?}"
+    );
+    assert!(
+        msgs.iter().any(|m| m.contains("to another host")),
+        "{msgs:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_registry_at_a_guarded_address_needs_private_addresses() {
+    let wheel = b"a wheel".to_vec();
+    let files: Vec<(&str, String, &[u8])> = vec![(
+        "demo-1.0-py3-none-any.whl",
+        "/files/demo.whl".into(),
+        &wheel,
+    )];
+    let reg = upstream(vec![
+        pypi_page(&files),
+        ("/files/demo.whl".into(), "200 OK".into(), wheel.clone()),
+    ])
+    .await;
+    // A literal address in a guarded range is refused at start without private_addresses.
+    let cfg: PackagesConfig = toml::from_str(&format!(
+        "[registries.pypi]\nkind = \"pypi\"\nurl = \"http://127.0.0.1:{}/simple/\"\n",
+        reg.port
+    ))
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("airlock-pkg-guard-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let store = Arc::new(Store::open(&dir.join("db")).unwrap());
+    let e = Packages::new(cfg, &dir, &BTreeMap::new(), store, Default::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("guarded range 127.0.0.0/8") && e.contains("private_addresses"),
+        "{e}"
+    );
+    // A name that resolves there is refused when it is connected to.
+    let p = proxy(&format!(
+        "url = \"http://localhost:{}/simple/\"\n",
+        reg.port
+    ));
+    let s = sandbox(&p, "sb-guarded");
+    let (status, body) = guest_get(&s, "/r/pypi/simple/demo/").await;
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("private_addresses"), "{body}");
+    assert!(reg.hits.lock().unwrap().is_empty(), "{:?}", reg.hits);
+    // Opened by private_addresses, the registry serves.
+    let p = proxy(&format!(
+        "url = \"http://localhost:{}/simple/\"\nprivate_addresses = [\"127.0.0.0/8\", \"::1\"]\n",
+        reg.port
+    ));
+    let s = sandbox(&p, "sb-opened");
+    let (status, body) = guest_get(&s, "/r/pypi/simple/demo/").await;
+    assert_eq!(status, 200, "{body}");
+    let key = format!("sha256-{}", sha256_hex(&wheel));
+    let (status, body) = guest_get(&s, &format!("/f/{key}/demo-1.0-py3-none-any.whl")).await;
+    assert_eq!((status, body.as_bytes()), (200, wheel.as_slice()));
+}
+
+#[tokio::test]
+async fn a_mismatched_file_is_refused_without_its_digest() {
+    let files: Vec<(&str, String, &[u8])> = vec![(
+        "demo-1.0-py3-none-any.whl",
+        "/files/demo.whl".into(),
+        b"genuine",
+    )];
+    let reg = upstream(vec![
+        pypi_page(&files),
+        (
+            "/files/demo.whl".into(),
+            "200 OK".into(),
+            b"tampered".to_vec(),
+        ),
+    ])
+    .await;
+    let p = proxy(&format!(
+        "url = \"http://127.0.0.1:{}/simple/\"\nprivate_addresses = [\"127.0.0.1\"]\n",
+        reg.port
+    ));
+    let s = sandbox(&p, "sb-mismatch");
+    assert_eq!(guest_get(&s, "/r/pypi/simple/demo/").await.0, 200);
+    let key = format!("sha256-{}", sha256_hex(b"genuine"));
+    let (status, body) = guest_get(&s, &format!("/f/{key}/demo-1.0-py3-none-any.whl")).await;
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("does not match"), "{body}");
+    // What the response was is not told: a digest would let a sandbox test guesses of content.
+    let got = sha256_hex(b"tampered");
+    assert!(!body.contains(&got), "{body}");
+    let msgs = messages(&p, "sb-mismatch");
+    assert!(msgs.iter().all(|m| !m.contains(&got)), "{msgs:?}");
+    assert!(p.blob_path(&key).is_some_and(|b| !b.exists()), "not cached");
+}
+
+#[test]
+fn one_sandboxs_index_pages_never_evict_anothers_files() {
+    let p = Arc::new(packages(""));
+    let (a, b) = (sandbox(&p, "sb-a"), sandbox(&p, "sb-b"));
+    let r = |i: usize| FileRef {
+        registry: "pypi".into(),
+        kind: Kind::Pypi,
+        package: "demo".into(),
+        version: "1.0".into(),
+        filename: format!("demo-{i}.whl"),
+        url: Url::parse("https://files.example/demo.whl").unwrap(),
+    };
+    let key = |i: usize| format!("sha256-{i:064x}");
+    a.remember(key(0), r(0));
+    // Sandbox b lists more files than are remembered for one sandbox.
+    for i in 1..=MAX_REFS + 1 {
+        b.remember(key(i), r(i));
+    }
+    assert!(
+        a.file_ref(&key(0)).is_some(),
+        "a's file was forgotten for b"
+    );
+    // b's latest are kept; its oldest went.
+    assert!(b.file_ref(&key(MAX_REFS + 1)).is_some());
+    assert!(b.file_ref(&key(1)).is_none());
+    // What one sandbox listed, another may ask for (a lockfile made there): its policy decides.
+    let c = sandbox(&p, "sb-c");
+    assert!(c.file_ref(&key(MAX_REFS)).is_some());
 }
