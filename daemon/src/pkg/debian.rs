@@ -49,6 +49,13 @@ pub(super) struct State {
 }
 
 impl State {
+    /// Whether the listing of index `key` of `reg` is in memory.
+    #[cfg(test)]
+    pub(super) fn holds(&self, reg: &str, key: &str) -> bool {
+        self.listings
+            .contains_key(&(reg.to_owned(), key.to_owned()))
+    }
+
     fn listing(&mut self, id: &(String, String)) -> Option<Arc<Listing>> {
         let l = self.listings.get(id)?.clone();
         if let Some(at) = self.order.iter().position(|o| o == id) {
@@ -58,7 +65,7 @@ impl State {
         Some(l)
     }
 
-    fn keep(&mut self, id: (String, String), l: Arc<Listing>) {
+    pub(super) fn keep(&mut self, id: (String, String), l: Arc<Listing>) {
         if self.listings.contains_key(&id) {
             return;
         }
@@ -77,15 +84,15 @@ impl State {
 
 /// The `.deb`s one verified `Packages` index lists, by `pool/...` path: the digest key it
 /// states and the file.
-type Listing = HashMap<String, (String, FileRef)>;
+pub(super) type Listing = HashMap<String, (String, FileRef)>;
 
 /// A `Packages` index one sandbox read (its `apt-get update`): whose `.deb`s it may fetch.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct IndexRead {
-    reg: String,
+    pub reg: String,
     /// Its digest key, and its path as the Release lists it (which says how it is packed).
-    key: String,
-    path: String,
+    pub key: String,
+    pub path: String,
 }
 
 /// Indexes remembered per sandbox, the latest (apt reads one per suite, component and
@@ -143,7 +150,7 @@ enum VerifyError {
 
 /// Why a verified `Packages` index could not be read.
 #[derive(Debug, thiserror::Error)]
-enum IndexError {
+pub(super) enum IndexError {
     #[error(transparent)]
     Io(#[from] std::io::Error),
     #[error(transparent)]
@@ -174,7 +181,7 @@ fn hex(b: &[u8]) -> String {
 }
 
 impl Packages {
-    fn debian(&self) -> std::sync::MutexGuard<'_, State> {
+    pub(super) fn debian(&self) -> std::sync::MutexGuard<'_, State> {
         self.debian.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -406,7 +413,7 @@ async fn index(
             key: key.clone(),
             path: listed_path.to_owned(),
         };
-        if let Err(e) = listing(&s.pkgs, registry, &read).await {
+        if let Err(e) = note_read(s, registry, read).await {
             return upstream_failed(
                 s,
                 ev,
@@ -414,12 +421,6 @@ async fn index(
                 false,
             );
         }
-        let mut reads = s.debian_reads.lock().unwrap_or_else(|e| e.into_inner());
-        reads.retain(|r| *r != read);
-        if reads.len() >= MAX_READ {
-            reads.remove(0);
-        }
-        reads.push(read);
     }
     match tokio::fs::File::open(&blob).await {
         Ok(f) => stream(f, size),
@@ -521,11 +522,31 @@ async fn listing(
     Ok(listing)
 }
 
-/// A `.deb` that an index this sandbox read lists.
-async fn pool(s: &Session, reg: &str, registry: &Registry, path: &str) -> Response<Body> {
-    if !deb::valid_path(path) {
-        return fail(StatusCode::NOT_FOUND, "not a repository path", false);
+/// Notes that `s` read index `read` (listing it first): its `.deb`s are the sandbox's to
+/// fetch. The latest [`MAX_READ`] are kept.
+pub(super) async fn note_read(
+    s: &Session,
+    registry: &Registry,
+    read: IndexRead,
+) -> Result<(), IndexError> {
+    listing(&s.pkgs, registry, &read).await?;
+    let mut reads = s.debian_reads.lock().unwrap_or_else(|e| e.into_inner());
+    reads.retain(|r| *r != read);
+    if reads.len() >= MAX_READ {
+        reads.remove(0);
     }
+    reads.push(read);
+    Ok(())
+}
+
+/// The digest key and file of `pool/...` `path` of registry `reg`, if an index `s` read
+/// lists it (the latest read first).
+pub(super) async fn listed(
+    s: &Session,
+    reg: &str,
+    registry: &Registry,
+    path: &str,
+) -> Option<(String, FileRef)> {
     let reads: Vec<IndexRead> = {
         let reads = s.debian_reads.lock().unwrap_or_else(|e| e.into_inner());
         reads
@@ -539,9 +560,20 @@ async fn pool(s: &Session, reg: &str, registry: &Registry, path: &str) -> Respon
         let Ok(listing) = listing(&s.pkgs, registry, &read).await else {
             continue;
         };
-        if let Some((key, r)) = listing.get(path) {
-            return listed_file(s, key, r.clone(), false).await;
+        if let Some(found) = listing.get(path) {
+            return Some(found.clone());
         }
+    }
+    None
+}
+
+/// A `.deb` that an index this sandbox read lists.
+async fn pool(s: &Session, reg: &str, registry: &Registry, path: &str) -> Response<Body> {
+    if !deb::valid_path(path) {
+        return fail(StatusCode::NOT_FOUND, "not a repository path", false);
+    }
+    if let Some((key, r)) = listed(s, reg, registry, path).await {
+        return listed_file(s, &key, r, false).await;
     }
     fail(
         StatusCode::NOT_FOUND,

@@ -483,3 +483,52 @@ fn one_sandboxs_index_pages_never_evict_anothers_files() {
     let c = sandbox(&p, "sb-c");
     assert!(c.file_ref(&key(MAX_REFS)).is_some());
 }
+
+#[tokio::test]
+async fn one_sandboxs_debian_indexes_never_make_anothers_debs_unlisted() {
+    let cfg: PackagesConfig = toml::from_str(
+        "[registries.debian]\nkind = \"debian\"\nurl = \"https://deb.example/debian/\"\n\
+         keyring = \"/nonexistent/k.gpg\"\n",
+    )
+    .unwrap();
+    let p = Arc::new(packages_with(cfg, ""));
+    let registry = p.registry("debian").unwrap().clone();
+    let (a, b) = (sandbox(&p, "sb-da"), sandbox(&p, "sb-db"));
+    let deb = "pool/main/h/hello/hello_1.0_all.deb";
+    let index = format!(
+        "Package: hello\nVersion: 1.0\nFilename: {deb}\nSize: 5\nSHA256: {}\n\n",
+        "ab".repeat(32)
+    );
+    // The verified index, cached as a's apt-get update leaves it.
+    let key = format!("sha256-{}", sha256_hex(index.as_bytes()));
+    let blob = p.blob_path(&key).unwrap();
+    std::fs::create_dir_all(blob.parent().unwrap()).unwrap();
+    std::fs::write(&blob, &index).unwrap();
+    let read = debian::IndexRead {
+        reg: "debian".into(),
+        key: key.clone(),
+        path: "main/binary-amd64/Packages".into(),
+    };
+    debian::note_read(&a, &registry, read).await.unwrap();
+    assert!(debian::listed(&a, "debian", &registry, deb).await.is_some());
+    // b's indexes list more than the proxy keeps in memory: a's is forgotten there...
+    let r = debian::listed(&a, "debian", &registry, deb)
+        .await
+        .unwrap()
+        .1;
+    let big: debian::Listing = (0..=MAX_REFS)
+        .map(|i| {
+            (
+                format!("pool/x/{i}.deb"),
+                (format!("sha256-{i:064x}"), r.clone()),
+            )
+        })
+        .collect();
+    p.debian()
+        .keep(("debian".into(), "sha256-big".into()), Arc::new(big));
+    assert!(!p.debian().holds("debian", &key));
+    // ...and a's .deb is still a's (read again from the cache); b never read that index.
+    let (found, _) = debian::listed(&a, "debian", &registry, deb).await.unwrap();
+    assert_eq!(found, format!("sha256-{}", "ab".repeat(32)));
+    assert!(debian::listed(&b, "debian", &registry, deb).await.is_none());
+}
