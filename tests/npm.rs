@@ -18,6 +18,8 @@ use registries::registries;
 mod common;
 #[path = "packages/debrepo.rs"]
 mod debrepo;
+#[path = "packages/offregistry.rs"]
+mod offregistry;
 #[path = "packages/registries.rs"]
 #[allow(dead_code)] // the pip side is packages.rs's
 mod registries;

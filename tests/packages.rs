@@ -26,6 +26,8 @@ use registries::registries;
 mod common;
 #[path = "packages/debrepo.rs"]
 mod debrepo;
+#[path = "packages/offregistry.rs"]
+mod offregistry;
 #[path = "packages/registries.rs"]
 mod registries;
 use common::*;
@@ -264,7 +266,7 @@ async fn offline_mode_refuses_every_install() {
 async fn a_file_that_does_not_match_its_index_is_refused_and_not_cached() {
     let r = registries();
     let only_mirror = PackagePolicy {
-        registries: vec!["mirror".into()],
+        registries: vec!["mirror".into(), offregistry::NAME.into()],
         ..Default::default()
     };
     let (_serial, s, mut c, sb) = start(only_mirror, vec![]).await;
@@ -281,8 +283,12 @@ async fn a_file_that_does_not_match_its_index_is_refused_and_not_cached() {
         .find(|e| e.package == "airlock-tampered" && !e.file.is_empty())
         .unwrap_or_else(|| panic!("{log:?}"));
     assert_eq!(e.outcome, InstallOutcome::HashMismatch as i32, "{log:?}");
+    // The digest the index stated, never the one of what came back (an oracle for guessing
+    // what a URL serves).
+    let real = &r.sha["airlock-tampered"];
+    assert!(e.message.contains(&digest), "{}", e.message);
     assert!(
-        e.message.contains(&r.sha["airlock-tampered"]),
+        !e.message.contains(real) && !file.reason.contains(real),
         "{}",
         e.message
     );
@@ -312,6 +318,9 @@ async fn a_file_that_does_not_match_its_index_is_refused_and_not_cached() {
         lines[1],
         "502 airlock: the registry's answer is larger than the proxy's limit of 2097152 bytes"
     );
+    // A registry whose links lead off its host (another port, another name, a redirect): the
+    // proxy connects to none of them.
+    offregistry::off_registry().assert_refused(&sb);
     destroy(&mut c, &sb.id).await;
 }
 

@@ -8,6 +8,7 @@ use airlock_api::v1::{
 use airlock_system_tests::harness::Client;
 use airlock_system_tests::shared::{Shared, scenario};
 
+use crate::offregistry::off_registry;
 use crate::registries::registries;
 
 /// The package proxy where the guest's pip and npm reach it (its gateway address).
@@ -18,7 +19,8 @@ pub const NPM_ACCEPT: &str =
     "application/vnd.npm.install-v1+json; q=1.0, application/json; q=0.8, */*";
 
 /// A sandbox with the package policy `packages` (and `files`) on the shared daemon, whose
-/// registries are this process's, and the lock of its scenario.
+/// registries are this process's (and the one whose links lead off it, `offregistry`), and the
+/// lock of its scenario.
 pub async fn start(
     packages: PackagePolicy,
     files: Vec<FileToPlace>,
@@ -29,7 +31,8 @@ pub async fn start(
     Sandbox,
 ) {
     let r = registries();
-    let (serial, s) = scenario(&r.config()).await;
+    let config = format!("{}{}", r.config(), off_registry().config());
+    let (serial, s) = scenario(&config).await;
     let mut c = s.client(None).await;
     let sb = c
         .create_sandbox(CreateSandboxRequest {
