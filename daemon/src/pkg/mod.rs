@@ -19,7 +19,8 @@
 //!
 //! Its files, one direction: `serve` (a guest connection, PyPI and npm index pages) over
 //! `debian` (Debian's repository layout) over `files` (a verified file by its digest) over
-//! `respond` (how a guest is answered) over `http` (the registries' side).
+//! `respond` (how a guest is answered) over `http` (the registries' side) over `guard` (where
+//! it may connect: a registry's own hosts, past the egress guards).
 
 mod debian;
 mod files;
