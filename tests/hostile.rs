@@ -2,7 +2,8 @@
 //! the security review together: a second daemon sharing a part of the first is refused and
 //! kills nothing; a create refused at admission leaves no trace of its secret; the daemon
 //! dumps no core; a symlink does not export a denied file under another name; the broker
-//! refuses a request with two `Host` headers before its secret goes anywhere; the E2B gateway
+//! refuses a request with two `Host` headers before its secret goes anywhere; the package
+//! proxy fetches no file an index links off its registry's hosts; the E2B gateway
 //! closes a socket that never speaks and refuses a declared 1 GiB body without reading it.
 //! Each part's own tests go further (daemon/src/instance.rs, lifecycle_tests.rs).
 #![allow(clippy::unwrap_used)] // a failed step is a failed test
@@ -14,20 +15,23 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use airlock_api::v1::{
-    CreateSandboxRequest, GetSandboxRequest, ListSandboxesRequest, ReadFileRequest, Secret,
-    SecretBroker, SecretEnv, secret,
+    CreateSandboxRequest, GetSandboxRequest, ListSandboxesRequest, PackagePolicy, ReadFileRequest,
+    Secret, SecretBroker, SecretEnv, secret,
 };
 use airlock_system_tests::harness::{cgroups_left, read_all, reason, run};
 use airlock_system_tests::shared::{Shared, scenario};
 use airlock_system_tests::{binary, kernel, rootfs};
 
+#[path = "packages/offregistry.rs"]
+mod offregistry;
 #[path = "egress/upstream.rs"]
 mod upstream;
 
 const TOKEN: &str = "hostile-test-token-mallory";
 
 /// The shared daemon's settings: short listener timeouts, the upstream's host map and CA
-/// (`egress/upstream.rs`), a tenant at one sandbox, an E2B gateway on a port of its own.
+/// (`egress/upstream.rs`), a tenant at one sandbox, an E2B gateway on a port of its own, a
+/// hostile package registry (`packages/offregistry.rs`).
 fn config() -> &'static str {
     static CONFIG: OnceLock<String> = OnceLock::new();
     CONFIG.get_or_init(|| {
@@ -35,9 +39,10 @@ fn config() -> &'static str {
             "idle_timeout_ms = 1500\ntls_handshake_timeout_ms = 1000\n{}\n\
              [tenants.mallory]\ntokens = [\"{TOKEN}\"]\n\
              [tenants.mallory.quota]\nmax_sandboxes = 1\n\
-             [e2b]\nlisten = \"{}\"\ndomain = \"e2b.hostile.test\"\n",
+             [e2b]\nlisten = \"{}\"\ndomain = \"e2b.hostile.test\"\n{}",
             upstream::config(upstream::upstream()),
-            gateway_addr()
+            gateway_addr(),
+            offregistry::off_registry().config(),
         )
     })
 }
@@ -330,4 +335,26 @@ async fn the_gateway_closes_a_silent_socket_and_refuses_a_1_gib_body() {
         Duration::from_secs(3),
     )
     .unwrap_or_else(|e| panic!("{e}\n{}", s.log_tail()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_package_proxy_fetches_no_file_linked_off_its_registry() {
+    let (_guard, s) = scenario(config()).await;
+    s.clean(&[TOKEN]).await;
+    let mut c = s.client(Some(TOKEN)).await;
+    let sb = c
+        .create_sandbox(CreateSandboxRequest {
+            packages: Some(PackagePolicy {
+                registries: vec![offregistry::NAME.into()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    offregistry::off_registry().assert_refused(&sb);
+    c.destroy_sandbox(airlock_api::v1::DestroySandboxRequest { sandbox_id: sb.id })
+        .await
+        .unwrap();
 }
