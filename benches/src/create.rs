@@ -362,6 +362,27 @@ async fn destroy_all(c: &Client, sandboxes: &[Sandbox]) {
     }
 }
 
+/// `config` with a `[jail]` uid range of its own (unless it names one): a bench may run two
+/// daemons at once, and a daemon refuses a range another live daemon holds (the default one
+/// is a production daemon's). Ranges of 10,000 from 1.65 * 10^9, apart from the system
+/// tests' (below 1.54 * 10^9) and the image bench's (1.6 * 10^9).
+fn with_uid_range(config: &str) -> String {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    if config.contains("uid_base") {
+        return config.to_owned();
+    }
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 8;
+    let slot = (std::process::id() % 1700) * 8 + n;
+    let range = format!(
+        "uid_base = {}\nuid_count = 10000\n",
+        1_650_000_000 + slot * 10_000
+    );
+    match config.find("[jail]\n") {
+        Some(i) => format!("{}[jail]\n{range}{}", &config[..i], &config[i + 7..]),
+        None => format!("{config}\n[jail]\n{range}"),
+    }
+}
+
 /// Starts an `airlockd` in `dir` with `config` (plus the benchmark's common settings); returns
 /// it and a client.
 async fn start_daemon(
@@ -371,6 +392,7 @@ async fn start_daemon(
     config: &str,
 ) -> Result<(Daemon, Client), String> {
     std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    let config = with_uid_range(config);
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map_err(|e| e.to_string())?
