@@ -136,12 +136,21 @@ fn vmm_pids(parent: &str) -> Vec<(PathBuf, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_daemon_sharing_any_part_is_refused_and_kills_nothing() {
     let (_guard, s) = scenario(config()).await;
-    let before = vmm_pids(&s.cgroup_parent);
-    assert!(
-        !before.is_empty(),
-        "the shared daemon has a warm VMM (pool_size = 1): {}",
-        s.log_tail()
-    );
+    // The shared daemon's warm VMM (pool_size = 1), once it runs in its cgroups (a daemon just
+    // started may still be starting it).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let before = loop {
+        let pids = vmm_pids(&s.cgroup_parent);
+        if !pids.is_empty() && pids.iter().all(|(_, procs)| !procs.trim().is_empty()) {
+            break pids;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the shared daemon has a warm VMM: {pids:?}\n{}",
+            s.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     let dir = std::env::temp_dir().join(format!("airlock-hostile-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let own_data = dir.join("data");

@@ -633,12 +633,12 @@ async fn run_step(
 async fn cache_step(b: &Build<'_>, sandbox: &str, key: &str) {
     let name = cache_name(key);
     if b.d.templates.find(b.tenant, &name).is_err() {
-        match b
-            .d
-            .sandboxes
-            .snapshot(b.tenant, sandbox, &name, false)
-            .await
-        {
+        // Owned as the build's result will be (the default tenant's: shared), which is what
+        // the cache lookup asks for.
+        let cached =
+            b.d.sandboxes
+                .snapshot_with(b.tenant, sandbox, &name, None, None, false);
+        match cached.await {
             Ok(_) => b.send("step", format!("cached as {name}")).await,
             Err(e) => b.send("step", format!("not cached: {e}")).await,
         }
