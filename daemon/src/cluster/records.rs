@@ -150,7 +150,7 @@ pub fn seal(key: &RecordKey, info: &NodeInfo) -> Vec<u8> {
 pub fn open(key: &RecordKey, name: &str, value: &[u8]) -> Result<NodeInfo, Unsealed> {
     use hmac::Mac as _;
     let sealed: Sealed = serde_json::from_slice(value)?;
-    let given = unhex(&sealed.mac).ok_or(Unsealed::Signature)?;
+    let given = hex::decode(&sealed.mac).map_err(|_| Unsealed::Signature)?;
     mac(key, name, &sealed.record)
         .verify_slice(&given)
         .map_err(|_| Unsealed::Signature)?;
@@ -159,16 +159,6 @@ pub fn open(key: &RecordKey, name: &str, value: &[u8]) -> Result<NodeInfo, Unsea
         return Err(Unsealed::Name(info.name));
     }
     Ok(info)
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 #[cfg(test)]

@@ -276,7 +276,7 @@ fn access_token(key: &[u8], id: &str) -> String {
 
 /// Whether `token` is sandbox `id`'s access token under `key` (compared in constant time).
 fn token_matches(key: &[u8], id: &str, token: &str) -> bool {
-    from_hex(token).is_some_and(|raw| mac(key, id).verify_slice(&raw).is_ok())
+    hex::decode(token).is_ok_and(|raw| mac(key, id).verify_slice(&raw).is_ok())
 }
 
 /// The sandbox a host name `<port>-<id>.<domain>[:PORT]` names, for envd's port (none without
@@ -292,16 +292,6 @@ fn sandbox_of_host<'h>(host: &'h str, domain: &str) -> Option<&'h str> {
     let label = host.strip_suffix(domain)?.strip_suffix('.')?;
     let (port, id) = label.split_once('-')?;
     (port == ENVD_PORT && !id.is_empty() && !id.contains('.')).then_some(id)
-}
-
-fn from_hex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 /// A header's value as text.
