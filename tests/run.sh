@@ -123,11 +123,21 @@ build() {
   cargo test --workspace --no-run
 }
 
-# Unit tests and the VMM's KVM micro tests: every package but the system tests.
+# Unit tests and the VMM's KVM micro tests: every package but the system tests. Each command is
+# killed (with what it started) past AIRLOCK_UNIT_TIMEOUT seconds (default 900, some thirty times
+# their usual time), so that a hung test fails the run in minutes instead of using up CI's time.
 unit_tests() {
   echo "== unit tests" >&2
-  cargo test --workspace --exclude airlock-system-tests -- --nocapture 2>&1 | timing tee "unit tests"
-  cargo test -p airlock-system-tests --lib -- --nocapture 2>&1 | timing tee "unit tests"
+  local limit=${AIRLOCK_UNIT_TIMEOUT:-900}
+  timeout -k 10 "$limit" cargo test --workspace --exclude airlock-system-tests -- --nocapture 2>&1 |
+    timing tee "unit tests" || unit_failed "$limit"
+  timeout -k 10 "$limit" cargo test -p airlock-system-tests --lib -- --nocapture 2>&1 |
+    timing tee "unit tests" || unit_failed "$limit"
+}
+unit_failed() {
+  local rc=${PIPESTATUS[0]:-1}
+  [[ $rc == 124 || $rc == 137 ]] && echo "== unit tests: killed after ${1} s (AIRLOCK_UNIT_TIMEOUT)" >&2
+  return 1
 }
 
 # The Python SDK's environment (a venv with pytest and this checkout's SDK; sdk/python/venv.sh).

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -156,6 +157,20 @@ def cpu_times() -> tuple[float, float]:
     return (sum(fields) - idle, sum(fields))
 
 
+# How long one system test binary (or the pytest run) may take before it is killed with its
+# process group: about four times the slowest one's usual time.
+BINARY_DEADLINE_S = float(os.environ.get("AIRLOCK_TEST_BINARY_TIMEOUT", "900"))
+
+
+def kill_group(p: subprocess.Popen, spec: str) -> None:
+    """Kills `p`'s process group (a binary past its deadline)."""
+    sys.stderr.write(f"== {spec}: past its deadline of {BINARY_DEADLINE_S:.0f} s, killed\n")
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def cmd_lanes(stage: str, jobs: int, specs: list[str]) -> int:
     """Runs each spec (`tests/NAME.rs`) as `cargo test -p airlock-system-tests --test NAME`."""
     last = last_durations()
@@ -178,7 +193,12 @@ def cmd_lanes(stage: str, jobs: int, specs: list[str]) -> int:
         rec = Recorder(spec)
         lines: list[str] = []
         t0 = time.time()
-        with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as p:
+        # Its own process group, so that a binary past its deadline is killed with everything
+        # it started (a hung test must cost minutes, not the whole CI run).
+        with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True) as p:
+            timer = threading.Timer(BINARY_DEADLINE_S, kill_group, args=(p, spec))
+            timer.start()
             assert p.stdout is not None
             for raw in p.stdout:
                 now = time.time()
@@ -186,6 +206,10 @@ def cmd_lanes(stage: str, jobs: int, specs: list[str]) -> int:
                 lines.append(f"[{now - t0:7.1f}] {text}")
                 rec.line(text, now)
             rc = p.wait()
+            timer.cancel()
+        if rc == -signal.SIGKILL and time.time() - t0 >= BINARY_DEADLINE_S:
+            lines.append(f"[{time.time() - t0:7.1f}] tests/times.py: killed after its deadline of "
+                         f"{BINARY_DEADLINE_S:.0f} s (AIRLOCK_TEST_BINARY_TIMEOUT)\n")
         record = rec.finish()
         secs = time.time() - t0
         if spec.startswith("pytest:"):

@@ -190,6 +190,10 @@ fn probe_seccomp(tag: &str, extra: &[&str]) -> (Output, Option<serde_json::Value
 
 /// Boots a spinning guest in `dir` with a control socket and the test hooks, sends `probe`
 /// and returns the process's output and the probe's answer (none if the VMM died first).
+///
+/// The guest spins with no boot deadline, so nothing but this function ends the VMM: it sends
+/// `stop` after an answer, and a VMM still running [`VMM_DEADLINE`] after the probe is killed
+/// (the test then fails, saying so) instead of leaving the test waiting for ever.
 fn probe_vmm(dir: &TempDir, probe: &str, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
     common::require_kvm();
     let kernel = common::write_temp(&dir.0, "kernel.elf", &common::elf64(common::SPIN));
@@ -215,15 +219,81 @@ fn probe_vmm(dir: &TempDir, probe: &str, extra: &[&str]) -> (Output, Option<serd
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !control.exists() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    let answer = vmm::control::send_command(&control, probe).ok();
+    let answer = send_when_listening(&control, probe);
     if answer.is_some() {
         let _ = vmm::control::send_command(&control, "stop");
     }
-    (child.wait_with_output().unwrap(), answer)
+    let (out, killed) = wait_or_kill(child, VMM_DEADLINE);
+    assert!(
+        !killed,
+        "the VMM was still running {VMM_DEADLINE:?} after `{probe}` (answer: {answer:?}) and was \
+         killed; stderr:\n{}",
+        stderr(&out)
+    );
+    (out, answer)
+}
+
+/// How long a probed VMM may run on after its probe before it is killed.
+const VMM_DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Sends `line` on the control socket at `path` once the VMM listens there: the socket file
+/// exists a moment before `listen(2)`, and a connection in between is refused, so a refused or
+/// missing socket is tried again for up to 30 s. Any other failure (the VMM died on the
+/// command) is no answer.
+fn send_when_listening(path: &std::path::Path, line: &str) -> Option<serde_json::Value> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        match vmm::control::send_command(path, line) {
+            Ok(answer) => return Some(answer),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                ) && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Err(_) => return None,
+        }
+    }
+}
+
+/// Waits for `child` to end, killing it if it still runs after `deadline`; its output and
+/// whether it had to be killed. Its pipes are read meanwhile, so that a chatty process cannot
+/// block on a full pipe.
+fn wait_or_kill(mut child: std::process::Child, deadline: std::time::Duration) -> (Output, bool) {
+    use std::io::Read;
+    fn drain(pipe: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<Vec<u8>> {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut buf);
+            }
+            buf
+        })
+    }
+    let stdout = drain(child.stdout.take());
+    let stderr = drain(child.stderr.take());
+    let end = std::time::Instant::now() + deadline;
+    let mut killed = false;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() >= end {
+            // Not yet reaped (try_wait said it runs), so the kill reaches this process.
+            child.kill().unwrap();
+            killed = true;
+            break child.wait().unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let out = Output {
+        status,
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    };
+    (out, killed)
 }
 
 #[test]
