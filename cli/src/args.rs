@@ -8,6 +8,10 @@ use std::path::PathBuf;
 use clap::error::ErrorKind;
 use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand, ValueEnum};
 
+pub mod code;
+
+pub use code::{CodeContextCommand, RunCodeArgs};
+
 /// The help heading of the flags every command takes.
 const GLOBAL: &str = "Global options";
 
@@ -22,11 +26,13 @@ Examples:
   airlock create --pkg-registry pypi --pkg-allow requests --max-download-mib 50
   airlock installs \"$ID\" --follow
   airlock expose \"$ID\" 8000 --ttl 600
+  airlock run-code \"$ID\" cell.py --out-dir figures
   airlock --json ls
   airlock rm \"$ID\"
 
 Exit status: `exec` and `logs` exit with the remote command's code (124 when its timeout ended
-it, 128+N when signal N did); 2 for a usage error; 1 for any other failure, with the daemon's
+it, 128+N when signal N did); `run-code` 1 when the cell raised, 124 when its timeout ended it,
+137 when the memory limit killed its kernel; 2 for a usage error; 1 for any other failure, with the daemon's
 reason code (SANDBOX_NOT_FOUND, PATH_NOT_ALLOWED, ...) on stderr.";
 
 /// `airlock`: the command-line client of `airlockd`, the microVM sandbox service.
@@ -140,6 +146,14 @@ pub enum Command {
     /// The daemon's nodes (cluster mode: every node of the cluster), their load, capacity and
     /// templates
     Nodes,
+    /// Run a cell of code in the sandbox's stateful interpreter (a code-interpreter template):
+    /// streams its output, prints text results, saves images to files
+    #[command(after_help = code::RUN_CODE_AFTER_HELP)]
+    RunCode(Box<RunCodeArgs>),
+    /// Make, list, restart and remove the interpreter's contexts (each its own kernel and
+    /// variables)
+    #[command(subcommand)]
+    CodeContext(CodeContextCommand),
     /// Print the completion script of a shell (airlock completions bash > FILE)
     Completions(CompletionsArgs),
 }

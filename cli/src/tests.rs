@@ -26,6 +26,7 @@ use crate::request::{
     template_request,
 };
 
+mod code;
 mod net;
 mod packages;
 

@@ -41,6 +41,12 @@ struct Seen {
     fs: Vec<String>,
     /// GetSandbox calls for `sb-ending`: running at the first, destroyed after.
     ending_polls: usize,
+    /// The last RunCode request.
+    run_code: Option<RunCodeRequest>,
+    /// The code-context calls, as text.
+    code_contexts: Vec<String>,
+    /// The contexts made and not removed.
+    contexts: Vec<CodeContext>,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -168,6 +174,7 @@ impl Airlock for Mock {
     type RebuildTemplateStream = Events<TemplateEvent>;
     type StreamExecutionStream = Events<ExecutionEvent>;
     type ReadFileStream = Events<FileChunk>;
+    type RunCodeStream = Events<RunCodeEvent>;
 
     async fn create_template(
         &self,
@@ -654,6 +661,62 @@ impl Airlock for Mock {
         }))
     }
 
+    async fn run_code(&self, r: Request<RunCodeRequest>) -> Answer<Events<RunCodeEvent>> {
+        let r = r.into_inner();
+        if r.sandbox_id != "sb-1" {
+            return Err(Status::not_found("SANDBOX_NOT_FOUND"));
+        }
+        let evs = code::cell_events(&r);
+        self.0.lock().unwrap().run_code = Some(r);
+        Ok(Response::new(events(evs)))
+    }
+    async fn create_code_context(
+        &self,
+        r: Request<CreateCodeContextRequest>,
+    ) -> Answer<CodeContext> {
+        let r = r.into_inner();
+        let mut seen = self.0.lock().unwrap();
+        seen.code_contexts
+            .push(format!("create {} {}", r.language, r.cwd));
+        let id = format!("ctx-{}", seen.code_contexts.len());
+        let c = code::context(&id, &r.language, &r.cwd);
+        seen.contexts.push(c.clone());
+        Ok(Response::new(c))
+    }
+    async fn list_code_contexts(
+        &self,
+        _: Request<ListCodeContextsRequest>,
+    ) -> Answer<ListCodeContextsResponse> {
+        let contexts = self.0.lock().unwrap().contexts.clone();
+        Ok(Response::new(ListCodeContextsResponse { contexts }))
+    }
+    async fn restart_code_context(
+        &self,
+        r: Request<RestartCodeContextRequest>,
+    ) -> Answer<CodeContext> {
+        let r = r.into_inner();
+        let mut seen = self.0.lock().unwrap();
+        seen.code_contexts.push(format!("restart {}", r.context_id));
+        match seen.contexts.iter().find(|c| c.id == r.context_id) {
+            Some(c) => Ok(Response::new(c.clone())),
+            None => Err(Status::not_found("CONTEXT_NOT_FOUND")),
+        }
+    }
+    async fn remove_code_context(
+        &self,
+        r: Request<RemoveCodeContextRequest>,
+    ) -> Answer<RemoveCodeContextResponse> {
+        let r = r.into_inner();
+        let mut seen = self.0.lock().unwrap();
+        seen.code_contexts.push(format!("rm {}", r.context_id));
+        let before = seen.contexts.len();
+        seen.contexts.retain(|c| c.id != r.context_id);
+        if seen.contexts.len() == before {
+            return Err(Status::not_found("CONTEXT_NOT_FOUND"));
+        }
+        Ok(Response::new(RemoveCodeContextResponse {}))
+    }
+
     async fn list_nodes(&self, _: Request<ListNodesRequest>) -> Answer<ListNodesResponse> {
         let node = |name: &str, tag: &str, n| Node {
             name: name.into(),
@@ -679,6 +742,8 @@ impl Airlock for Mock {
     }
 }
 
+#[path = "mock_daemon/code.rs"]
+mod code;
 #[path = "mock_daemon/net.rs"]
 mod net;
 #[path = "mock_daemon/nodes.rs"]

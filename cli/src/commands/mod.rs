@@ -2,6 +2,7 @@
 //! `airlock`, or the message of a failure (printed as `airlock: MESSAGE`, exit code 1).
 
 pub mod audit;
+pub mod code;
 pub mod exec;
 pub mod files;
 pub mod fs;
@@ -67,6 +68,8 @@ pub async fn run(ctx: &mut Ctx, command: Command) -> Result<u8, String> {
         Command::Volume(v) => volume::run(ctx, v).await,
         Command::Usage => sandbox::usage(ctx).await,
         Command::Nodes => nodes::list(ctx).await,
+        Command::RunCode(a) => code::run_code(ctx, &a).await,
+        Command::CodeContext(c) => code::context(ctx, c).await,
         Command::Completions(_) => Err("completions need no daemon".into()),
     }
 }
