@@ -6,7 +6,11 @@ Quickstart (the daemon ``airlockd`` must be running; see the repository's README
 
     with Client() as client:
         with client.sandboxes.create() as sandbox:
-            print(sandbox.run_code("print(6*7)").stdout)   # 42
+            print(sandbox.exec_code("print(6*7)").stdout)   # 42
+        # The code interpreter (a stateful kernel; rich results):
+        with client.sandboxes.create("code-interpreter") as sandbox:
+            sandbox.run_code("x = 6")
+            print(sandbox.run_code("x * 7").text)             # 42
 
 The asyncio flavour is :class:`airlock.aio.AsyncClient`.
 """
@@ -40,6 +44,7 @@ from ._common import (
     Volume,
     verify_audit,
 )
+from ._interp import CodeContext, CodeExecution, ExecutionError, Logs, OutputMessage, Result
 from .client import Client, Execution, Sandbox
 from . import errors
 from .errors import *  # noqa: F401,F403  (the exception classes; see errors.__all__)
@@ -52,6 +57,12 @@ __all__ = [
     "Execution",
     "ExecResult",
     "OutputChunk",
+    "CodeExecution",
+    "CodeContext",
+    "Result",
+    "Logs",
+    "ExecutionError",
+    "OutputMessage",
     "FileEntry",
     "Template",
     "TemplateProgress",

@@ -32,6 +32,8 @@ import grpc
 import grpc.aio
 
 from . import _common as c
+from . import _interp as ci
+from ._interp import CodeContext, CodeExecution, ContextSpec
 from ._common import (
     AuditEvent,
     AuditLog,
@@ -557,7 +559,7 @@ class AsyncSandbox(c.SandboxInfo):
         )
         return await ex.wait(on_stdout, on_stderr, check=check)
 
-    async def run_code(
+    async def exec_code(
         self,
         source: str,
         *,
@@ -571,6 +573,7 @@ class AsyncSandbox(c.SandboxInfo):
         on_stderr: Optional[OutputCallback] = None,
         check: bool = True,
     ) -> ExecResult:
+        """As :meth:`airlock.Sandbox.exec_code`."""
         ex = await self.start(
             source,
             env=env,
@@ -581,6 +584,55 @@ class AsyncSandbox(c.SandboxInfo):
             secrets=secrets,
         )
         return await ex.wait(on_stdout, on_stderr, check=check)
+
+    async def run_code(
+        self,
+        code: str,
+        language: Optional[str] = None,
+        context: ContextSpec = None,
+        env: Optional[Mapping[str, str]] = None,
+        timeout: Optional[float] = None,
+        on_stdout: Optional[Callable[[ci.OutputMessage], Any]] = None,
+        on_stderr: Optional[Callable[[ci.OutputMessage], Any]] = None,
+        on_result: Optional[Callable[[ci.Result], Any]] = None,
+        on_error: Optional[Callable[[ci.ExecutionError], Any]] = None,
+        *,
+        check: bool = True,
+    ) -> CodeExecution:
+        """As :meth:`airlock.Sandbox.run_code`; callbacks may be coroutines."""
+        req = ci.run_code_request(self.id, code, language, context, env, timeout)
+        collector = ci.CodeCollector(on_stdout, on_stderr, on_result, on_error)
+        call = self._c._stub.RunCode(req, metadata=self._c._metadata)
+        try:
+            async for ev in call:
+                r = collector.add(ev)
+                if asyncio.iscoroutine(r):
+                    await r
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()
+        return collector.finish(check)
+
+    async def create_code_context(self, language: Optional[str] = None, cwd: Optional[str] = None) -> CodeContext:
+        """As :meth:`airlock.Sandbox.create_code_context`."""
+        req = ci.create_context_request(self.id, language, cwd)
+        return CodeContext.from_pb(await self._c._unary("CreateCodeContext", req))
+
+    async def list_code_contexts(self) -> List[CodeContext]:
+        """As :meth:`airlock.Sandbox.list_code_contexts`."""
+        resp = await self._c._unary("ListCodeContexts", pb.ListCodeContextsRequest(sandbox_id=self.id))
+        return [CodeContext.from_pb(x) for x in resp.contexts]
+
+    async def restart_code_context(self, context: Union[CodeContext, str]) -> CodeContext:
+        """As :meth:`airlock.Sandbox.restart_code_context`."""
+        req = pb.RestartCodeContextRequest(sandbox_id=self.id, context_id=ci.context_id(context))
+        return CodeContext.from_pb(await self._c._unary("RestartCodeContext", req))
+
+    async def remove_code_context(self, context: Union[CodeContext, str]) -> None:
+        """As :meth:`airlock.Sandbox.remove_code_context`."""
+        req = pb.RemoveCodeContextRequest(sandbox_id=self.id, context_id=ci.context_id(context))
+        await self._c._unary("RemoveCodeContext", req)
 
     async def pause(self) -> "AsyncSandbox":
         self._info = await self._c._unary("PauseSandbox", pb.PauseSandboxRequest(sandbox_id=self.id))

@@ -21,6 +21,8 @@ from typing import (
 import grpc
 
 from . import _common as c
+from . import _interp as ci
+from ._interp import CodeContext, CodeExecution, ContextSpec
 from ._common import (
     AuditEvent,
     AuditLog,
@@ -646,7 +648,7 @@ class Sandbox(c.SandboxInfo):
             on_stdout, on_stderr, check=check
         )
 
-    def run_code(
+    def exec_code(
         self,
         source: str,
         *,
@@ -660,7 +662,10 @@ class Sandbox(c.SandboxInfo):
         on_stderr: Optional[OutputCallback] = None,
         check: bool = True,
     ) -> ExecResult:
-        """Runs source code with the guest's interpreter (``python`` or ``sh``)."""
+        """Runs source code as a fresh process of the guest's interpreter (``python`` or
+        ``sh``), as :meth:`exec` runs a command: no state between calls, any template. (This
+        was ``run_code`` before the code interpreter; :meth:`run_code` now runs a cell in the
+        interpreter's stateful kernel.)"""
         ex = self.start(
             source,
             env=env,
@@ -671,6 +676,75 @@ class Sandbox(c.SandboxInfo):
             secrets=secrets,
         )
         return ex.wait(on_stdout, on_stderr, check=check)
+
+    # -- the code interpreter (a template with one, e.g. code-interpreter) --
+
+    def run_code(
+        self,
+        code: str,
+        language: Optional[str] = None,
+        context: ContextSpec = None,
+        env: Optional[Mapping[str, str]] = None,
+        timeout: Optional[float] = None,
+        on_stdout: Optional[Callable[[ci.OutputMessage], Any]] = None,
+        on_stderr: Optional[Callable[[ci.OutputMessage], Any]] = None,
+        on_result: Optional[Callable[[ci.Result], Any]] = None,
+        on_error: Optional[Callable[[ci.ExecutionError], Any]] = None,
+        *,
+        check: bool = True,
+    ) -> CodeExecution:
+        """Runs a cell in the sandbox's code interpreter, in ``context`` (a
+        :class:`~airlock.CodeContext` or its id) or else in the default context of
+        ``language`` (``"python"``, the default; ``"javascript"``, ``"typescript"``,
+        ``"bash"``): variables persist between cells of a context. ``env``: variables for this
+        cell only; ``timeout`` in seconds (``None``: the daemon's, 300), past which the cell is
+        interrupted and the context lives on.
+
+        Output and results go to the callbacks as they come (``on_stdout``/``on_stderr`` get
+        :class:`~airlock.OutputMessage` s, ``on_result`` :class:`~airlock.Result` s,
+        ``on_error`` the :class:`~airlock.ExecutionError`). Returns the
+        :class:`~airlock.CodeExecution`: ``results``, ``logs``, ``error``,
+        ``execution_count``, ``text``.
+
+        An exception of the code is returned in ``.error``, not raised (as ``exec`` returns a
+        non-zero exit code). With ``check`` (the default) a cell that did not run to its end
+        raises, carrying the execution as ``.result``: :class:`~airlock.ExecTimeout` (its
+        timeout), :class:`~airlock.OomKilled` (the memory limit killed the kernel; the context
+        restarts on its next cell), :class:`~airlock.InterpreterUnavailable` (no interpreter in
+        this sandbox), ...; ``check=False`` returns it with ``.state`` saying so. Leaving early
+        (an exception in a callback, Ctrl-C) interrupts the cell."""
+        req = ci.run_code_request(self.id, code, language, context, env, timeout)
+        collector = ci.CodeCollector(on_stdout, on_stderr, on_result, on_error)
+        call = self._c._stub.RunCode(req, metadata=self._c._metadata)
+        try:
+            for ev in call:
+                collector.add(ev)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()
+        return collector.finish(check)
+
+    def create_code_context(self, language: Optional[str] = None, cwd: Optional[str] = None) -> CodeContext:
+        """A new context of the interpreter (its own kernel) for ``language`` (default
+        ``"python"``), working in ``cwd`` (default ``/home/user``)."""
+        req = ci.create_context_request(self.id, language, cwd)
+        return CodeContext.from_pb(self._c._unary("CreateCodeContext", req))
+
+    def list_code_contexts(self) -> List[CodeContext]:
+        """Its contexts, the default ones included once used."""
+        resp = self._c._unary("ListCodeContexts", pb.ListCodeContextsRequest(sandbox_id=self.id))
+        return [CodeContext.from_pb(x) for x in resp.contexts]
+
+    def restart_code_context(self, context: Union[CodeContext, str]) -> CodeContext:
+        """Restarts a context's kernel: its variables are gone, its id stays."""
+        req = pb.RestartCodeContextRequest(sandbox_id=self.id, context_id=ci.context_id(context))
+        return CodeContext.from_pb(self._c._unary("RestartCodeContext", req))
+
+    def remove_code_context(self, context: Union[CodeContext, str]) -> None:
+        """Ends a context and its kernel."""
+        req = pb.RemoveCodeContextRequest(sandbox_id=self.id, context_id=ci.context_id(context))
+        self._c._unary("RemoveCodeContext", req)
 
     def pause(self) -> "Sandbox":
         self._info = self._c._unary("PauseSandbox", pb.PauseSandboxRequest(sandbox_id=self.id))

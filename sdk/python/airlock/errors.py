@@ -61,6 +61,7 @@ __all__ = [
     "OomKilled",
     "SeccompViolation",
     "Unavailable",
+    "InterpreterUnavailable",
     "NodeLost",
     "ClusterUnavailable",
     "InternalError",
@@ -337,6 +338,13 @@ class Unavailable(AirlockError):
     reason_codes = ("AGENT_UNAVAILABLE",)
 
 
+class InterpreterUnavailable(Unavailable):
+    """The sandbox's code interpreter did not answer (a template without one, or it is
+    restarting): ``run_code`` and the code contexts need a code-interpreter template."""
+
+    reason_codes = ("INTERPRETER_UNAVAILABLE",)
+
+
 class RegistryUnavailable(Unavailable):
     """An image's registry did not answer as it should: unreachable, timed out, or it refused
     the credentials. ``metadata["registry"]`` names it."""
@@ -401,6 +409,7 @@ _BY_REASON = {
         OomKilled,
         SeccompViolation,
         Unavailable,
+        InterpreterUnavailable,
         NodeLost,
         ClusterUnavailable,
         InternalError,

@@ -42,7 +42,7 @@ def test_async_sandbox_lifecycle_exec_and_files(daemon):
                 chunks = [c async for c in client.executions.attach(r.execution_id).stream(stdout_offset=3)]
                 assert "".join(c.text for c in chunks) == "12\n"
 
-                py = await sb.run_code("print(6*7)")
+                py = await sb.exec_code("print(6*7)")
                 assert py.stdout == "42\n"
 
                 with pytest.raises(airlock.ExecTimeout):

@@ -59,10 +59,10 @@ def test_exec_result_fields(sandbox):
     assert r.duration_ms == r.ended_unix_ms - r.started_unix_ms
     assert r.cpu_user_us + r.cpu_system_us > 0
 
-    py = sandbox.run_code("import os, sys; print(os.getuid()); print('e', file=sys.stderr)")
+    py = sandbox.exec_code("import os, sys; print(os.getuid()); print('e', file=sys.stderr)")
     assert py.ok and py.stdout == "1000\n" and py.stderr == "e\n"
     # Code is unprivileged unless it asks for root, and so are file calls.
-    root = sandbox.run_code("import os; print(os.getuid(), os.getcwd())", user="root")
+    root = sandbox.exec_code("import os; print(os.getuid(), os.getcwd())", user="root")
     assert root.stdout == "0 /root\n"
     sandbox.files.write("/tmp/owned-by-root", "r", mode=0o600, user="root")
     with pytest.raises(airlock.GuestPermissionDenied):
@@ -368,7 +368,7 @@ def test_secrets_are_redacted_from_output_and_never_shown(client):
             "print(os.environ.get('ONE_OFF', 'unset'))"
         )
         # An execution's own secret besides the sandbox's.
-        r = sb.run_code(code, secrets={"ONE_OFF": "one-off-value-42"})
+        r = sb.exec_code(code, secrets={"ONE_OFF": "one-off-value-42"})
         assert r.ok, r.stderr
         lines = r.stdout.splitlines()
         assert lines[:2] == ["[REDACTED:API_KEY]", "[REDACTED:API_KEY]"], r.stdout
@@ -579,7 +579,7 @@ def test_out_of_memory_ends_the_execution(sandbox):
     # The program allocates 4 MiB at a time without end; its limit is 24 MiB.
     hog = "chunks = []\nwhile True:\n    chunks.append(b'x' * (4 << 20))\n    print(len(chunks), flush=True)"
     with pytest.raises(airlock.OomKilled) as e:
-        sandbox.run_code(hog, memory_limit_mib=24)
+        sandbox.exec_code(hog, memory_limit_mib=24)
     assert isinstance(e.value, airlock.SandboxDead)
     assert e.value.reason == "OOM_KILLED"
     r = e.value.result
