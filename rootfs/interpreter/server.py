@@ -64,6 +64,14 @@ MIME_FIELDS = {
 ANSI_RE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
+# ipykernel settings: plain tracebacks and full reprs (as E2B's template), and inline figures
+# at exactly figsize*dpi pixels (matplotlib_inline's default crops to a tight bounding box).
+KERNEL_ARGS = [
+    "--InteractiveShell.colors=NoColor",
+    "--PlainTextFormatter.max_seq_length=0",
+    "--InlineBackend.print_figure_kwargs={'bbox_inches': None}",
+]
+
 # How long an interrupted cell may take to stop before its context is killed and restarted.
 INTERRUPT_GRACE_S = 10.0
 MAX_BODY = 64 << 20
@@ -287,7 +295,7 @@ class PythonContext(Context):
             if importlib.util.find_spec("matplotlib_inline") is not None:
                 env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
         km = KernelManager(kernel_name="python3")
-        km.start_kernel(cwd=self.cwd, env=env)
+        km.start_kernel(cwd=self.cwd, env=env, extra_arguments=KERNEL_ARGS)
         kc = km.client()
         kc.start_channels()
         try:
