@@ -176,13 +176,16 @@ class _Spawner:
                 box["error"] = e
             done.set()
 
-    def popen(self, *args, **kwargs):
+    def call(self, fn):
         box, done = {}, threading.Event()
-        self.q.put((lambda: subprocess.Popen(*args, **kwargs), box, done))
+        self.q.put((fn, box, done))
         done.wait()
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+    def popen(self, *args, **kwargs):
+        return self.call(lambda: subprocess.Popen(*args, **kwargs))
 
 
 SPAWNER = _Spawner()
@@ -295,7 +298,10 @@ class PythonContext(Context):
             if importlib.util.find_spec("matplotlib_inline") is not None:
                 env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
         km = KernelManager(kernel_name="python3")
-        km.start_kernel(cwd=self.cwd, env=env, extra_arguments=KERNEL_ARGS)
+        # The kernel dies with this server (ipykernel's own parent poller only notices a
+        # re-parenting to pid 1, not to a subreaper such as the guest agent).
+        SPAWNER.call(lambda: km.start_kernel(cwd=self.cwd, env=env, extra_arguments=KERNEL_ARGS,
+                                             preexec_fn=_pdeathsig))
         kc = km.client()
         kc.start_channels()
         try:
