@@ -74,6 +74,7 @@ KERNEL_ARGS = [
 
 # How long an interrupted cell may take to stop before its context is killed and restarted.
 INTERRUPT_GRACE_S = 10.0
+VMSTAT = os.environ.get("AIRLOCK_INTERP_VMSTAT", "/proc/vmstat")
 MAX_BODY = 64 << 20
 
 
@@ -101,7 +102,7 @@ def strip_ansi(text):
 def read_oom_kills():
     """The guest's oom_kill counter from /proc/vmstat, or None."""
     try:
-        with open("/proc/vmstat") as f:
+        with open(VMSTAT) as f:
             for line in f:
                 if line.startswith("oom_kill "):
                     return int(line.split()[1])

@@ -63,6 +63,9 @@ def server(tmp_path_factory):
     sid.write_text("sandbox-1")
     env = dict(os.environ)
     env["AIRLOCK_SANDBOX_ID_FILE"] = str(sid)
+    # A stand-in for /proc/vmstat, so a cell can play the OOM killer.
+    (work / "vmstat").write_text("nr_free_pages 1\noom_kill 0\n")
+    env["AIRLOCK_INTERP_VMSTAT"] = str(work / "vmstat")
     node = os.environ.get("AIRLOCK_INTERP_NODE") or shutil.which("node")
     args = [sys.executable, SERVER, "--tcp", "127.0.0.1:0", "--no-vsock",
             "--default-cwd", str(work)]

@@ -9,6 +9,7 @@ import re
 import socket
 import struct
 import subprocess
+import threading
 import time
 
 import pytest
@@ -167,6 +168,35 @@ def test_kernel_death_then_restart(server):
     assert ex.error and ex.error.name in ("KernelDied", "OomKilled")
     ex, _ = run(server, "'y' in globals()", context_id=ctx.id)
     assert ex.text == "False"
+    server.request("DELETE", f"/contexts/{ctx.id}")
+
+
+def test_oom_killed_then_recovers(server):
+    ctx = new_context(server)
+    ex, _ = run(server, "import os, signal\n"
+                        f"open({server.workdir + '/vmstat'!r}, 'w').write('oom_kill 1\\n')\n"
+                        "os.kill(os.getpid(), signal.SIGKILL)", context_id=ctx.id)
+    assert ex.error and ex.error.name == "OomKilled"
+    ex, _ = run(server, "1 + 1", context_id=ctx.id)
+    assert ex.text == "2" and ex.error is None
+    server.request("DELETE", f"/contexts/{ctx.id}")
+
+
+def test_restart_while_running(server):
+    ctx = new_context(server)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=run(server, "import time; time.sleep(30)",
+                                                         context_id=ctx.id)))
+    t.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    assert server.request("POST", f"/contexts/{ctx.id}/restart")[0] == 200
+    t.join(timeout=20)
+    assert not t.is_alive() and time.monotonic() - t0 < 15
+    ex, _ = box["r"]
+    assert ex.error and ex.error.name == "ContextRestarting"
+    ex, _ = run(server, "'ok'", context_id=ctx.id)
+    assert ex.text == "ok"
     server.request("DELETE", f"/contexts/{ctx.id}")
 
 
