@@ -10,7 +10,8 @@
 // functions and imports persist between cells; the value of the last expression is the
 // result (util.inspect as text/plain); a Promise is awaited first. TypeScript is stripped of
 // its types first (module.stripTypeScriptTypes where node has it, else node's bundled amaro,
-// reachable with --expose-internals in node 22.12).
+// reachable with --expose-internals in node 22.12). Top-level await uses node's own REPL
+// rewrite (internal/repl/await, also through --expose-internals).
 'use strict';
 
 const fs = require('node:fs');
@@ -82,6 +83,13 @@ if (typeof nodeModule.stripTypeScriptTypes === 'function') {
   }
 }
 
+let processTopLevelAwait = null;
+try {
+  processTopLevelAwait = require('internal/repl/await').processTopLevelAwait;
+} catch (_) {
+  processTopLevelAwait = null;
+}
+
 globalThis.require = nodeModule.createRequire(path.join(process.cwd(), '__airlock_repl__.js'));
 
 process.on('SIGINT', () => {
@@ -122,18 +130,29 @@ async function runCell(req) {
       code = stripTypes(code);
     }
     let script;
+    let wrapped = false;
     try {
       script = new vm.Script(code, { filename: `cell${count}` });
     } catch (e) {
-      // Top-level await: run the cell as an async function (its declarations stay local and
-      // there is no last-expression value).
-      if (e instanceof SyntaxError && /await/.test(e.message)) {
-        script = new vm.Script(`(async () => {\n${code}\n})()`, { filename: `cell${count}` });
+      if (!(e instanceof SyntaxError && /await/.test(e.message))) throw e;
+      // Top-level await: node's own REPL rewrite (declarations stay global, the last
+      // expression comes back as {value}); without it, a plain async wrapper.
+      const rewritten = processTopLevelAwait ? processTopLevelAwait(code) : null;
+      if (rewritten) {
+        script = new vm.Script(rewritten, { filename: `cell${count}` });
+        wrapped = true;
       } else {
-        throw e;
+        script = new vm.Script(`(async () => {\n${code}\n})()`, { filename: `cell${count}` });
       }
     }
     let value = script.runInThisContext({ breakOnSigint: true, displayErrors: false });
+    if (wrapped) {
+      value = await new Promise((resolve, reject) => {
+        abortCell = reject;
+        value.then(resolve, reject);
+      });
+      value = value && typeof value === 'object' && 'value' in value ? value.value : undefined;
+    }
     if (value && typeof value.then === 'function') {
       value = await new Promise((resolve, reject) => {
         abortCell = reject;

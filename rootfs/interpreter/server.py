@@ -281,6 +281,36 @@ class Context:
             out.emit(death_error(oom_before, what))
 
 
+class _Watch:
+    """Interrupts a context's running cell once its client is gone: again every second (an
+    interrupt that lands before the cell starts is lost), then kills the process after
+    INTERRUPT_GRACE_S; the context restarts on its next cell."""
+
+    def __init__(self, ctx, out):
+        self.ctx, self.out = ctx, out
+        self.first = self.last = None
+
+    def abandon(self):
+        if not self.out.gone():
+            return False
+        now = time.monotonic()
+        if self.first is None:
+            log.info("context %s: client gone mid-cell, interrupting", self.ctx.id)
+            self.first = now
+        elif now - self.first > INTERRUPT_GRACE_S:
+            log.warning("context %s: the interrupt did not stop the cell, killing", self.ctx.id)
+            self.ctx.kill()
+            self.ctx.dead = True
+            return True
+        if self.last is None or now - self.last >= 1.0:
+            self.last = now
+            try:
+                self.ctx.interrupt()
+            except Exception:
+                log.exception("context %s: interrupting", self.ctx.id)
+        return False
+
+
 class PythonContext(Context):
     """An ipykernel driven through jupyter_client."""
 
@@ -337,6 +367,9 @@ class PythonContext(Context):
     def alive(self):
         return self.km is not None and self.km.is_alive()
 
+    def interrupt(self):
+        self.km.interrupt_kernel()
+
     def _silent(self, code, timeout=30):
         """Runs code without output or history; returns the reply's content (or None)."""
         msg_id = self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
@@ -367,7 +400,7 @@ class PythonContext(Context):
             "del _airlock_reseed\n")
 
     def run(self, code, env_vars, out):
-        km, kc = self.km, self.kc
+        kc = self.kc
         if env_vars:
             self._silent(
                 "_airlock_saved_env = {}\n"
@@ -383,19 +416,9 @@ class PythonContext(Context):
                             stop_on_error=False)
         count = None
         errored = False
-        interrupted_at = None
+        watch = _Watch(self, out)
         while True:
-            if interrupted_at is None and out.gone():
-                log.info("context %s: client gone mid-cell, interrupting the kernel", self.id)
-                interrupted_at = time.monotonic()
-                try:
-                    km.interrupt_kernel()
-                except Exception:
-                    log.exception("interrupting the kernel")
-            if interrupted_at is not None and time.monotonic() - interrupted_at > INTERRUPT_GRACE_S:
-                log.warning("context %s: the interrupt did not stop the cell, killing", self.id)
-                self.kill()
-                self.dead = True
+            if watch.abandon():
                 return
             try:
                 msg = kc.get_iopub_msg(timeout=0.1)
@@ -623,15 +646,10 @@ class BashContext(_ProcessContext):
             self._died(out, oom_before, "bash process")
             return
         splitters = {"stdout": _StreamSplitter(token), "stderr": _StreamSplitter(token)}
-        interrupted_at = None
+        watch = _Watch(self, out)
         eof = set()
         while not all(s.done for s in splitters.values()):
-            if interrupted_at is None and out.gone():
-                interrupted_at = time.monotonic()
-                self.interrupt()
-            if interrupted_at is not None and time.monotonic() - interrupted_at > INTERRUPT_GRACE_S:
-                self.kill()
-                self.dead = True
+            if watch.abandon():
                 return
             try:
                 tag, data = self.q.get(timeout=0.1)
@@ -695,14 +713,9 @@ class NodeContext(_ProcessContext):
         except OSError:
             self._died(out, oom_before, "node process")
             return
-        interrupted_at = None
+        watch = _Watch(self, out)
         while True:
-            if interrupted_at is None and out.gone():
-                interrupted_at = time.monotonic()
-                self.interrupt()
-            if interrupted_at is not None and time.monotonic() - interrupted_at > INTERRUPT_GRACE_S:
-                self.kill()
-                self.dead = True
+            if watch.abandon():
                 return
             try:
                 tag, data = self.q.get(timeout=0.1)

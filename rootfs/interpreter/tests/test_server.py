@@ -240,8 +240,11 @@ def test_javascript(server):
     assert ex.results[0].text == "{ a: 1 }" and ex.results[0].is_main_result
     ex, _ = run(server, "o.a + 1", language="js")
     assert ex.text == "2" and ex.execution_count == 2
-    ex, _ = run(server, "await new Promise(r => setTimeout(() => r(7), 10))", language="js")
-    assert ex.error is None
+    ex, _ = run(server, "const w = await new Promise(r => setTimeout(() => r(7), 10)); w * 2",
+                language="js")
+    assert ex.error is None and ex.text == "14"
+    ex, _ = run(server, "w + 1", language="js")
+    assert ex.text == "8"
     ex, _ = run(server, "Promise.resolve(8)", language="js")
     assert ex.text == "8"
     ex, _ = run(server, "null.x", language="js")
