@@ -1,6 +1,8 @@
 //! One cgroup v2 per execution: limits, whole-tree kill and whole-tree accounting.
 //!
-//! Layout: `<root>/exec-<id>` under the agent's root (`/sys/fs/cgroup/airlock` in the guest).
+//! Layout: `<root>/exec-<id>` under the agent's root (`/sys/fs/cgroup/airlock` in the guest);
+//! the image's services (see `services`) get `<root>/service-<name>`, which no execution's
+//! cleanup touches (an execution kills only its own cgroup).
 //! The child process joins its cgroup between fork and exec (see `sys::prepare_child`), so every
 //! descendant, daemonised or not, starts inside it. `cgroup.kill` ends them all at once.
 //!
@@ -115,6 +117,24 @@ impl CgroupRoot {
         }
         cgroup
     }
+
+    /// The cgroup of service `name`, empty: whatever an earlier run of the service left there
+    /// is killed first. Like an execution's, but without `memory.oom.group`: a process of the
+    /// service that the OOM killer picks (a code interpreter's kernel) dies alone, and the
+    /// service lives on to notice.
+    pub fn create_service(&self, name: &str) -> Result<ExecCgroup, CgroupError> {
+        let dir = self.dir.join(format!("service-{name}"));
+        if dir.is_dir() {
+            let _ = write_file(&dir.join("cgroup.kill"), "1");
+            wait_empty(&dir);
+            let _ = fs::remove_dir(&dir);
+        }
+        fs::create_dir(&dir).map_err(|source| CgroupError::Create {
+            path: dir.clone(),
+            source,
+        })?;
+        ExecCgroup::configure_with(dir, self.controllers, None, false)
+    }
 }
 
 /// Writes `+pids +memory +cpu` to `dir`'s `cgroup.subtree_control`, one at a time: a hierarchy
@@ -126,13 +146,15 @@ fn enable_controllers(dir: &Path) {
     }
 }
 
-/// Removes `exec-*` directories under `dir` (left by an agent that was killed); busy ones stay.
+/// Removes `exec-*` and `service-*` directories under `dir` (left by an agent that was killed);
+/// busy ones stay.
 fn remove_stale(dir: &Path) {
     let Ok(entries) = fs::read_dir(dir) else {
         return;
     };
     for entry in entries.flatten() {
-        if entry.file_name().to_string_lossy().starts_with("exec-") {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("exec-") || name.starts_with("service-") {
             let path = entry.path();
             let _ = write_file(&path.join("cgroup.kill"), "1");
             let _ = fs::remove_dir(&path);
@@ -174,6 +196,17 @@ impl ExecCgroup {
         controllers: Controllers,
         memory_max: Option<u64>,
     ) -> Result<Self, CgroupError> {
+        Self::configure_with(dir, controllers, memory_max, true)
+    }
+
+    /// As [`configure`](Self::configure); `oom_group`: the OOM killer kills the whole cgroup
+    /// (an execution) rather than the one process it picked (a service).
+    fn configure_with(
+        dir: PathBuf,
+        controllers: Controllers,
+        memory_max: Option<u64>,
+        oom_group: bool,
+    ) -> Result<Self, CgroupError> {
         let set = |file: &str, value: &str| {
             let path = dir.join(file);
             write_file(&path, value).map_err(|source| CgroupError::Write { path, source })
@@ -182,7 +215,9 @@ impl ExecCgroup {
             set("pids.max", &DEFAULT_PIDS_MAX.to_string())?;
         }
         if controllers.memory {
-            set("memory.oom.group", "1")?;
+            if oom_group {
+                set("memory.oom.group", "1")?;
+            }
             if let Some(bytes) = memory_max {
                 set("memory.max", &bytes.to_string())?;
                 // No swap in a microVM, but a limit must not leak into it where there is one.
@@ -246,29 +281,33 @@ impl ExecCgroup {
         stats
     }
 
-    /// Whether any process is still in the cgroup (`cgroup.events`).
-    fn populated(&self) -> bool {
-        let events = fs::read_to_string(self.dir.join("cgroup.events")).unwrap_or_default();
-        keyed_value(&events, "populated") != Some(0)
-    }
-
     /// Kills what is left, waits until the processes are gone (they take a moment to die),
     /// reads the accounting and removes the cgroup.
     pub fn kill_and_remove(&self) -> (CgroupStats, io::Result<()>) {
         let _ = self.kill();
-        let mut pause = Duration::from_millis(1);
-        let mut waited = Duration::ZERO;
-        while self.populated() && waited < REMOVE_PATIENCE {
-            std::thread::sleep(pause);
-            waited += pause;
-            pause = (pause * 2).min(Duration::from_millis(50));
-        }
+        wait_empty(&self.dir);
         let stats = self.stats();
         let removed = match fs::remove_dir(&self.dir) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             other => other,
         };
         (stats, removed)
+    }
+}
+
+/// Waits (at most [`REMOVE_PATIENCE`]) until no process is left in the cgroup at `dir`
+/// (`cgroup.events`): killed processes take a moment to die.
+fn wait_empty(dir: &Path) {
+    let populated = || {
+        let events = fs::read_to_string(dir.join("cgroup.events")).unwrap_or_default();
+        keyed_value(&events, "populated") != Some(0)
+    };
+    let mut pause = Duration::from_millis(1);
+    let mut waited = Duration::ZERO;
+    while populated() && waited < REMOVE_PATIENCE {
+        std::thread::sleep(pause);
+        waited += pause;
+        pause = (pause * 2).min(Duration::from_millis(50));
     }
 }
 

@@ -3,6 +3,7 @@
 //! As PID 1 it mounts the kernel filesystems (and cgroup2, /run, and /tmp where the root is
 //! read-only; a writable root holds /tmp itself), sets the host name,
 //! reaps orphans, listens on vsock port 52 and prints [`init::READY_LINE`] on the console; then it
+//! starts the image's services (`/etc/airlock/services/*.json`, see `services`); then it
 //! serves the protocol of `proto/agent.proto`: executions with streamed output, stdin, signals
 //! and limits (one cgroup per execution), and file operations. Started as an ordinary process
 //! with `--listen unix:PATH` (or `vsock:PORT`) it skips the init work and serves the same
@@ -18,7 +19,8 @@
 //!    `volumes` (disk slots mounted where Reseed says).
 //! 3. `delivery` (who gets an execution's responses: its owner, or a bounded window while it
 //!    has none), `spawn` (an execution's process: cgroup, command, pipes, reaper).
-//! 4. `execution` (a running execution: kill target, stdin queue, Signal).
+//! 4. `execution` (a running execution: kill target, stdin queue, Signal), `services` (the
+//!    image's long-running processes, started after Ready and restarted when they exit).
 //! 5. `exec_loop` (one execution from spawn to exit: its poll loop and exit record).
 //! 6. `exec` (starting executions, the table of executions, Attach), `files`, `reseed` (a
 //!    restored clone's own RNG state, host name and sandbox id).
@@ -44,6 +46,7 @@ mod module_graph;
 mod reaper;
 mod reseed;
 mod server;
+mod services;
 mod spawn;
 mod sys;
 mod users;
@@ -61,9 +64,10 @@ use server::{ListenAddr, Listener};
 
 const USAGE: &str = "usage: airlock-agent --listen unix:PATH|vsock:PORT [--cgroup-root DIR]
                      [--state-dir DIR] [--orphan-buffer-bytes N] [--default-user NAME]
+                     [--services-dir DIR]
   (as PID 1 it takes no options: it initialises the VM, listens on vsock port 52, keeps its
   state in /run/airlock, buffers 1 MiB per unowned execution and runs requests that name no
-  account as \"user\")
+  account as \"user\"; it keeps the services of /etc/airlock/services/*.json running)
   --listen ADDR        serve the agent protocol on this socket
   --cgroup-root DIR    run each execution in a cgroup under DIR (created; its parent must be a
                        cgroup v2 directory); without it, process groups are used
@@ -71,7 +75,8 @@ const USAGE: &str = "usage: airlock-agent --listen unix:PATH|vsock:PORT [--cgrou
                        it, none are written
   --orphan-buffer-bytes N
                        output kept per execution while no connection owns it (default 1 MiB)
-  --default-user NAME  the account of requests that name none (default: the agent's own)";
+  --default-user NAME  the account of requests that name none (default: the agent's own)
+  --services-dir DIR   start the services of DIR/*.json and keep them running (default: none)";
 
 /// Exit code for bad command-line arguments (host mode only).
 const EXIT_USAGE: i32 = 2;
@@ -87,6 +92,8 @@ struct Options {
     orphan_buffer_bytes: usize,
     default_user: Option<String>,
     workdir: Option<String>,
+    /// Where the service files are; none: no services.
+    services_dir: Option<PathBuf>,
 }
 
 impl Options {
@@ -102,6 +109,7 @@ impl Options {
             orphan_buffer_bytes: DEFAULT_ORPHAN_BUFFER_BYTES,
             default_user: Some(set("AIRLOCK_USER").unwrap_or(users::DEFAULT_VM_USER.to_owned())),
             workdir: set("AIRLOCK_WORKDIR"),
+            services_dir: Some(PathBuf::from(services::SERVICES_DIR)),
         }
     }
 
@@ -111,6 +119,7 @@ impl Options {
         let mut state_dir = None;
         let mut orphan_buffer_bytes = DEFAULT_ORPHAN_BUFFER_BYTES;
         let mut default_user = None;
+        let mut services_dir = None;
         let mut it = args.iter();
         while let Some(arg) = it.next() {
             let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
@@ -119,6 +128,7 @@ impl Options {
                 "--cgroup-root" => cgroup_root = Some(PathBuf::from(value()?)),
                 "--state-dir" => state_dir = Some(PathBuf::from(value()?)),
                 "--default-user" => default_user = Some(value()?.clone()),
+                "--services-dir" => services_dir = Some(PathBuf::from(value()?)),
                 "--orphan-buffer-bytes" => {
                     let v = value()?;
                     orphan_buffer_bytes = v
@@ -136,6 +146,7 @@ impl Options {
             orphan_buffer_bytes,
             default_user,
             workdir: None,
+            services_dir,
         })
     }
 }
@@ -235,6 +246,14 @@ fn run(pid1: bool, options: &Options) -> StartError {
     let agent = Arc::new(Agent::new(settings, reaper, cgroups, ready));
     // After the readiness line, so it costs the boot nothing.
     init::console(&init::cpus_line(&cpus_online));
+    if let Some(dir) = &options.services_dir {
+        let supervisor = services::Supervisor {
+            spawner: Arc::clone(&agent.spawner),
+            users: agent.users.clone(),
+            state_dir: options.state_dir.clone(),
+        };
+        supervisor.start_all(dir);
+    }
     server::serve_forever(&agent, &listener)
 }
 
@@ -315,6 +334,7 @@ mod tests {
         assert_eq!(o.state_dir, Some(PathBuf::from("/run/airlock")));
         assert_eq!(o.default_user.as_deref(), Some("user"));
         assert_eq!(o.workdir, None);
+        assert_eq!(o.services_dir, Some(PathBuf::from("/etc/airlock/services")));
         let image = Options::pid1(|k| match k {
             "AIRLOCK_USER" => Some("1000:1000".into()),
             "AIRLOCK_WORKDIR" => Some("/app".into()),
@@ -328,6 +348,9 @@ mod tests {
     fn host_mode_runs_as_itself_unless_given_a_default_user() {
         let o = Options::parse(&args(&["--listen", "unix:/a"])).unwrap();
         assert_eq!(o.default_user, None);
+        assert_eq!(o.services_dir, None);
+        let o = Options::parse(&args(&["--listen", "unix:/a", "--services-dir", "/s"])).unwrap();
+        assert_eq!(o.services_dir, Some(PathBuf::from("/s")));
         let o = Options::parse(&args(&["--listen", "unix:/a", "--default-user", "nobody"]));
         assert_eq!(o.unwrap().default_user.as_deref(), Some("nobody"));
     }

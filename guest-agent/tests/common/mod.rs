@@ -102,10 +102,15 @@ impl AgentProcess {
 
     /// An agent whose executions get cgroups under a fresh directory of `cgroup2_mount`.
     pub fn start_with_cgroups(cgroup2_mount: &Path) -> Self {
+        Self::start_with_cgroups_and_args(cgroup2_mount, &[])
+    }
+
+    /// The same, with more command-line arguments (`{dir}`: its temporary directory).
+    pub fn start_with_cgroups_and_args(cgroup2_mount: &Path, args: &[&str]) -> Self {
         static COUNT: AtomicUsize = AtomicUsize::new(0);
         let n = COUNT.fetch_add(1, Ordering::SeqCst);
         let root = cgroup2_mount.join(format!("airlock-test-{}-{n}", std::process::id()));
-        Self::spawn(Some(root), &[])
+        Self::spawn(Some(root), args)
     }
 
     /// Starts the agent; `{dir}` in `args` stands for its temporary directory.
