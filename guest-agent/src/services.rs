@@ -27,7 +27,7 @@ use std::ffi::CString;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::fd::AsFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -327,7 +327,11 @@ impl Supervisor {
         match &self.state_dir {
             Some(state) => {
                 let dir = state.join("services");
-                fs::create_dir_all(&dir)?;
+                // The agent's umask is 0: the mode is exactly this.
+                fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o755)
+                    .create(&dir)?;
                 Log::open(dir.join(format!("{}.log", service.name)))
             }
             None => Ok(Log::Console),
