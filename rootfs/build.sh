@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # Builds the Airlock base image: a Debian minbase tree with busybox, python3, Node.js with npm
 # (node.txt) and airlock-agent as /sbin/init, packed into an ext4 file by `mkfs.ext4 -d`.
-# Nothing is mounted.
+# Nothing is mounted (but /proc in the tree, for apt, while the code-interpreter image's
+# packages install).
 #
-# Usage:  rootfs/build.sh            (as root; from any directory)
+# With `code-interpreter`, the code-interpreter image instead: the base image's contents plus
+# the Debian packages of code-interpreter/packages.txt, the interpreter server (interpreter/,
+# into /usr/lib/airlock/interpreter/), its service file (/etc/airlock/services/interpreter.json)
+# and its template warm-up (/usr/lib/airlock/interpreter-warmup).
+#
+# Usage:  rootfs/build.sh [base|code-interpreter]   (as root; from any directory)
 # Env:    AIRLOCK_CACHE_DIR      cache root, default /var/cache/airlock; images go to <it>/rootfs/
 #         AIRLOCK_DEBIAN_MIRROR  Debian mirror URL; default: read from this machine's apt sources
 #         AIRLOCK_NPM_REGISTRY   npm registry for Node.js and npm (node.txt); default
 #                                https://registry.npmjs.org
 #         SOURCE_DATE_EPOCH      time stamp for the file system; default: the suite's Release date
+#         AIRLOCK_INTERPRETER_DIR  the server's sources for code-interpreter; default
+#                                rootfs/interpreter (must hold server.py)
 # Output: progress on stderr; the absolute path of the image is the last line of stdout.
 # See rootfs/README.md.
 set -euo pipefail
@@ -19,7 +27,10 @@ export LC_ALL=C
 readonly VERSION=v4
 readonly SUITE=bookworm
 readonly ARCH=amd64
-readonly LABEL=airlock-base
+readonly BASE_LABEL=airlock-base
+# The code-interpreter image: its own version (in its file name and hash, with the base's).
+readonly CI_VERSION=v1
+readonly CI_LABEL=airlock-code-interpreter
 readonly HEADROOM_PERCENT=25
 # The filesystem's size in GiB: the image is a sparse file this large (its content is ~170 MiB
 # on disk), so that a sandbox's writable root, a copy-on-write disk over it, can be given up to
@@ -33,11 +44,17 @@ ROOTFS_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)
 REPO_ROOT=$(dirname -- "$ROOTFS_DIR")
 CACHE_DIR=$(realpath -m -- "${AIRLOCK_CACHE_DIR:-/var/cache/airlock}/rootfs")
 PACKAGES_FILE="$ROOTFS_DIR/packages.txt"
+CI_DIR="$ROOTFS_DIR/code-interpreter"
+INTERPRETER_DIR=$(realpath -m -- "${AIRLOCK_INTERPRETER_DIR:-$ROOTFS_DIR/interpreter}")
 NODE_FILE="$ROOTFS_DIR/node.txt"
 NPM_REGISTRY=${AIRLOCK_NPM_REGISTRY:-https://registry.npmjs.org}
 NPM_REGISTRY=${NPM_REGISTRY%/}
 AGENT_BIN="${CARGO_TARGET_DIR:-$REPO_ROOT/target}/$RUST_TARGET/release/airlock-agent"
-readonly ROOTFS_DIR REPO_ROOT CACHE_DIR PACKAGES_FILE NODE_FILE NPM_REGISTRY AGENT_BIN
+readonly ROOTFS_DIR REPO_ROOT CACHE_DIR PACKAGES_FILE CI_DIR INTERPRETER_DIR NODE_FILE \
+  NPM_REGISTRY AGENT_BIN
+
+# Which image: base or code-interpreter (main sets it from the argument).
+KIND=base
 
 WORK_DIR="" # per-build directory under $CACHE_DIR; cleanup() removes it
 
@@ -93,6 +110,34 @@ describe_inputs() {
   done < <(input_files)
   printf 'input-version: %s\ninput-suite: %s\ninput-arch: %s\ninput-agent: sha256:%s\n' \
     "$VERSION" "$SUITE" "$ARCH" "$agent_sha"
+  if [[ $KIND == code-interpreter ]]; then
+    printf 'input-image: %s %s\n' "$KIND" "$CI_VERSION"
+    while IFS= read -r f; do
+      printf 'input-file: rootfs/code-interpreter/%s sha256:%s\n' "$f" "$(sha256_of "$CI_DIR/$f")"
+    done < <(tree_files "$CI_DIR")
+    while IFS= read -r f; do
+      printf 'input-file: rootfs/interpreter/%s sha256:%s\n' "$f" \
+        "$(sha256_of "$INTERPRETER_DIR/$f")"
+    done < <(tree_files "$INTERPRETER_DIR")
+  fi
+}
+
+# The regular files below directory $1 (relative, sorted; no Python caches, no documentation):
+# what is copied into the code-interpreter image, and hashed.
+tree_files() {
+  (cd -- "$1" && find . -name __pycache__ -prune -o -type f ! -name '*.pyc' ! -name '*.md' \
+    -printf '%P\n' | sort)
+}
+
+# The code-interpreter image cannot be built without the server (written separately, in
+# rootfs/interpreter/): say so before anything is built.
+check_interpreter_sources() {
+  [[ -f $INTERPRETER_DIR/server.py ]] ||
+    die "$INTERPRETER_DIR/server.py is missing: the code-interpreter image runs it as its service (set AIRLOCK_INTERPRETER_DIR to use another checkout)"
+  local f
+  for f in packages.txt interpreter.json warmup.py; do
+    [[ -f $CI_DIR/$f ]] || die "$CI_DIR/$f is missing"
+  done
 }
 
 # Prints the URIs of enabled one-line entries "deb [opts] URI SUITE COMPONENTS..." for $SUITE/main.
@@ -148,7 +193,8 @@ detect_mirror() {
   printf '%s\n' "${mirror%/}"
 }
 
-read_packages() { awk '{ sub(/#.*/, ""); for (i = 1; i <= NF; i++) print $i }' "$PACKAGES_FILE"; }
+read_packages() { read_package_list "$PACKAGES_FILE"; }
+read_package_list() { awk '{ sub(/#.*/, ""); for (i = 1; i <= NF; i++) print $i }' "$1"; }
 
 # Unmounts whatever is still mounted below $1 (debootstrap mounts /proc and /sys in the tree and
 # leaves them mounted if it is killed), deepest first.
@@ -189,7 +235,9 @@ source_epoch() {
     printf '%s\n' "$SOURCE_DATE_EPOCH"
     return
   fi
-  release=$(find "$tree/var/lib/apt/lists" -maxdepth 1 -name "*_dists_${SUITE}_Release" | head -n1)
+  # debootstrap's Release; apt (code-interpreter's packages) replaces it with InRelease.
+  release=$(find "$tree/var/lib/apt/lists" -maxdepth 1 \( -name "*_dists_${SUITE}_Release" -o \
+    -name "*_dists_${SUITE}_InRelease" \) | sort | head -n1)
   [[ -n $release ]] || die "debootstrap left no Release file for $SUITE"
   date=$(sed -n 's/^Date: //p' "$release")
   date -u -d "$date" +%s
@@ -500,7 +548,7 @@ make_image() {
   # The file exists (sparse) before mke2fs opens it: mke2fs discards an existing file first and
   # then leaves its inode tables as holes; a file it creates itself it fills with zeroes.
   truncate -s "${size}M" -- "$out"
-  E2FSPROGS_FAKE_TIME=$epoch mkfs.ext4 -q -F -d "$tree" -L "$LABEL" -U "$uuid" \
+  E2FSPROGS_FAKE_TIME=$epoch mkfs.ext4 -q -F -d "$tree" -L "$FS_LABEL" -U "$uuid" \
     -b 4096 -I 256 -i 16384 -m 0 -O ^has_journal \
     -E "root_owner=0:0,hash_seed=$uuid,lazy_itable_init=0" -- "$out" "${size}M"
 }
@@ -508,7 +556,7 @@ make_image() {
 write_manifest() {
   local tree=$1 image=$2 out=$3 inputs=$4 mirror=$5 hash=$6 applets=$7 name=$8
   {
-    printf 'name: %s\nversion: %s\ninput-hash: sha256:%s\n' "$name" "$VERSION" "$hash"
+    printf 'name: %s\nversion: %s\ninput-hash: sha256:%s\n' "$name" "$NAME_VERSION" "$hash"
     printf '%s\n' "$inputs"
     printf 'debian-suite: %s\ndebian-arch: %s\nmirror: %s\n' "$SUITE" "$ARCH" "$mirror"
     printf 'build-date: %s\nbuild-host-mkfs: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
@@ -534,9 +582,52 @@ publish() {
   ln -- "$tmp_image" "$image" || die "could not publish $image"
 }
 
+# The code-interpreter image's packages, by apt in a chroot of the tree (debootstrap's resolver
+# cannot follow virtual packages such as numpy's python3-numpy-abi9), from the mirror
+# debootstrap used (its sources.list and the build machine's resolv.conf are still in the tree:
+# write_system_files replaces both later). Depends only. The .debs are kept in
+# $CACHE_DIR/apt-debs, as debootstrap's in debs/; apt checks them against the indexes.
+install_interpreter_packages() {
+  local tree=$1 pkgs archives="$1/var/cache/apt/archives"
+  pkgs=$(read_package_list "$CI_DIR/packages.txt" | paste -sd' ' -)
+  log "apt-get install $pkgs"
+  mkdir -p -- "$CACHE_DIR/apt-debs" "$archives"
+  find "$CACHE_DIR/apt-debs" -maxdepth 1 -name '*.deb' -exec cp -t "$archives" -- {} +
+  mount -t proc proc "$tree/proc"
+  local in_tree=(chroot "$tree" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin LC_ALL=C
+    DEBIAN_FRONTEND=noninteractive)
+  "${in_tree[@]}" apt-get -q -o Acquire::Retries=3 update
+  # shellcheck disable=SC2086 # one word per package
+  "${in_tree[@]}" apt-get -q -y -o Acquire::Retries=3 install --no-install-recommends $pkgs
+  umount -- "$tree/proc"
+  local deb
+  for deb in "$archives"/*.deb; do
+    if [[ -f $deb && ! -e $CACHE_DIR/apt-debs/${deb##*/} ]]; then
+      cp -- "$deb" "$CACHE_DIR/apt-debs/"
+    fi
+  done
+}
+
+# The server, its service file and the template's warm-up. The sources are compiled to .pyc
+# that Python never checks against the sources' time stamps (clamp_mtimes changes those, and
+# `user` could not write a fresh cache there).
+install_interpreter() {
+  local tree=$1 dest=$1/usr/lib/airlock/interpreter f
+  install -d -m 0755 -- "$tree/usr/lib/airlock" "$dest" "$tree/etc/airlock" \
+    "$tree/etc/airlock/services"
+  while IFS= read -r f; do
+    install -D -m 0644 -- "$INTERPRETER_DIR/$f" "$dest/$f"
+  done < <(tree_files "$INTERPRETER_DIR")
+  chroot "$tree" /usr/bin/python3 -m compileall -q --invalidation-mode unchecked-hash \
+    /usr/lib/airlock/interpreter
+  install -m 0644 -- "$CI_DIR/interpreter.json" "$tree/etc/airlock/services/interpreter.json"
+  install -m 0755 -- "$CI_DIR/warmup.py" "$tree/usr/lib/airlock/interpreter-warmup"
+}
+
 build_tree() {
   local tree=$1 mirror=$2
   run_debootstrap "$tree" "$mirror"
+  if [[ $KIND == code-interpreter ]]; then install_interpreter_packages "$tree"; fi
   install_agent "$tree"
   install_node "$tree"
   write_system_files "$tree"
@@ -544,17 +635,27 @@ build_tree() {
   add_sandbox_user "$tree"
   allow_sudo "$tree"
   write_dpkg_excludes "$tree"
+  if [[ $KIND == code-interpreter ]]; then install_interpreter "$tree"; fi
 }
 
 main() {
   redirect_output
+  case ${1:-base} in
+    base) KIND=base LABEL=$BASE_LABEL FS_LABEL=$BASE_LABEL NAME_VERSION=$VERSION ;;
+    # An ext4 label holds 16 bytes.
+    code-interpreter) KIND=code-interpreter LABEL=$CI_LABEL FS_LABEL=airlock-interp \
+      NAME_VERSION=$CI_VERSION ;;
+    *) die "usage: build.sh [base|code-interpreter]" ;;
+  esac
+  (($# <= 1)) || die "usage: build.sh [base|code-interpreter]"
+  if [[ $KIND == code-interpreter ]]; then check_interpreter_sources; fi
   check_host
   build_agent
   local agent_sha inputs hash image
   agent_sha=$(sha256_of "$AGENT_BIN")
   inputs=$(describe_inputs "$agent_sha")
   hash=$(sha256sum <<<"$inputs" | cut -d' ' -f1)
-  image="$CACHE_DIR/$LABEL-$VERSION-${hash:0:12}.ext4"
+  image="$CACHE_DIR/$LABEL-$NAME_VERSION-${hash:0:12}.ext4"
   mkdir -p -- "$CACHE_DIR"
   exec 9>"$CACHE_DIR/.lock"
   flock 9 # one build at a time per cache directory
