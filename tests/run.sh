@@ -83,6 +83,15 @@ image() {
   echo "rootfs: $AIRLOCK_ROOTFS" >&2
 }
 
+# The code-interpreter image (the base image's content, Jupyter's Python kernel with numpy,
+# pandas and matplotlib, the interpreter server): tests/interpreter.rs builds its template.
+interpreter_image() {
+  echo "== code-interpreter image" >&2
+  AIRLOCK_INTERPRETER_ROOTFS=$(rootfs/build.sh code-interpreter | tail -n1)
+  export AIRLOCK_INTERPRETER_ROOTFS
+  echo "code-interpreter image: $AIRLOCK_INTERPRETER_ROOTFS" >&2
+}
+
 registries() {
   echo "== registry software of the package tests (tests/registries.sh)" >&2
   local out
@@ -198,6 +207,7 @@ soaks() {
 stage "debian packages" install_packages
 stage "guest kernel" kernel
 stage "base image" image
+stage "code-interpreter image" interpreter_image
 stage "registries" registries
 ensure_cgroup2
 stage "fmt" fmt
