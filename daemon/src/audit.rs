@@ -146,11 +146,14 @@ pub enum Kind {
     /// `audit.dropped`: events over the tenant's rate were not written (how many, of which
     /// kinds, when).
     AuditDropped,
+    /// `code.run`: a code interpreter cell ran (its context, language, how it ended, how long
+    /// it took, its code's digest; never the code itself).
+    CodeRun,
 }
 
 impl Kind {
     #[cfg(test)]
-    pub const ALL: [Kind; 12] = [
+    pub const ALL: [Kind; 13] = [
         Kind::SandboxCreate,
         Kind::SandboxEnd,
         Kind::ExecStart,
@@ -163,6 +166,7 @@ impl Kind {
         Kind::Package,
         Kind::Denial,
         Kind::AuditDropped,
+        Kind::CodeRun,
     ];
 
     /// The kind's name in the trail and in ListAuditEvents' filter.
@@ -180,6 +184,7 @@ impl Kind {
             Kind::Package => "package",
             Kind::Denial => "denial",
             Kind::AuditDropped => "audit.dropped",
+            Kind::CodeRun => "code.run",
         }
     }
 }

@@ -91,6 +91,13 @@ pub enum ApiError {
     },
     #[error("the guest agent of sandbox {id} did not answer: {message}")]
     AgentUnavailable { id: String, message: String },
+    /// The code interpreter in the guest (vsock port 49999) did not answer as it should:
+    /// nothing listens (a template without it), or its answer broke off or was malformed.
+    #[error("the code interpreter of sandbox {id} is unavailable: {message}")]
+    InterpreterUnavailable { id: String, message: String },
+    /// A code context the interpreter does not know.
+    #[error("code context {0} not found")]
+    CodeContextNotFound(String),
     /// A network policy asks for more than the tenant's ceiling allows.
     #[error("egress rule {rule} is beyond what the operator allows tenant {tenant}")]
     NetworkNotAllowed { tenant: String, rule: String },
@@ -163,6 +170,8 @@ impl ApiError {
             Self::GuestPermission { .. } => "GUEST_PERMISSION_DENIED",
             Self::Dead { reason, .. } => reason.dead_call_reason(),
             Self::AgentUnavailable { .. } => "AGENT_UNAVAILABLE",
+            Self::InterpreterUnavailable { .. } => "INTERPRETER_UNAVAILABLE",
+            Self::CodeContextNotFound(_) => "CODE_CONTEXT_NOT_FOUND",
             Self::NodeLost { .. } => "NODE_LOST",
             Self::ClusterUnavailable(_) => "CLUSTER_UNAVAILABLE",
             Self::ImageRefused { .. } => "IMAGE_REFUSED",
@@ -180,6 +189,7 @@ impl ApiError {
             | Self::ExecutionNotFound(_)
             | Self::TemplateNotFound(_)
             | Self::VolumeNotFound(_)
+            | Self::CodeContextNotFound(_)
             | Self::FileNotFound { .. } => Code::NotFound,
             Self::TemplateExists(_) | Self::VolumeExists(_) => Code::AlreadyExists,
             Self::SandboxNotRunning { .. }
@@ -202,6 +212,7 @@ impl ApiError {
             | Self::RootNotAllowed { .. } => Code::PermissionDenied,
             Self::Dead { .. }
             | Self::AgentUnavailable { .. }
+            | Self::InterpreterUnavailable { .. }
             | Self::NodeLost { .. }
             | Self::ClusterUnavailable(_)
             | Self::RegistryUnavailable { .. } => Code::Unavailable,
@@ -220,11 +231,15 @@ impl ApiError {
             | Self::SecretsPresent { id, .. }
             | Self::RootNotAllowed { id, .. }
             | Self::Dead { id, .. }
-            | Self::AgentUnavailable { id, .. } => {
+            | Self::AgentUnavailable { id, .. }
+            | Self::InterpreterUnavailable { id, .. } => {
                 m.insert("sandbox_id".into(), id.clone());
             }
             Self::ExecutionNotFound(id) => {
                 m.insert("execution_id".into(), id.clone());
+            }
+            Self::CodeContextNotFound(id) => {
+                m.insert("context_id".into(), id.clone());
             }
             Self::ImageRefused { image, .. } => {
                 m.insert("image".into(), image.clone());

@@ -29,6 +29,7 @@ mod host;
 mod ids;
 mod imagebuild;
 mod instance;
+mod interp;
 mod jail;
 mod janitor;
 mod limits;

@@ -133,6 +133,11 @@ rpcs! {
     LIST_VOLUMES "ListVolumes": Run Own ReadOnly Local [];
     DELETE_VOLUME "DeleteVolume": Run Own Repeatable Local [];
     GET_USAGE "GetUsage": Run Own ReadOnly Local [];
+    RUN_CODE "RunCode": Run Own Once BySandbox [CodeRun];
+    CREATE_CODE_CONTEXT "CreateCodeContext": Run Own Once BySandbox [];
+    LIST_CODE_CONTEXTS "ListCodeContexts": Run Own ReadOnly BySandbox [];
+    RESTART_CODE_CONTEXT "RestartCodeContext": Run Own Repeatable BySandbox [];
+    REMOVE_CODE_CONTEXT "RemoveCodeContext": Run Own Repeatable BySandbox [];
     LIST_NODES "ListNodes": Run Node ReadOnly Local [];
 }
 

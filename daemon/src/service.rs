@@ -55,6 +55,12 @@ impl Service {
         Response::new(ReceiverStream::new(rx))
     }
 
+    /// The code interpreter of a running sandbox of `tenant`.
+    fn interp(&self, tenant: &str, id: &str) -> ApiResult<crate::interp::Interp> {
+        let sb = self.daemon.sandboxes.running(tenant, id)?;
+        crate::interp::Interp::of(&sb, self.daemon.cfg.max_exec_timeout_ms)
+    }
+
     /// The files of a running sandbox of `tenant`, acting as `user`.
     fn file_target(&self, tenant: &str, id: &str, user: String) -> ApiResult<files::FileTarget> {
         let sb = self.daemon.sandboxes.running(tenant, id)?;
@@ -715,6 +721,82 @@ impl Airlock for Service {
                 (usage.live_sandboxes, usage.memory_mib) = c.ledger.usage(&t).await?;
             }
             Ok(usage)
+        })
+        .await
+    }
+
+    type RunCodeStream =
+        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<RunCodeEvent, Status>> + Send>>;
+
+    async fn run_code(
+        &self,
+        req: Request<RunCodeRequest>,
+    ) -> Result<Response<Self::RunCodeStream>, Status> {
+        let tenant = authorize(&req, &rpc::RUN_CODE)?;
+        let r = req.into_inner();
+        let started = traced(&rpc::RUN_CODE, &tenant, async {
+            let interp = self.interp(&tenant, &r.sandbox_id)?;
+            let cell = interp.cell(r)?;
+            Ok((interp, cell))
+        })
+        .await?;
+        let (interp, cell) = started.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(32);
+        let span = tracing::info_span!("call", call = rpc::RUN_CODE.name, tenant = %tenant);
+        tokio::spawn(async move { interp.run(&cell, &tx).await }.instrument(span));
+        let events = tokio_stream::StreamExt::map(ReceiverStream::new(rx), Ok);
+        Ok(Response::new(Box::pin(events)))
+    }
+
+    async fn create_code_context(
+        &self,
+        req: Request<CreateCodeContextRequest>,
+    ) -> Result<Response<CodeContext>, Status> {
+        let tenant = authorize(&req, &rpc::CREATE_CODE_CONTEXT)?;
+        let r = req.into_inner();
+        traced(&rpc::CREATE_CODE_CONTEXT, &tenant, async {
+            let interp = self.interp(&tenant, &r.sandbox_id)?;
+            interp.create_context(&r.language, &r.cwd).await
+        })
+        .await
+    }
+
+    async fn list_code_contexts(
+        &self,
+        req: Request<ListCodeContextsRequest>,
+    ) -> Result<Response<ListCodeContextsResponse>, Status> {
+        let tenant = authorize(&req, &rpc::LIST_CODE_CONTEXTS)?;
+        let r = req.into_inner();
+        traced(&rpc::LIST_CODE_CONTEXTS, &tenant, async {
+            let contexts = self.interp(&tenant, &r.sandbox_id)?.list_contexts().await?;
+            Ok(ListCodeContextsResponse { contexts })
+        })
+        .await
+    }
+
+    async fn restart_code_context(
+        &self,
+        req: Request<RestartCodeContextRequest>,
+    ) -> Result<Response<CodeContext>, Status> {
+        let tenant = authorize(&req, &rpc::RESTART_CODE_CONTEXT)?;
+        let r = req.into_inner();
+        traced(&rpc::RESTART_CODE_CONTEXT, &tenant, async {
+            let interp = self.interp(&tenant, &r.sandbox_id)?;
+            interp.restart_context(&r.context_id).await
+        })
+        .await
+    }
+
+    async fn remove_code_context(
+        &self,
+        req: Request<RemoveCodeContextRequest>,
+    ) -> Result<Response<RemoveCodeContextResponse>, Status> {
+        let tenant = authorize(&req, &rpc::REMOVE_CODE_CONTEXT)?;
+        let r = req.into_inner();
+        traced(&rpc::REMOVE_CODE_CONTEXT, &tenant, async {
+            let interp = self.interp(&tenant, &r.sandbox_id)?;
+            interp.remove_context(&r.context_id).await?;
+            Ok(RemoveCodeContextResponse {})
         })
         .await
     }
