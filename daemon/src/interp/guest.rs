@@ -104,7 +104,10 @@ pub async fn connect(vsock: &Path, port: u32) -> Result<UnixStream, GuestError> 
     let mut line = Vec::new();
     let mut byte = [0u8; 1];
     loop {
-        let n = s.read(&mut byte).await.map_err(|e| unavailable("CONNECT", &e))?;
+        let n = s
+            .read(&mut byte)
+            .await
+            .map_err(|e| unavailable("CONNECT", &e))?;
         if n == 0 {
             return Err(unavailable(
                 "nothing listens in the guest",
@@ -121,7 +124,10 @@ pub async fn connect(vsock: &Path, port: u32) -> Result<UnixStream, GuestError> 
     }
     if !line.starts_with(b"OK ") {
         let got = String::from_utf8_lossy(&line).into_owned();
-        return Err(unavailable("CONNECT", &format!("expected `OK <port>`, got {got:?}")));
+        return Err(unavailable(
+            "CONNECT",
+            &format!("expected `OK <port>`, got {got:?}"),
+        ));
     }
     Ok(s)
 }

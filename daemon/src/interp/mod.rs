@@ -180,11 +180,19 @@ impl Interp {
         let started = Instant::now();
         self.touch();
         let mut seen = Seen::default();
+        // A running cell is activity: the sandbox's idle TTL does not end it mid-cell.
+        let keepalive = async {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                self.touch();
+            }
+        };
         let stopped = tokio::select! {
             r = tokio::time::timeout(cell.timeout, self.stream(cell, tx, &mut seen)) => {
                 r.unwrap_or(Err(Stop::TimedOut))
             }
             _ = tx.closed() => Err(Stop::ClientGone),
+            () = keepalive => Err(Stop::ClientGone),
         };
         self.touch();
         let mut end = self.end_of(stopped, &seen, cell);
@@ -218,7 +226,10 @@ impl Interp {
         let mut answer = self.request(Method::POST, "/execute", Some(body)).await?;
         if !answer.status.is_success() {
             let status = answer.status;
-            let text = answer.read_all(MAX_CONTEXT_ANSWER).await.unwrap_or_default();
+            let text = answer
+                .read_all(MAX_CONTEXT_ANSWER)
+                .await
+                .unwrap_or_default();
             return Err(Stop::Refused(self.refusal(status, &text, &cell.context_id)));
         }
         let mut lines = Lines::new(ndjson::MAX_LINE, ndjson::MAX_CELL_BYTES);

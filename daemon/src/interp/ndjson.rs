@@ -203,11 +203,17 @@ mod tests {
     fn lines_are_cut_anywhere_and_bounded() {
         let mut l = Lines::new(8, 100);
         assert!(l.push(b"{\"a\"").unwrap().is_empty());
-        assert_eq!(l.push(b":1}\n\n{}\n{").unwrap(), vec![b"{\"a\":1}".to_vec(), b"{}".to_vec()]);
+        assert_eq!(
+            l.push(b":1}\n\n{}\n{").unwrap(),
+            vec![b"{\"a\":1}".to_vec(), b"{}".to_vec()]
+        );
         assert_eq!(l.finish(), Some(b"{".to_vec()));
         assert_eq!(l.finish(), None);
         let mut l = Lines::new(8, 100);
-        assert!(matches!(l.push(b"123456789"), Err(NdjsonError::TooLarge(_))));
+        assert!(matches!(
+            l.push(b"123456789"),
+            Err(NdjsonError::TooLarge(_))
+        ));
         let mut l = Lines::new(8, 10);
         l.push(b"1234\n1234\n").unwrap();
         assert!(matches!(l.push(b"1"), Err(NdjsonError::TooLarge(_))));
@@ -219,13 +225,18 @@ mod tests {
             Line::Event(e) => e.event.unwrap(),
             other => panic!("{other:?}"),
         };
-        let run_code_event::Event::Stdout(o) = ev(r#"{"type":"stdout","text":"hi\n","timestamp":5}"#)
+        let run_code_event::Event::Stdout(o) =
+            ev(r#"{"type":"stdout","text":"hi\n","timestamp":5}"#)
         else {
             panic!()
         };
         assert_eq!((o.text.as_str(), o.timestamp_unix_ns), ("hi\n", 5));
-        let r = ev(r#"{"type":"result","text":"1","png":"iVBO","json":{"a":[1]},"chart":{"t":"line"},"is_main_result":true,"html":null}"#);
-        let run_code_event::Event::Result(r) = r else { panic!() };
+        let r = ev(
+            r#"{"type":"result","text":"1","png":"iVBO","json":{"a":[1]},"chart":{"t":"line"},"is_main_result":true,"html":null}"#,
+        );
+        let run_code_event::Event::Result(r) = r else {
+            panic!()
+        };
         assert_eq!(r.data["text/plain"], "1");
         assert_eq!(r.data["image/png"], "iVBO");
         assert_eq!(r.data["application/json"], r#"{"a":[1]}"#);
@@ -233,20 +244,32 @@ mod tests {
         assert!(r.is_main_result);
         assert_eq!(r.chart, r#"{"t":"line"}"#);
         assert_eq!(r.extra, "");
-        let run_code_event::Event::Error(e) =
-            ev(r#"{"type":"error","name":"ZeroDivisionError","value":"division by zero","traceback":["a","b"]}"#)
-        else {
+        let run_code_event::Event::Error(e) = ev(
+            r#"{"type":"error","name":"ZeroDivisionError","value":"division by zero","traceback":["a","b"]}"#,
+        ) else {
             panic!()
         };
-        assert_eq!((e.name.as_str(), e.traceback.as_str()), ("ZeroDivisionError", "a\nb"));
+        assert_eq!(
+            (e.name.as_str(), e.traceback.as_str()),
+            ("ZeroDivisionError", "a\nb")
+        );
         assert_eq!(
             parse(br#"{"type":"number_of_executions","execution_count":3}"#).unwrap(),
             Line::Count(3)
         );
         assert_eq!(parse(br#"{"type":"end_of_execution"}"#).unwrap(), Line::End);
         assert_eq!(parse(br#"{"type":"newer"}"#).unwrap(), Line::Other);
-        for bad in [&b"{not json"[..], b"[1]", b"{}", b"\xff\xfe", br#"{"type":"number_of_executions"}"#] {
-            assert!(matches!(parse(bad), Err(NdjsonError::Malformed(_))), "{bad:?}");
+        for bad in [
+            &b"{not json"[..],
+            b"[1]",
+            b"{}",
+            b"\xff\xfe",
+            br#"{"type":"number_of_executions"}"#,
+        ] {
+            assert!(
+                matches!(parse(bad), Err(NdjsonError::Malformed(_))),
+                "{bad:?}"
+            );
         }
     }
 }

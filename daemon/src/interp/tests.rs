@@ -152,7 +152,9 @@ async fn a_cell_streams_its_events_redacted_and_ends_with_its_count() {
     let (path, mut seen) = fake(Script::Answer(chunked(&[
         &format!(r#"{{"type":"stdout","text":"key={SECRET}\n","timestamp":17}}"#),
         r#"{"type":"stderr","text":"warn\n","timestamp":18}"#,
-        &format!(r#"{{"type":"result","text":"'{SECRET}'","html":"<b>x</b>","png":"iVBORw0K","is_main_result":true}}"#),
+        &format!(
+            r#"{{"type":"result","text":"'{SECRET}'","html":"<b>x</b>","png":"iVBORw0K","is_main_result":true}}"#
+        ),
         r#"{"type":"number_of_executions","execution_count":4}"#,
         r#"{"type":"end_of_execution"}"#,
     ])));
@@ -162,15 +164,25 @@ async fn a_cell_streams_its_events_redacted_and_ends_with_its_count() {
     c.env.insert("A".into(), "b".into());
     let (events, end) = run(&i, &c).await;
     let request = seen.recv().await.unwrap();
-    assert!(request.starts_with("POST /execute HTTP/1.1\r\n"), "{request}");
+    assert!(
+        request.starts_with("POST /execute HTTP/1.1\r\n"),
+        "{request}"
+    );
     let body = request.split("\r\n\r\n").nth(1).unwrap();
     let body: serde_json::Value = serde_json::from_str(body).unwrap();
-    assert_eq!(body, json!({"code": "print(1)", "context_id": "ctx-1", "env_vars": {"A": "b"}}));
+    assert_eq!(
+        body,
+        json!({"code": "print(1)", "context_id": "ctx-1", "env_vars": {"A": "b"}})
+    );
     assert_eq!(events.len(), 3, "{events:?}");
-    let run_code_event::Event::Stdout(o) = &events[0] else { panic!() };
+    let run_code_event::Event::Stdout(o) = &events[0] else {
+        panic!()
+    };
     assert_eq!(o.text, "key=[REDACTED:API_KEY]\n");
     assert_eq!(o.timestamp_unix_ns, 17);
-    let run_code_event::Event::Result(r) = &events[2] else { panic!() };
+    let run_code_event::Event::Result(r) = &events[2] else {
+        panic!()
+    };
     assert_eq!(r.data["text/plain"], "'[REDACTED:API_KEY]'");
     assert_eq!(r.data["text/html"], "<b>x</b>");
     assert_eq!(r.data["image/png"], "iVBORw0K");
@@ -207,7 +219,11 @@ async fn nothing_listening_is_interpreter_unavailable() {
     assert!(events.is_empty());
     assert_eq!(end.state(), CodeState::Failed);
     assert_eq!(end.error_reason, "INTERPRETER_UNAVAILABLE");
-    assert!(end.error_message.contains("nothing listens"), "{}", end.error_message);
+    assert!(
+        end.error_message.contains("nothing listens"),
+        "{}",
+        end.error_message
+    );
     // No VMM socket at all.
     let (_, end) = run(&interp(socket_path()), &cell("1", 5_000)).await;
     assert_eq!(end.error_reason, "INTERPRETER_UNAVAILABLE");
@@ -225,8 +241,16 @@ async fn hostile_answers_end_in_structured_errors() {
         b
     };
     let cases: Vec<(Vec<u8>, &str, &str)> = vec![
-        (close_delimited(b"{not json\n"), "INTERPRETER_UNAVAILABLE", "malformed"),
-        (close_delimited(b"[1,2]\n"), "INTERPRETER_UNAVAILABLE", "malformed"),
+        (
+            close_delimited(b"{not json\n"),
+            "INTERPRETER_UNAVAILABLE",
+            "malformed",
+        ),
+        (
+            close_delimited(b"[1,2]\n"),
+            "INTERPRETER_UNAVAILABLE",
+            "malformed",
+        ),
         (close_delimited(&huge), "OUTPUT_TOO_LARGE", "over"),
         (
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n100\r\nabc".to_vec(),
@@ -238,10 +262,18 @@ async fn hostile_answers_end_in_structured_errors() {
             "INTERPRETER_UNAVAILABLE",
             "before the cell's end",
         ),
-        (b"SSH-2.0-hello\r\n\r\n".to_vec(), "INTERPRETER_UNAVAILABLE", "HTTP"),
         (
-            [b"HTTP/1.1 200 OK\r\nX: ".to_vec(), vec![b'a'; 200_000], b"\r\n\r\n".to_vec()]
-                .concat(),
+            b"SSH-2.0-hello\r\n\r\n".to_vec(),
+            "INTERPRETER_UNAVAILABLE",
+            "HTTP",
+        ),
+        (
+            [
+                b"HTTP/1.1 200 OK\r\nX: ".to_vec(),
+                vec![b'a'; 200_000],
+                b"\r\n\r\n".to_vec(),
+            ]
+            .concat(),
             "INTERPRETER_UNAVAILABLE",
             "HTTP",
         ),
@@ -257,7 +289,11 @@ async fn hostile_answers_end_in_structured_errors() {
         let shown = String::from_utf8_lossy(&answer[..answer.len().min(60)]).into_owned();
         assert_eq!(end.state(), CodeState::Failed, "{shown}");
         assert_eq!(end.error_reason, reason, "{shown}: {}", end.error_message);
-        assert!(end.error_message.contains(says), "{shown}: {}", end.error_message);
+        assert!(
+            end.error_message.contains(says),
+            "{shown}: {}",
+            end.error_message
+        );
     }
 }
 
@@ -286,7 +322,10 @@ async fn a_timeout_drops_the_connection_and_ends_timed_out() {
     let task = tokio::spawn(async move { i.run(&c, &tx).await });
     assert!(rx.recv().await.is_some());
     drop(rx);
-    let end = tokio::time::timeout(Duration::from_secs(5), task).await.unwrap().unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(5), task)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(end.error_reason, "CANCELLED");
     seen.recv().await.unwrap();
     let closed = tokio::time::timeout(Duration::from_secs(5), seen.recv()).await;
@@ -309,7 +348,10 @@ async fn contexts_are_created_listed_restarted_and_removed() {
     assert_eq!((c.id.as_str(), c.cwd.as_str()), ("c-1", "/home/user"));
     let req = seen.recv().await.unwrap();
     assert!(req.starts_with("POST /contexts HTTP/1.1"), "{req}");
-    assert!(req.ends_with(r#"{"cwd":"/tmp","language":"python"}"#), "{req}");
+    assert!(
+        req.ends_with(r#"{"cwd":"/tmp","language":"python"}"#),
+        "{req}"
+    );
 
     let (path, _) = fake(Script::Answer(json_answer("200 OK", &format!("[{made}]"))));
     let list = interp(path).list_contexts().await.unwrap();
@@ -318,14 +360,30 @@ async fn contexts_are_created_listed_restarted_and_removed() {
     let (path, mut seen) = fake(Script::Answer(json_answer("200 OK", made)));
     let c = interp(path).restart_context("c-1").await.unwrap();
     assert_eq!(c.id, "c-1");
-    assert!(seen.recv().await.unwrap().starts_with("POST /contexts/c-1/restart "));
+    assert!(
+        seen.recv()
+            .await
+            .unwrap()
+            .starts_with("POST /contexts/c-1/restart ")
+    );
 
     let (path, mut seen) = fake(Script::Answer(json_answer("200 OK", "")));
     interp(path).remove_context("c-1").await.unwrap();
-    assert!(seen.recv().await.unwrap().starts_with("DELETE /contexts/c-1 "));
+    assert!(
+        seen.recv()
+            .await
+            .unwrap()
+            .starts_with("DELETE /contexts/c-1 ")
+    );
 
-    let (path, _) = fake(Script::Answer(json_answer("404 Not Found", "no such context")));
-    let e = interp(path.clone()).remove_context("c-2").await.unwrap_err();
+    let (path, _) = fake(Script::Answer(json_answer(
+        "404 Not Found",
+        "no such context",
+    )));
+    let e = interp(path.clone())
+        .remove_context("c-2")
+        .await
+        .unwrap_err();
     assert_eq!(e.reason(), "CODE_CONTEXT_NOT_FOUND");
     let mut c = cell("1", 5_000);
     c.context_id = "c-2".into();
@@ -359,8 +417,17 @@ fn a_cell_names_a_language_or_a_context_and_its_timeout_is_bounded() {
     };
     assert!(i.cell(req("python", "c-1", 0)).is_err());
     assert!(i.cell(req("", "a/b", 0)).is_err());
-    assert_eq!(i.cell(req("", "", 0)).unwrap().timeout, Duration::from_secs(1));
-    assert_eq!(i.cell(req("bash", "", 10)).unwrap().timeout, Duration::from_millis(10));
+    assert_eq!(
+        i.cell(req("", "", 0)).unwrap().timeout,
+        Duration::from_secs(1)
+    );
+    assert_eq!(
+        i.cell(req("bash", "", 10)).unwrap().timeout,
+        Duration::from_millis(10)
+    );
     i.max_timeout_ms = u64::MAX;
-    assert_eq!(i.cell(req("", "c", 0)).unwrap().timeout, Duration::from_secs(300));
+    assert_eq!(
+        i.cell(req("", "c", 0)).unwrap().timeout,
+        Duration::from_secs(300)
+    );
 }
