@@ -372,6 +372,9 @@ fn serve_agent(vm: &Arc<FakeVm>, s: UnixStream) -> std::io::Result<()> {
     let mut reader = BufReader::new(s.try_clone()?);
     let mut line = String::new();
     reader.read_line(&mut line)?;
+    if line.trim() == "CONNECT 49999" {
+        return serve_interpreter(reader, s);
+    }
     let w: Writer = Arc::new(Mutex::new(s));
     w.lock().unwrap().write_all(b"OK 1073741824\n")?;
     let guest = *vm.guest.lock().unwrap();
@@ -393,6 +396,45 @@ fn serve_agent(vm: &Arc<FakeVm>, s: UnixStream) -> std::io::Result<()> {
         answer(vm, &w, req.id, req.kind, guest)?;
     }
     Ok(())
+}
+
+/// A code interpreter on guest port 49999 (one HTTP/1.1 request a connection): `POST
+/// /execute` prints the cell's code and answers `2`, `GET /contexts` lists none.
+fn serve_interpreter(mut reader: BufReader<UnixStream>, mut s: UnixStream) -> std::io::Result<()> {
+    use std::io::Read as _;
+    s.write_all(b"OK 1073741824\n")?;
+    let (mut head, mut line) = (String::new(), String::new());
+    while reader.read_line(&mut line)? > 2 {
+        head.push_str(&line);
+        line.clear();
+    }
+    let len: usize = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length:")
+                .map(str::to_owned)
+        })
+        .map_or(0, |v| v.trim().parse().unwrap());
+    let mut body = vec![0u8; len];
+    reader.read_exact(&mut body)?;
+    let answer = if head.starts_with("POST /execute ") {
+        let req: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let lines = [
+            serde_json::json!({"type": "stdout", "text": req["code"], "timestamp": 1}),
+            serde_json::json!({"type": "result", "text": "2", "is_main_result": true}),
+            serde_json::json!({"type": "number_of_executions", "execution_count": 1}),
+            serde_json::json!({"type": "end_of_execution"}),
+        ];
+        lines.iter().map(|l| format!("{l}\n")).collect::<String>()
+    } else {
+        "[]".to_owned()
+    };
+    write!(
+        s,
+        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{answer}",
+        answer.len()
+    )
 }
 
 fn answer(

@@ -611,3 +611,93 @@ async fn a_restarted_daemon_adopts_a_sandbox_with_its_sealed_secrets_only_under_
     assert!(vm.is_dead(), "its VMM was reaped");
     assert_eq!(t.daemon.store.sealed_secrets(&sb).unwrap(), None);
 }
+
+/// RunCode through the gRPC service and `/execute` through the E2B gateway reach the fake
+/// guest's interpreter over the sandbox's vsock socket; a secret in the cell's output is
+/// redacted in both.
+#[tokio::test]
+async fn a_cell_runs_through_grpc_and_the_e2b_gateway() {
+    use airlock_api::v1::airlock_server::Airlock as _;
+    use tokio_stream::StreamExt as _;
+    use tower::ServiceExt as _;
+
+    let t = daemon("interp").await;
+    let secret = "s3cr3t-value-42";
+    let req = CreateSandboxRequest {
+        secrets: vec![Secret {
+            name: "TOKEN".into(),
+            value: secret.into(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let sb = t.daemon.sandboxes.create("default", req).await.unwrap();
+    let service = crate::service::Service {
+        daemon: t.daemon.clone(),
+        cluster: None,
+    };
+    let mut req = tonic::Request::new(RunCodeRequest {
+        sandbox_id: sb.id.clone(),
+        code: format!("print('{secret}')"),
+        ..Default::default()
+    });
+    req.extensions_mut()
+        .insert(crate::auth::Tenant("default".into()));
+    let events: Vec<_> = service
+        .run_code(req)
+        .await
+        .unwrap()
+        .into_inner()
+        .collect()
+        .await;
+    let events: Vec<_> = events
+        .into_iter()
+        .map(|e| e.unwrap().event.unwrap())
+        .collect();
+    let run_code_event::Event::Stdout(out) = &events[0] else {
+        panic!("{events:?}")
+    };
+    assert_eq!(out.text, "print('[REDACTED:TOKEN]')");
+    let Some(run_code_event::Event::End(end)) = events.last() else {
+        panic!("{events:?}")
+    };
+    assert_eq!((end.state(), end.execution_count), (CodeState::Ok, 1));
+
+    let tokens = Arc::new(crate::auth::Tokens::from_config(&t.daemon.cfg).unwrap());
+    let cfg = crate::e2b::E2bConfig::default();
+    let gw = Arc::new(crate::e2b::Gateway::new(t.daemon.clone(), cfg, tokens).unwrap());
+    let request = axum::http::Request::post("/execute")
+        .header("e2b-sandbox-id", &sb.id)
+        .header("e2b-sandbox-port", "49999")
+        .header("x-access-token", gw.access_token(&sb.id))
+        .body(axum::body::Body::from(format!(
+            r#"{{"code":"x = '{secret}'"}}"#
+        )))
+        .unwrap();
+    let answer = crate::e2b::router(gw.clone())
+        .oneshot(request)
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    let body = axum::body::to_bytes(answer.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    let body = String::from_utf8(body.to_vec()).unwrap();
+    assert!(!body.contains(secret), "{body}");
+    let lines: Vec<serde_json::Value> = body
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["text"], "x = '[REDACTED:TOKEN]'");
+    assert_eq!(lines[1]["text"], "2");
+    assert_eq!(lines.last().unwrap()["type"], "end_of_execution");
+
+    // Without the access token: refused.
+    let request = axum::http::Request::get("/contexts")
+        .header("e2b-sandbox-id", &sb.id)
+        .header("e2b-sandbox-port", "49999")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let answer = crate::e2b::router(gw).oneshot(request).await.unwrap();
+    assert_eq!(answer.status(), 401);
+}

@@ -188,6 +188,21 @@ impl Gateway {
     }
 }
 
+/// E2B's code interpreter template's name, which its SDK asks for by default.
+const CODE_INTERPRETER_ALIAS: &str = "code-interpreter-v1";
+
+/// The template a create names: `base` when none; E2B's `code-interpreter-v1` is Airlock's
+/// `code-interpreter` unless the tenant has a template of that name.
+fn template_of(gw: &Gateway, tenant: &str, named: &str) -> String {
+    match named {
+        "" => "base".into(),
+        CODE_INTERPRETER_ALIAS if gw.daemon.templates.find(tenant, named).is_err() => {
+            "code-interpreter".into()
+        }
+        _ => named.to_owned(),
+    }
+}
+
 async fn create(
     State(gw): Gw,
     Caller(tenant): Caller,
@@ -199,11 +214,7 @@ async fn create(
         .unwrap_or(gw.cfg.default_timeout_s);
     let paths = gw.cfg.file_paths.clone();
     let req = CreateSandboxRequest {
-        template: if n.template_id.is_empty() {
-            "base".into()
-        } else {
-            n.template_id.clone()
-        },
+        template: template_of(&gw, &tenant, &n.template_id),
         env: n.env_vars.clone().unwrap_or_default(),
         labels: n.metadata.clone().unwrap_or_default(),
         idle_ttl_s: timeout.min(gw.daemon.cfg.max_idle_ttl_s),

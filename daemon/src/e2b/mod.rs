@@ -17,6 +17,7 @@
 // Handlers answer a refusal with the response itself (`Result<_, Response>`), once per request.
 #![allow(clippy::result_large_err)]
 
+mod code;
 mod control;
 mod files;
 mod filesystem;
@@ -279,9 +280,9 @@ fn token_matches(key: &[u8], id: &str, token: &str) -> bool {
     hex::decode(token).is_ok_and(|raw| mac(key, id).verify_slice(&raw).is_ok())
 }
 
-/// The sandbox a host name `<port>-<id>.<domain>[:PORT]` names, for envd's port (none without
-/// a domain).
-fn sandbox_of_host<'h>(host: &'h str, domain: &str) -> Option<&'h str> {
+/// The guest port and sandbox a host name `<port>-<id>.<domain>[:PORT]` names (none without a
+/// domain).
+fn host_parts<'h>(host: &'h str, domain: &str) -> Option<(&'h str, &'h str)> {
     if domain.is_empty() {
         return None;
     }
@@ -291,7 +292,18 @@ fn sandbox_of_host<'h>(host: &'h str, domain: &str) -> Option<&'h str> {
     };
     let label = host.strip_suffix(domain)?.strip_suffix('.')?;
     let (port, id) = label.split_once('-')?;
-    (port == ENVD_PORT && !id.is_empty() && !id.contains('.')).then_some(id)
+    (!id.is_empty() && !id.contains('.')).then_some((port, id))
+}
+
+/// The sandbox a host name names, for envd's port or the code interpreter's.
+fn sandbox_of_host<'h>(host: &'h str, domain: &str) -> Option<&'h str> {
+    let (port, id) = host_parts(host, domain)?;
+    (port == ENVD_PORT || port == code::PORT).then_some(id)
+}
+
+/// The guest port a host name names.
+fn port_of_host<'h>(host: &'h str, domain: &str) -> Option<&'h str> {
+    host_parts(host, domain).map(|(port, _)| port)
 }
 
 /// A header's value as text.
@@ -360,8 +372,25 @@ pub fn router(gw: Arc<Gateway>) -> Router {
     let connect = connectrpc::Router::new()
         .add_service(Arc::new(process::ProcessService::new(gw.clone())))
         .add_service(Arc::new(filesystem::FilesystemService::new(gw.clone())));
+    // The code interpreter's port (49999) is served by its own routes, authorised as envd's.
+    let code = code::routes().with_state(gw.clone());
+    let domain = gw.cfg.domain.clone();
+    let to_code = move |req: Request, next: Next| {
+        let (code, domain) = (code.clone(), domain.clone());
+        async move {
+            if code::is_for_interpreter(req.headers(), &domain) {
+                use tower::ServiceExt as _;
+                return match code.oneshot(req).await {
+                    Ok(r) => r,
+                    Err(never) => match never {},
+                };
+            }
+            next.run(req).await
+        }
+    };
     let envd = files::routes()
         .fallback_service(connect.into_axum_service())
+        .layer(axum::middleware::from_fn(to_code))
         .layer(axum::middleware::from_fn_with_state(gw.clone(), envd_auth))
         .with_state(gw.clone());
     let max_body = gw.cfg.body_limit(gw.daemon.cfg.max_file_bytes);
@@ -426,11 +455,13 @@ mod tests {
     }
 
     #[test]
-    fn hosts_name_sandboxes_on_envds_port_only() {
+    fn hosts_name_sandboxes_on_envds_and_the_interpreters_ports_only() {
         let d = "e2b.test";
         assert_eq!(sandbox_of_host("49983-sb-1.e2b.test", d), Some("sb-1"));
         assert_eq!(sandbox_of_host("49983-sb-1.e2b.test:3000", d), Some("sb-1"));
         assert_eq!(sandbox_of_host("8080-sb-1.e2b.test", d), None);
+        assert_eq!(sandbox_of_host("49999-sb-1.e2b.test", d), Some("sb-1"));
+        assert_eq!(port_of_host("49999-sb-1.e2b.test:443", d), Some("49999"));
         assert_eq!(sandbox_of_host("49983-sb-1.other.test", d), None);
         assert_eq!(sandbox_of_host("49983-.e2b.test", d), None);
         assert_eq!(sandbox_of_host("49983-a.b.e2b.test", d), None);
