@@ -8,6 +8,7 @@
 
 pub mod guest;
 pub mod ndjson;
+mod streams;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -91,11 +92,22 @@ impl From<NdjsonError> for Stop {
     }
 }
 
-/// What a cell's answer said beside its events.
-#[derive(Debug, Default)]
+/// What a cell's answer said beside its events, and its streams' redaction.
+#[derive(Debug)]
 struct Seen {
     execution_count: u32,
     error: Option<String>,
+    streams: streams::Streams,
+}
+
+impl Seen {
+    fn new(patterns: &Arc<Patterns>) -> Self {
+        Self {
+            execution_count: 0,
+            error: None,
+            streams: streams::Streams::new(patterns),
+        }
+    }
 }
 
 /// A context as the interpreter answers it.
@@ -179,7 +191,7 @@ impl Interp {
     pub async fn run(&self, cell: &Cell, tx: &mpsc::Sender<RunCodeEvent>) -> CodeEnd {
         let started = Instant::now();
         self.touch();
-        let mut seen = Seen::default();
+        let mut seen = Seen::new(&self.patterns);
         // A running cell is activity: the sandbox's idle TTL does not end it mid-cell.
         let keepalive = async {
             loop {
@@ -195,6 +207,10 @@ impl Interp {
             () = keepalive => Err(Stop::ClientGone),
         };
         self.touch();
+        let stopped = match (stopped, flush(&mut seen, tx).await) {
+            (Ok(()), Err(gone)) => Err(gone),
+            (stopped, _) => stopped,
+        };
         let mut end = self.end_of(stopped, &seen, cell);
         end.duration_ms = started.elapsed().as_millis() as u64;
         self.audit(cell, &end);
@@ -259,11 +275,28 @@ impl Interp {
     ) -> Result<bool, Stop> {
         match ndjson::parse(line)? {
             Line::Event(mut e) => {
-                if let Some(run_code_event::Event::Error(err)) = &e.event {
-                    seen.error = Some(err.name.clone());
+                match &mut e.event {
+                    Some(run_code_event::Event::Stdout(o)) => {
+                        o.text = seen.streams.push(0, &o.text)
+                    }
+                    Some(run_code_event::Event::Stderr(o)) => {
+                        o.text = seen.streams.push(1, &o.text)
+                    }
+                    other => {
+                        if let Some(run_code_event::Event::Error(err)) = other {
+                            seen.error = Some(err.name.clone());
+                        }
+                        // What the streams hold back comes first.
+                        flush(seen, tx).await?;
+                        self.redact(&mut e);
+                    }
                 }
-                self.redact(&mut e);
-                tx.send(e).await.map_err(|_| Stop::ClientGone)?;
+                let empty = matches!(&e.event,
+                    Some(run_code_event::Event::Stdout(o) | run_code_event::Event::Stderr(o))
+                        if o.text.is_empty());
+                if !empty {
+                    tx.send(e).await.map_err(|_| Stop::ClientGone)?;
+                }
             }
             Line::Count(n) => seen.execution_count = n,
             Line::End => return Ok(true),
@@ -495,6 +528,23 @@ impl Interp {
         self.call(Method::DELETE, &path, None, id).await?;
         Ok(())
     }
+}
+
+/// Sends what `seen`'s streams hold back.
+async fn flush(seen: &mut Seen, tx: &mpsc::Sender<RunCodeEvent>) -> Result<(), Stop> {
+    for (i, text) in seen.streams.flush() {
+        let out = airlock_api::v1::CodeOutput {
+            text,
+            timestamp_unix_ns: crate::ids::now_ms().saturating_mul(1_000_000),
+        };
+        let event = match i {
+            0 => run_code_event::Event::Stdout(out),
+            _ => run_code_event::Event::Stderr(out),
+        };
+        let e = RunCodeEvent { event: Some(event) };
+        tx.send(e).await.map_err(|_| Stop::ClientGone)?;
+    }
+    Ok(())
 }
 
 /// The reason of an end a refusal made.

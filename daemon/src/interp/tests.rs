@@ -431,3 +431,32 @@ fn a_cell_names_a_language_or_a_context_and_its_timeout_is_bounded() {
         Duration::from_secs(300)
     );
 }
+
+#[tokio::test]
+async fn a_secret_printed_in_two_pieces_is_still_redacted_and_order_is_kept() {
+    let (a, b) = SECRET.split_at(7);
+    let (path, _seen) = fake(Script::Answer(chunked(&[
+        &format!(r#"{{"type":"stdout","text":"x{a}","timestamp":1}}"#),
+        &format!(r#"{{"type":"stdout","text":"{b}y\n","timestamp":2}}"#),
+        &format!(r#"{{"type":"stdout","text":"tail {a}","timestamp":3}}"#),
+        r#"{"type":"result","text":"1","is_main_result":true}"#,
+        r#"{"type":"end_of_execution"}"#,
+    ])));
+    let (events, end) = run(&interp(path), &cell("print()", 5_000)).await;
+    assert_eq!(end.state(), CodeState::Ok);
+    let mut stdout = String::new();
+    let mut result_at = None;
+    for (n, e) in events.iter().enumerate() {
+        match e {
+            run_code_event::Event::Stdout(o) => {
+                assert!(result_at.is_none(), "output after the result: {events:?}");
+                assert!(!o.text.is_empty());
+                stdout += &o.text;
+            }
+            run_code_event::Event::Result(_) => result_at = Some(n),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(stdout, format!("x[REDACTED:API_KEY]y\ntail {a}"));
+    assert!(result_at.is_some());
+}
