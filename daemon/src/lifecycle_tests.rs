@@ -692,12 +692,31 @@ async fn a_cell_runs_through_grpc_and_the_e2b_gateway() {
     assert_eq!(lines[1]["text"], "2");
     assert_eq!(lines.last().unwrap()["type"], "end_of_execution");
 
-    // Without the access token: refused.
-    let request = axum::http::Request::get("/contexts")
-        .header("e2b-sandbox-id", &sb.id)
-        .header("e2b-sandbox-port", "49999")
-        .body(axum::body::Body::empty())
-        .unwrap();
-    let answer = crate::e2b::router(gw).oneshot(request).await.unwrap();
-    assert_eq!(answer.status(), 401);
+    // The context calls send the traffic token only (as E2B's SDK does); it opens the
+    // interpreter's port, not envd's. Without a token: refused.
+    let contexts = |port: &str, traffic: Option<String>| {
+        let mut r = axum::http::Request::get("/contexts")
+            .header("e2b-sandbox-id", &sb.id)
+            .header("e2b-sandbox-port", port);
+        if let Some(t) = traffic {
+            r = r.header("e2b-traffic-access-token", t);
+        }
+        r.body(axum::body::Body::empty()).unwrap()
+    };
+    let traffic = gw.traffic_token(&sb.id);
+    let app = crate::e2b::router(gw.clone());
+    let answer = app
+        .clone()
+        .oneshot(contexts("49999", Some(traffic.clone())))
+        .await;
+    assert_eq!(answer.unwrap().status(), 200);
+    let answer = app.clone().oneshot(contexts("49983", Some(traffic))).await;
+    assert_eq!(answer.unwrap().status(), 401);
+    let answer = app
+        .clone()
+        .oneshot(contexts("49999", Some(gw.access_token("sb-other"))))
+        .await;
+    assert_eq!(answer.unwrap().status(), 401);
+    let answer = app.oneshot(contexts("49999", None)).await;
+    assert_eq!(answer.unwrap().status(), 401);
 }

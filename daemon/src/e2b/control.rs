@@ -111,6 +111,7 @@ impl Gateway {
             "alias": s.template,
             "envdVersion": ENVD_VERSION,
             "envdAccessToken": self.access_token(&s.id),
+            "trafficAccessToken": self.traffic_token(&s.id),
             "domain": self.domain(),
         })
     }

@@ -124,6 +124,10 @@ impl Target {
 
 type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 
+/// What a traffic token's HMAC covers before the sandbox id (no sandbox id or signed link
+/// begins so).
+const TRAFFIC: &str = "traffic\0";
+
 impl Gateway {
     /// The gateway of `daemon`; the token key is made on first use (0600 in the data dir).
     pub fn new(
@@ -172,6 +176,17 @@ impl Gateway {
         token_matches(&self.key, id, token)
     }
 
+    /// Sandbox `id`'s traffic token (E2B's `trafficAccessToken`): what the code interpreter's
+    /// SDK sends on port 49999 (`E2B-Traffic-Access-Token`), where its context calls send no
+    /// access token. It opens the interpreter's routes only, never envd's.
+    pub fn traffic_token(&self, id: &str) -> String {
+        access_token(&self.key, &format!("{TRAFFIC}{id}"))
+    }
+
+    fn traffic_matches(&self, id: &str, token: &str) -> bool {
+        token_matches(&self.key, &format!("{TRAFFIC}{id}"), token)
+    }
+
     /// The tenant whose API key `headers` carry.
     pub fn tenant(&self, headers: &HeaderMap) -> Result<String, Response> {
         self.caller(headers).map(|(tenant, _)| tenant)
@@ -202,6 +217,10 @@ impl Gateway {
     /// The live sandbox an envd request is for, authorised by its access token.
     fn envd_target(&self, headers: &HeaderMap) -> Result<Target, Response> {
         let token = header_str(headers, "x-access-token").map(str::trim);
+        // The interpreter's port also takes the sandbox's traffic token.
+        let traffic = header_str(headers, "e2b-traffic-access-token")
+            .map(str::trim)
+            .filter(|_| code::is_for_interpreter(headers, &self.cfg.domain));
         let named = self
             .host_sandbox(headers)
             .or_else(|| header_str(headers, "e2b-sandbox-id"))
@@ -229,7 +248,9 @@ impl Gateway {
                 ));
             }
         };
-        if !token.is_some_and(|t| self.token_matches(&id, t)) {
+        let authorised = token.is_some_and(|t| self.token_matches(&id, t))
+            || traffic.is_some_and(|t| self.traffic_matches(&id, t));
+        if !authorised {
             return Err(json_error(
                 StatusCode::UNAUTHORIZED,
                 "the sandbox's access token (X-Access-Token) is missing or wrong",
