@@ -195,11 +195,14 @@ const CODE_INTERPRETER_ALIAS: &str = "code-interpreter-v1";
 /// The template a create names: `base` when none; E2B's `code-interpreter-v1` is Airlock's
 /// `code-interpreter` unless the tenant has a template of that name.
 fn template_of(gw: &Gateway, tenant: &str, named: &str) -> String {
+    resolve_template(named, |t| gw.daemon.templates.find(tenant, t).is_ok())
+}
+
+/// [`template_of`], with `exists` saying whether the tenant sees a template of a name.
+fn resolve_template(named: &str, exists: impl Fn(&str) -> bool) -> String {
     match named {
         "" => "base".into(),
-        CODE_INTERPRETER_ALIAS if gw.daemon.templates.find(tenant, named).is_err() => {
-            "code-interpreter".into()
-        }
+        CODE_INTERPRETER_ALIAS if !exists(named) => "code-interpreter".into(),
         _ => named.to_owned(),
     }
 }
@@ -453,6 +456,24 @@ async fn metrics(State(gw): Gw, Caller(tenant): Caller, Path(id): Path<String>) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn e2bs_code_interpreter_template_is_airlocks_unless_the_tenant_has_one_of_its_name() {
+        assert_eq!(resolve_template("", |_| true), "base");
+        assert_eq!(
+            resolve_template("code-interpreter-v1", |_| false),
+            "code-interpreter"
+        );
+        assert_eq!(
+            resolve_template("code-interpreter-v1", |_| true),
+            "code-interpreter-v1"
+        );
+        assert_eq!(
+            resolve_template("code-interpreter-v1:x", |_| false),
+            "code-interpreter-v1:x"
+        );
+        assert_eq!(resolve_template("mine", |_| false), "mine");
+    }
 
     #[test]
     fn metadata_is_decoded_as_the_sdks_encode_it() {
