@@ -44,14 +44,6 @@ pub fn rootfs() -> PathBuf {
     artifact("AIRLOCK_ROOTFS", "rootfs/build.sh")
 }
 
-/// The code-interpreter image built by `rootfs/build.sh code-interpreter`.
-pub fn interpreter_rootfs() -> PathBuf {
-    artifact(
-        "AIRLOCK_INTERPRETER_ROOTFS",
-        "rootfs/build.sh code-interpreter",
-    )
-}
-
 /// Fails loudly when `/dev/kvm` is unusable.
 pub fn require_kvm() {
     if let Err(e) = std::fs::OpenOptions::new()

@@ -83,15 +83,6 @@ image() {
   echo "rootfs: $AIRLOCK_ROOTFS" >&2
 }
 
-# The code-interpreter image (the base image's content, Jupyter's Python kernel with numpy,
-# pandas and matplotlib, the interpreter server): tests/interpreter.rs builds its template.
-interpreter_image() {
-  echo "== code-interpreter image" >&2
-  AIRLOCK_INTERPRETER_ROOTFS=$(rootfs/build.sh code-interpreter | tail -n1)
-  export AIRLOCK_INTERPRETER_ROOTFS
-  echo "code-interpreter image: $AIRLOCK_INTERPRETER_ROOTFS" >&2
-}
-
 registries() {
   echo "== registry software of the package tests (tests/registries.sh)" >&2
   local out
@@ -189,6 +180,17 @@ test_template_wait() {
   return "$rc"
 }
 
+# The code interpreter's guest server (rootfs/interpreter) against real Jupyter kernels on this
+# host, with the unchanged e2b-code-interpreter package parsing what it sends (a venv of pinned
+# packages, made once by rootfs/interpreter/tests/venv.sh).
+interpreter_server_tests() {
+  echo "== interpreter server tests (rootfs/interpreter/tests)" >&2
+  local python
+  python=$(rootfs/interpreter/tests/venv.sh | tail -n1)
+  timeout -k 10 "${AIRLOCK_UNIT_TIMEOUT:-900}" "$python" -m pytest -q -p no:cacheprovider \
+    rootfs/interpreter/tests 2>&1 | timing tee "interpreter server tests"
+}
+
 # Every fuzz target for a short while from its seeds (fuzz/run.sh; a longer run: fuzz/run.sh 600).
 fuzz_smoke() {
   echo "== fuzz smoke (${AIRLOCK_FUZZ_SECONDS:-10} s per target)" >&2
@@ -207,7 +209,6 @@ soaks() {
 stage "debian packages" install_packages
 stage "guest kernel" kernel
 stage "base image" image
-stage "code-interpreter image" interpreter_image
 stage "registries" registries
 ensure_cgroup2
 stage "fmt" fmt
@@ -217,6 +218,7 @@ test_template_start
 stage "sdk venv" sdk_venv
 stage "unit tests" unit_tests
 stage "fuzz smoke" fuzz_smoke
+stage "interpreter server tests" interpreter_server_tests
 stage "test template" test_template_wait
 stage "system tests" system_tests
 if ((soak)); then

@@ -350,7 +350,11 @@ fn take_snapshot(
     result
 }
 
-/// Runs the warm-up command (its output is dropped; a failure fails the snapshot).
+/// How much of the warm-up's output (its end) a failure shows.
+const WARMUP_OUTPUT_TAIL: usize = 2048;
+
+/// Runs the warm-up command; a failure fails the snapshot, with the end of the command's
+/// output (stdout and stderr as they came), so that a template build says why.
 fn warm_up(client: &mut TimedClient, cmd: &str) -> Result<(), String> {
     let t = Instant::now();
     let exec = airlock_proto::pb::Exec {
@@ -358,15 +362,24 @@ fn warm_up(client: &mut TimedClient, cmd: &str) -> Result<(), String> {
         cwd: "/".into(),
         ..Default::default()
     };
+    let mut tail: Vec<u8> = Vec::new();
     let exit = client
-        .exec_collect(exec, |_, _| {})
+        .exec_collect(exec, |_, data| {
+            tail.extend_from_slice(data);
+            let excess = tail.len().saturating_sub(WARMUP_OUTPUT_TAIL);
+            tail.drain(..excess);
+        })
         .map_err(|e| format!("warm-up: {}", cli::error_chain(&e)))?;
     match exit.status {
         Some(airlock_proto::pb::exec_exit::Status::ExitCode(0)) => {
             log::info!("warm-up done in {} ms: {cmd}", t.elapsed().as_millis());
             Ok(())
         }
-        other => Err(format!("warm-up {cmd:?} failed: {other:?}")),
+        other => Err(format!(
+            "warm-up {cmd:?} failed after {} ms: {other:?}; its output ends: {:?}",
+            t.elapsed().as_millis(),
+            String::from_utf8_lossy(&tail)
+        )),
     }
 }
 
