@@ -465,11 +465,13 @@ enum Log {
 }
 
 impl Log {
+    /// Readable by every account (0644), so that an execution as the service's own
+    /// unprivileged account (a template's warm-up, a user debugging) can read why it failed.
     fn open(path: PathBuf) -> io::Result<Self> {
         let file = OpenOptions::new()
             .create(true)
             .append(true)
-            .mode(0o640)
+            .mode(0o644)
             .open(&path)?;
         let written = file.metadata()?.len();
         Ok(Self::File {

@@ -19,7 +19,10 @@ import urllib.error
 import urllib.request
 
 BASE = "http://127.0.0.1:49999"
-HEALTH_WAIT_S = 60
+# The server answers /health once its first Python kernel is up: seconds on a host, minutes
+# on one emulated vCPU of a nested-KVM machine (a cold Python imports jupyter_client, ipykernel,
+# IPython), within the daemon's template build limit (template_build_timeout_s, 900 s).
+HEALTH_WAIT_S = 780
 CELL_TIMEOUT_S = 300
 CODE = "import numpy, pandas, matplotlib\nimport matplotlib.pyplot\n1+1"
 
@@ -67,6 +70,8 @@ def run_cell():
                     results.append(event.get("text"))
                 if kind == "end_of_execution":
                     ended = True
+    except urllib.error.HTTPError as e:
+        fail(f"POST /execute: {e}: {e.read(4096).decode('utf-8', 'replace')}")
     except (OSError, urllib.error.URLError, ValueError) as e:
         fail(f"POST /execute: {e}")
     if not ended:

@@ -74,6 +74,9 @@ KERNEL_ARGS = [
 
 # How long an interrupted cell may take to stop before its context is killed and restarted.
 INTERRUPT_GRACE_S = 10.0
+# How long a new kernel has to answer: about a second on a host; minutes on one emulated vCPU
+# of a nested-KVM machine, where a cold ipykernel imports hundreds of modules.
+KERNEL_READY_S = float(os.environ.get("AIRLOCK_INTERP_KERNEL_READY_S", "600"))
 VMSTAT = os.environ.get("AIRLOCK_INTERP_VMSTAT", "/proc/vmstat")
 MAX_BODY = 64 << 20
 
@@ -336,7 +339,7 @@ class PythonContext(Context):
         kc = km.client()
         kc.start_channels()
         try:
-            kc.wait_for_ready(timeout=60)
+            kc.wait_for_ready(timeout=KERNEL_READY_S)
         except Exception:
             kc.stop_channels()
             km.shutdown_kernel(now=True)
