@@ -69,8 +69,12 @@ ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 KERNEL_ARGS = [
     "--InteractiveShell.colors=NoColor",
     "--PlainTextFormatter.max_seq_length=0",
-    "--InlineBackend.print_figure_kwargs={'bbox_inches': None}",
 ]
+# Set in the kernel once it answers: as a command-line option, a dict is deprecated syntax in
+# traitlets 5 (bookworm's), and the kernel would print a FutureWarning into a user's first
+# figure cell.
+KERNEL_SETUP = ("get_ipython().run_line_magic('config', "
+                "\"InlineBackend.print_figure_kwargs = {'bbox_inches': None}\")")
 
 # How long an interrupted cell may take to stop before its context is killed and restarted.
 INTERRUPT_GRACE_S = 10.0
@@ -345,6 +349,7 @@ class PythonContext(Context):
             km.shutdown_kernel(now=True)
             raise
         self.km, self.kc = km, kc
+        self._silent(KERNEL_SETUP)
         self.seed_mark = read_sandbox_id()
 
     def stop(self):

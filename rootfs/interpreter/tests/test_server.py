@@ -69,6 +69,7 @@ def test_matplotlib_png(server):
                         "plt.plot([1, 3, 2])\n"
                         "plt.show()")
     assert ex.error is None, ex.error
+    assert ex.logs.stderr == [], ex.logs.stderr  # no warning of the kernel's settings
     pngs = [r for r in ex.results if r.png]
     assert len(pngs) == 1 and not pngs[0].is_main_result
     png = base64.b64decode(pngs[0].png)
