@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stats import summary  # noqa: E402
 
-KEY = "e2b-bench-key-0123456789"
+# Shaped as E2B's SDKs want an API key: `e2b_` and hex digits.
+KEY = "e2b_be4c40123456789abcdef0123456789abcdef0"
 
 
 def free_port():

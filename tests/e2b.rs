@@ -18,7 +18,8 @@ use airlock_api::v1::{ListAuditEventsRequest, ListSandboxesRequest, SandboxState
 use airlock_system_tests::harness::http_exchange;
 use airlock_system_tests::shared::{Shared, scenario};
 
-const KEY: &str = "e2b-test-key-acme-0123456789";
+/// Shaped as E2B's SDKs want an API key (`e2b_` and hex digits: newer SDKs refuse others).
+const KEY: &str = "e2b_7e57ac3e0123456789abcdef0123456789abcdef";
 const DOMAIN: &str = "e2b.test";
 
 /// The gateway's port: fixed per test process (the shared daemon's settings are made once).
