@@ -53,7 +53,11 @@ pub struct Interp {
     port: u32,
     patterns: Arc<Patterns>,
     max_timeout_ms: u64,
-    /// The sandbox, whose activity each call renews (none in unit tests).
+    /// The sandbox's environment (set at its create): every cell's, under the cell's own
+    /// entries, as an execution's is.
+    pub env: HashMap<String, String>,
+    /// The sandbox, whose activity each call renews and whose secrets' variables each cell
+    /// gets (none in unit tests).
     rt: Option<Arc<SandboxRt>>,
 }
 
@@ -139,6 +143,7 @@ impl Interp {
             .ok_or_else(|| ApiError::Internal(format!("sandbox {} has no VMM", rt.id)))?;
         let mut i = Self::at(&rt.id, &rt.tenant, vmm.vsock, rt.secrets.patterns());
         i.max_timeout_ms = max_timeout_ms;
+        i.env = rt.env.clone();
         i.rt = Some(rt.clone());
         Ok(i)
     }
@@ -152,6 +157,7 @@ impl Interp {
             port: PORT,
             patterns,
             max_timeout_ms: u64::MAX,
+            env: HashMap::new(),
             rt: None,
         }
     }
@@ -222,6 +228,19 @@ impl Interp {
         end
     }
 
+    /// A cell's environment: the sandbox's, its secrets' variables over it (read now: a
+    /// secret's TTL or removal counts), the cell's own entries over both (checked as an
+    /// execution's are). The kernel keeps it for this cell only.
+    fn env_of(&self, cell: &Cell) -> ApiResult<HashMap<String, String>> {
+        let mut env = self.env.clone();
+        if let Some(rt) = &self.rt {
+            env.extend(rt.secrets.env().0);
+        }
+        env.extend(cell.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        crate::limits::check_env(&env)?;
+        Ok(env)
+    }
+
     /// The cell's answer, streamed to `tx` until its end.
     async fn stream(
         &self,
@@ -236,8 +255,9 @@ impl Interp {
         if !cell.language.is_empty() {
             body["language"] = cell.language.clone().into();
         }
-        if !cell.env.is_empty() {
-            body["env_vars"] = json!(cell.env);
+        let env = self.env_of(cell).map_err(Stop::Refused)?;
+        if !env.is_empty() {
+            body["env_vars"] = json!(env);
         }
         let mut answer = self.request(Method::POST, "/execute", Some(body)).await?;
         if !answer.status.is_success() {

@@ -192,6 +192,30 @@ async fn a_cell_streams_its_events_redacted_and_ends_with_its_count() {
     assert_eq!(end.context_id, "ctx-1");
 }
 
+/// The sandbox's environment goes with every cell, under the cell's own entries (as an
+/// execution's does): a kernel started before the snapshot never saw it.
+#[tokio::test]
+async fn a_cell_gets_the_sandboxs_environment_under_its_own() {
+    let (path, mut seen) = fake(Script::Answer(chunked(&[r#"{"type":"end_of_execution"}"#])));
+    let mut i = interp(path);
+    i.env.insert("REGION".into(), "eu".into());
+    i.env.insert("A".into(), "sandbox".into());
+    let mut c = cell("1", 5_000);
+    c.env.insert("A".into(), "cell".into());
+    let (_, end) = run(&i, &c).await;
+    assert_eq!(end.state(), CodeState::Ok);
+    let request = seen.recv().await.unwrap();
+    let body: serde_json::Value =
+        serde_json::from_str(request.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    assert_eq!(body["env_vars"], json!({"REGION": "eu", "A": "cell"}));
+
+    // A variable the limits refuse fails the cell before it reaches the guest.
+    let mut bad = cell("1", 5_000);
+    bad.env.insert("BAD=NAME".into(), "x".into());
+    let (_, end) = run(&i, &bad).await;
+    assert_eq!(end.state(), CodeState::Failed, "{end:?}");
+}
+
 #[tokio::test]
 async fn an_exception_is_an_error_and_an_oom_kill_is_oom_killed() {
     let (path, _seen) = fake(Script::Answer(chunked(&[
