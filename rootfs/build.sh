@@ -622,6 +622,15 @@ install_interpreter() {
     /usr/lib/airlock/interpreter
   install -m 0644 -- "$CI_DIR/interpreter.json" "$tree/etc/airlock/services/interpreter.json"
   install -m 0755 -- "$CI_DIR/warmup.py" "$tree/usr/lib/airlock/interpreter-warmup"
+  # matplotlib's font list (~/.cache/matplotlib/fontlist-*.json of the account the kernels run
+  # as), made here: its first import otherwise opens every font file on the guest's emulated
+  # block device, in the template's warm-up.
+  local ids
+  ids=$(chroot "$tree" /usr/bin/id -u user):$(chroot "$tree" /usr/bin/id -g user)
+  chroot --userspec="$ids" "$tree" /usr/bin/env -i HOME=/home/user PATH=/usr/bin:/bin \
+    LC_ALL=C /usr/bin/python3 -c 'import matplotlib.font_manager'
+  ls -- "$tree"/home/user/.cache/matplotlib/fontlist-*.json >/dev/null ||
+    die "matplotlib made no font list in /home/user/.cache/matplotlib"
 }
 
 build_tree() {

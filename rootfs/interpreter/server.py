@@ -79,8 +79,9 @@ KERNEL_SETUP = ("get_ipython().run_line_magic('config', "
 # How long an interrupted cell may take to stop before its context is killed and restarted.
 INTERRUPT_GRACE_S = 10.0
 # How long a new kernel has to answer: about a second on a host; minutes on one emulated vCPU
-# of a nested-KVM machine, where a cold ipykernel imports hundreds of modules.
-KERNEL_READY_S = float(os.environ.get("AIRLOCK_INTERP_KERNEL_READY_S", "600"))
+# of a nested-KVM machine, where a cold ipykernel imports hundreds of modules (tens of minutes
+# when that machine is busy).
+KERNEL_READY_S = float(os.environ.get("AIRLOCK_INTERP_KERNEL_READY_S", "1800"))
 VMSTAT = os.environ.get("AIRLOCK_INTERP_VMSTAT", "/proc/vmstat")
 MAX_BODY = 64 << 20
 
