@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks. Usage: benches/run.sh boot|exec|restore|settle|net|create|jail|disk|cluster|image|soak|e2b|plot
+# Benchmarks. Usage: benches/run.sh boot|exec|restore|settle|net|create|jail|disk|cluster|image|soak|e2b|interpreter|plot
 #   boot  time from process start to `airlock: userspace up`, airlock-vmm vs QEMU microvm
 #         (same kernel, image, vCPUs and memory, interleaved runs), and the VMM's resident
 #         memory outside guest RAM. RUNS (default 5), VCPUS (1), MEM_MIB (256).
@@ -70,6 +70,12 @@
 #         file written and read, kill) through the unchanged `e2b` SDK and the gateway and
 #         through Airlock's Python SDK over gRPC, one live airlockd, alternating; RUNS (default
 #         10); the p50 ratios gateway / gRPC (benches/gateway.py, in a venv with both SDKs).
+#   interpreter  the code interpreter's cells against `exec python3 -c` of the same code, in
+#         sandboxes of the `code-interpreter` template (the image `rootfs/build.sh
+#         code-interpreter`), one live airlockd, alternating: create -> the first `1+1`
+#         result, a `1+1` round trip (CELLS (default 5) per run) and a matplotlib PNG; RUNS
+#         (default 5); the p50 ratios exec / cell (benches/interpreter.py). The template's first
+#         build takes minutes on nested KVM; it is kept (by image) and imported after that.
 #   plot  OUT.png LABEL=RESULT.json...: the distributions in bench results (the JSON lines that
 #         create and exec print; say, one before a change and one after) as CDFs, one panel per
 #         measure and one curve per LABEL (benches/plot.py; matplotlib goes into a venv under
@@ -246,6 +252,20 @@ bench_e2b() {
     --vmm "$root/target/release/airlock-vmm" --runs "${RUNS:-10}"
 }
 
+bench_interpreter() {
+  artifacts
+  local image=${AIRLOCK_INTERPRETER_ROOTFS:-}
+  if [[ -z $image ]]; then
+    image=$("$root/rootfs/build.sh" code-interpreter | tail -n1)
+  fi
+  (cd "$root" && cargo build --release -q -p airlock-vmm -p airlockd >&2)
+  local python
+  python=$("$root/sdk/python/venv.sh" | tail -n1)
+  "$python" "$root/benches/interpreter.py" --daemon "$root/target/release/airlockd" \
+    --vmm "$root/target/release/airlock-vmm" --kernel "$AIRLOCK_KERNEL" --rootfs "$image" \
+    --runs "${RUNS:-5}" --cells "${CELLS:-5}"
+}
+
 bench_plot() {
   local venv="${AIRLOCK_CACHE_DIR:-/var/cache/airlock}/bench-python"
   if ! "$venv/bin/python" -c 'import matplotlib' 2>/dev/null; then
@@ -273,8 +293,9 @@ main() {
     image) bench_image ;;
     soak) bench_soak ;;
     e2b) bench_e2b ;;
+    interpreter) bench_interpreter ;;
     *)
-      sed -n '2,75p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,84p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac
