@@ -13,6 +13,7 @@ use airlock_proto::pb::{self, StreamKind, exec_exit};
 use airlock_proto::{AGENT_VSOCK_PORT, AgentClient, ClientError, Requests};
 
 pub mod harness;
+pub mod interp;
 pub mod limits;
 pub mod shared;
 
@@ -42,6 +43,14 @@ pub fn kernel() -> PathBuf {
 /// The base image built by `rootfs/build.sh`.
 pub fn rootfs() -> PathBuf {
     artifact("AIRLOCK_ROOTFS", "rootfs/build.sh")
+}
+
+/// The code-interpreter image built by `rootfs/build.sh code-interpreter`.
+pub fn interpreter_rootfs() -> PathBuf {
+    artifact(
+        "AIRLOCK_INTERPRETER_ROOTFS",
+        "rootfs/build.sh code-interpreter",
+    )
 }
 
 /// Fails loudly when `/dev/kvm` is unusable.

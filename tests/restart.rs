@@ -54,7 +54,7 @@ async fn prepared() -> (tokio::sync::MutexGuard<'static, ()>, &'static Prepared)
     // it; else built here and kept for them.
     let cache = shared::template_cache_dir();
     let _building = cache.as_deref().map(shared::lock_template_cache);
-    let import = shared::import_setting(cache.as_deref());
+    let import = shared::import_setting(cache.iter());
     let d = start_daemon(&dir, &cgroup_parent, &format!("{import}{REAP}"));
     let mut c = client(&d, None).await;
     let listed = c

@@ -46,15 +46,18 @@ stage() {
   timing stage "$current_stage" "$stage_t0" "$(date +%s.%N)" 0
   current_stage=""
 }
-template_pid=""
+template_pid="" interp_template_pid=""
 on_exit() {
   local rc=$?
   trap - EXIT
   # A template build still running when the run fails (its daemon follows it: parent-death
   # signal).
-  if [[ -n $template_pid ]]; then
-    kill "$template_pid" 2>/dev/null || true
-  fi
+  local pid
+  for pid in "$template_pid" "$interp_template_pid"; do
+    if [[ -n $pid ]]; then
+      kill "$pid" 2>/dev/null || true
+    fi
+  done
   if [[ -n $current_stage ]]; then
     timing stage "$current_stage" "$stage_t0" "$(date +%s.%N)" "$rc" || true
   fi
@@ -81,6 +84,15 @@ image() {
   AIRLOCK_ROOTFS=$(rootfs/build.sh | tail -n1)
   export AIRLOCK_ROOTFS
   echo "rootfs: $AIRLOCK_ROOTFS" >&2
+}
+
+# The code-interpreter image (tests/interpreter.rs makes the `code-interpreter` template of it,
+# kept across runs under kept-templates/ while the VMM's sources stay the same).
+interpreter_image() {
+  echo "== code-interpreter image" >&2
+  AIRLOCK_INTERPRETER_ROOTFS=$(rootfs/build.sh code-interpreter | tail -n1)
+  export AIRLOCK_INTERPRETER_ROOTFS
+  echo "code-interpreter image: $AIRLOCK_INTERPRETER_ROOTFS" >&2
 }
 
 registries() {
@@ -155,9 +167,10 @@ system_tests() {
   echo "== system tests, SDK and CLI tests (${AIRLOCK_TEST_JOBS:-2} at once)" >&2
   local specs=()
   local f
-  # Every [[test]] target of tests/Cargo.toml.
+  # Every [[test]] target of tests/Cargo.toml but the interpreter's (a stage of its own, after
+  # its template's background build).
   for f in $(awk '/^\[/ { t = ($0 == "[[test]]") } t && /^path = "[a-z_0-9]*\.rs"$/ { gsub(/^path = "|"$/, ""); print }' tests/Cargo.toml); do
-    specs+=("tests/$f")
+    [[ $f == interpreter.rs ]] || specs+=("tests/$f")
   done
   specs+=("pytest:sdk/python/tests")
   timing lanes "system tests" "${AIRLOCK_TEST_JOBS:-2}" -- "${specs[@]}"
@@ -178,6 +191,35 @@ test_template_wait() {
   template_pid=""
   cat "$template_log"
   return "$rc"
+}
+
+# The code-interpreter template (tests/interp.rs): imported when an earlier run kept it, else
+# built in the background from here on (tens of minutes on nested KVM), beside everything else;
+# the interpreter's system tests wait for it after the other system tests.
+interp_template_start() {
+  echo "== code-interpreter template (airlock-test-template --interpreter, in the background)" >&2
+  interp_template_log=$AIRLOCK_TIMES_DIR/interpreter-template.log
+  "$AIRLOCK_BIN_DIR/airlock-test-template" --interpreter >"$interp_template_log" 2>&1 &
+  interp_template_pid=$!
+}
+interp_template_wait() {
+  echo "== waiting for the code-interpreter template" >&2
+  local rc=0
+  wait "$interp_template_pid" || rc=$?
+  interp_template_pid=""
+  # A failed background build shows why here; tests/interpreter.rs then builds it itself
+  # (and fails with the same cause if it fails again).
+  tail -n 60 "$interp_template_log"
+  ((rc == 0)) || echo "== the code-interpreter template's background build failed ($rc)" >&2
+}
+
+# The code interpreter in VMs (tests/interpreter.rs): the unchanged e2b-code-interpreter
+# package through the gateway, RunCode, the SDK and the CLI. Killed past AIRLOCK_UNIT_TIMEOUT.
+interpreter_system_tests() {
+  echo "== interpreter system tests (tests/interpreter.rs)" >&2
+  timeout -k 10 "${AIRLOCK_UNIT_TIMEOUT:-900}" \
+    cargo test -p airlock-system-tests --test interpreter -- --nocapture 2>&1 |
+    timing tee "interpreter system tests"
 }
 
 # The code interpreter's guest server (rootfs/interpreter) against real Jupyter kernels on this
@@ -209,18 +251,22 @@ soaks() {
 stage "debian packages" install_packages
 stage "guest kernel" kernel
 stage "base image" image
+stage "code-interpreter image" interpreter_image
 stage "registries" registries
 ensure_cgroup2
 stage "fmt" fmt
 stage "clippy" clippy
 stage "build" build
 test_template_start
+interp_template_start
 stage "sdk venv" sdk_venv
 stage "unit tests" unit_tests
 stage "fuzz smoke" fuzz_smoke
 stage "interpreter server tests" interpreter_server_tests
 stage "test template" test_template_wait
 stage "system tests" system_tests
+stage "code-interpreter template" interp_template_wait
+stage "interpreter system tests" interpreter_system_tests
 if ((soak)); then
   stage "soaks" soaks
 fi

@@ -44,16 +44,34 @@ pub async fn scenario_with(
     config: &str,
     data_mib: Option<u64>,
 ) -> (tokio::sync::MutexGuard<'static, ()>, &'static Shared) {
+    started(config, data_mib, &[]).await
+}
+
+/// [`scenario`] whose daemon also imports, at its start, the exported templates of `kept`
+/// that are there (kept by an earlier run; see [`export_template`]).
+pub async fn scenario_importing(
+    config: &str,
+    kept: &[PathBuf],
+) -> (tokio::sync::MutexGuard<'static, ()>, &'static Shared) {
+    started(config, None, kept).await
+}
+
+async fn started(
+    config: &str,
+    data_mib: Option<u64>,
+    kept: &[PathBuf],
+) -> (tokio::sync::MutexGuard<'static, ()>, &'static Shared) {
     let guard = SERIAL.lock().await;
     let config = config.to_owned();
+    let kept = kept.to_vec();
     // Started on a thread of its own: the template build blocks on a runtime of its own.
     let shared = match SHARED.get() {
         Some(s) => s,
-        None => {
-            tokio::task::spawn_blocking(move || SHARED.get_or_init(|| start(&config, data_mib)))
-                .await
-                .unwrap()
-        }
+        None => tokio::task::spawn_blocking(move || {
+            SHARED.get_or_init(|| start(&config, data_mib, &kept))
+        })
+        .await
+        .unwrap(),
     };
     (guard, shared)
 }
@@ -93,7 +111,7 @@ impl Shared {
     }
 }
 
-fn start(config: &str, data_mib: Option<u64>) -> Shared {
+fn start(config: &str, data_mib: Option<u64>, kept: &[PathBuf]) -> Shared {
     crate::require_kvm();
     let dir = std::env::temp_dir().join(format!("airlock-shared-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -124,7 +142,7 @@ fn start(config: &str, data_mib: Option<u64>) -> Shared {
     // Test binaries run side by side (tests/run.sh): the first to need a template builds and
     // keeps it while the others wait for it here, instead of each booting its own.
     let _building = cached.as_deref().map(lock_template_cache);
-    let import = import_setting(cached.as_deref());
+    let import = import_setting(cached.iter().chain(kept));
     let extra = format!("{import}metrics_listen = \"127.0.0.1:{metrics_port}\"\n{config}");
     let setup = harness::daemon_setup(&dir, &cgroup_parent, &extra);
     let (socket, data_dir, log) = (setup.socket, setup.data_dir, setup.log);
@@ -170,15 +188,18 @@ pub fn lock_template_cache(dir: &Path) -> std::fs::File {
     f
 }
 
-/// The daemon setting that imports the template kept in `cache`, if one is kept there (else
-/// nothing: the daemon builds it).
-pub fn import_setting(cache: Option<&Path>) -> String {
-    match cache {
-        Some(d) if d.join(EXPORT_RECORD).is_file() => {
-            format!("import_templates = [{:?}]\n", d.display().to_string())
-        }
-        _ => String::new(),
+/// The daemon setting that imports the templates kept in `kept`, those that are there (none:
+/// nothing; the daemon builds them).
+pub fn import_setting<'a>(kept: impl IntoIterator<Item = &'a PathBuf>) -> String {
+    let there: Vec<String> = kept
+        .into_iter()
+        .filter(|d| d.join(EXPORT_RECORD).is_file())
+        .map(|d| format!("{:?}", d.display().to_string()))
+        .collect();
+    if there.is_empty() {
+        return String::new();
     }
+    format!("import_templates = [{}]\n", there.join(", "))
 }
 
 /// The record file of an exported template (as airlockd's `templates::EXPORT_RECORD`).
@@ -193,7 +214,7 @@ const TEMPLATE_SETTINGS: [&str; 8] = [
     "writable_root",
     "volume_slots",
     "images",
-    "[images",
+    "[images.default",
     "[jail",
 ];
 
