@@ -632,7 +632,7 @@ fn take_snapshot(
             .map_err(|e| ApiError::Internal(format!("taking the snapshot: {e}"))),
         Ok(st) => {
             let status = st.map_or("no status".into(), |s| s.to_string());
-            let tail = vmm::log_tail(&vmm.log());
+            let tail = failure_tail(&vmm.log());
             warn!(
                 template = template_id,
                 "the template boot failed ({status}): {tail}"
@@ -649,6 +649,16 @@ fn take_snapshot(
         Err(e) => Err(ApiError::Internal(format!(
             "the template build failed: {e}"
         ))),
+    }
+}
+
+/// The end of a failed build VMM's log, led by its last error line when that is not in the
+/// end already (the VMM logs why the snapshot failed, then the guest's console).
+pub(super) fn failure_tail(log: &Path) -> String {
+    let tail = vmm::log_tail(log);
+    match vmm::log_line(log, " ERROR ") {
+        Some(error) if !tail.contains(&error) => format!("{error} | {tail}"),
+        _ => tail,
     }
 }
 

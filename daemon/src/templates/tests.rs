@@ -198,3 +198,33 @@ fn an_exported_template_is_imported_once_with_new_files_and_only_on_its_own_file
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&dir2);
 }
+
+/// A failed build says why: the VMM's error line leads the log's end, which is the guest's
+/// console after it.
+#[test]
+fn a_failed_build_shows_the_vmms_error_before_the_console() {
+    let dir = std::env::temp_dir().join(format!("airlock-tpl-tail-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("vmm.log");
+    std::fs::write(
+        &log,
+        "[1.000000 INFO  airlock-vmm] agent ready\n\
+         [2.000000 ERROR airlock-vmm] snapshot failed: warm-up failed after 780 ms\n\
+         [2.100000 INFO  airlock-vmm] vm ended: stopped by the host (exit code 0)\n\
+         --- guest console (last 47 bytes) ---\nairlock: userspace up\nairlock: cpus online 0\n",
+    )
+    .unwrap();
+    let tail = super::build::failure_tail(&log);
+    assert!(
+        tail.starts_with("[2.000000 ERROR airlock-vmm] snapshot failed: warm-up failed"),
+        "{tail}"
+    );
+    assert!(tail.ends_with("airlock: cpus online 0"), "{tail}");
+    // An error line already in the end is not repeated.
+    std::fs::write(&log, "[2.0 ERROR airlock-vmm] boot failed\n").unwrap();
+    assert_eq!(
+        super::build::failure_tail(&log),
+        "[2.0 ERROR airlock-vmm] boot failed"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
