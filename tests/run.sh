@@ -214,10 +214,11 @@ interp_template_wait() {
 }
 
 # The code interpreter in VMs (tests/interpreter.rs): the unchanged e2b-code-interpreter
-# package through the gateway, RunCode, the SDK and the CLI. Killed past AIRLOCK_UNIT_TIMEOUT.
+# package through the gateway, RunCode, the SDK and the CLI. Killed past
+# AIRLOCK_TEST_BINARY_TIMEOUT seconds, as each system test binary is (tests/times.py).
 interpreter_system_tests() {
   echo "== interpreter system tests (tests/interpreter.rs)" >&2
-  timeout -k 10 "${AIRLOCK_UNIT_TIMEOUT:-900}" \
+  timeout -k 10 "${AIRLOCK_TEST_BINARY_TIMEOUT:-1500}" \
     cargo test -p airlock-system-tests --test interpreter -- --nocapture 2>&1 |
     timing tee "interpreter system tests"
 }
