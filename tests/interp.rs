@@ -42,7 +42,10 @@ pub async fn shared_with_template(
     &'static Shared,
     &'static Template,
 ) {
-    static ONE: tokio::sync::OnceCell<Template> = tokio::sync::OnceCell::const_new();
+    // A failed build is not tried again by the next test (tens of minutes each): it fails
+    // with the same cause.
+    static ONE: tokio::sync::OnceCell<Result<Template, String>> =
+        tokio::sync::OnceCell::const_new();
     let kept = kept_dir();
     let lock = if ONE.initialized() {
         None
@@ -57,11 +60,14 @@ pub async fn shared_with_template(
         .get_or_init(|| async { imported_or_built(s, kept.as_deref()).await })
         .await;
     drop(lock);
-    (guard, s, t)
+    match t {
+        Ok(t) => (guard, s, t),
+        Err(e) => panic!("{e}"),
+    }
 }
 
 /// The template the daemon imported at its start, else one it builds now (kept in `kept`).
-async fn imported_or_built(s: &Shared, kept: Option<&Path>) -> Template {
+async fn imported_or_built(s: &Shared, kept: Option<&Path>) -> Result<Template, String> {
     let mut c = s.client(None).await;
     let imported = c
         .list_templates(ListTemplatesRequest {})
@@ -73,7 +79,7 @@ async fn imported_or_built(s: &Shared, kept: Option<&Path>) -> Template {
         .find(|t| t.name == TEMPLATE);
     if let Some(t) = imported {
         eprintln!("{TEMPLATE}: imported from {}", kept.unwrap().display());
-        return t;
+        return Ok(t);
     }
     let t0 = Instant::now();
     let mut events = c
@@ -85,7 +91,7 @@ async fn imported_or_built(s: &Shared, kept: Option<&Path>) -> Template {
             ..Default::default()
         })
         .await
-        .unwrap_or_else(|e| panic!("template {TEMPLATE}: {e:?}\n{}", s.log_tail()))
+        .map_err(|e| format!("template {TEMPLATE}: {e:?}\n{}", s.log_tail()))?
         .into_inner();
     let mut template = None;
     loop {
@@ -96,15 +102,15 @@ async fn imported_or_built(s: &Shared, kept: Option<&Path>) -> Template {
                 }
             }
             Ok(None) => break,
-            Err(e) => panic!("template {TEMPLATE}: {e:?}\n{}", s.log_tail()),
+            Err(e) => return Err(format!("template {TEMPLATE}: {e:?}\n{}", s.log_tail())),
         }
     }
-    let t = template.expect("the last event carries the template");
+    let t = template.ok_or("the template build's last event carries no template")?;
     eprintln!("{TEMPLATE}: built in {:?}", t0.elapsed());
     if let Some(to) = kept {
         shared::export_template(&s.data_dir.join("templates").join(&t.id), &t, to);
     }
-    t
+    Ok(t)
 }
 
 /// Where runs keep the template: `$AIRLOCK_CACHE_DIR/kept-templates/KEY`, KEY a digest of the
