@@ -114,9 +114,11 @@ async fn imported_or_built(s: &Shared, kept: Option<&Path>) -> Result<Template, 
 }
 
 /// Where runs keep the template: `$AIRLOCK_CACHE_DIR/kept-templates/KEY`, KEY a digest of the
-/// kernel and the image (both named by their contents' hash), the build's settings, and the
-/// sources of the VMM and of the daemon's template and VMM code (a snapshot is the VMM's
-/// format, made as the daemon configures it). `None` with `AIRLOCK_TEST_TEMPLATE_CACHE=0`.
+/// kernel and the image (both named by their contents' hash: the guest agent is in the image),
+/// the build's settings, `Cargo.lock`, and the sources of the VMM and of the daemon's code that
+/// launches it (a snapshot is the VMM's format, of a VM the daemon configured). A restore that
+/// no longer fits fails the tests loudly; `AIRLOCK_TEST_TEMPLATE_CACHE=0` (then `None`) builds
+/// it anew.
 pub fn kept_dir() -> Option<PathBuf> {
     use sha2::Digest as _;
     if std::env::var("AIRLOCK_TEST_TEMPLATE_CACHE").is_ok_and(|v| v == "0") {
@@ -130,13 +132,7 @@ pub fn kept_dir() -> Option<PathBuf> {
         crate::interpreter_rootfs().display()
     ));
     let mut files = Vec::new();
-    for part in [
-        "Cargo.lock",
-        "vmm",
-        "daemon/src/templates",
-        "daemon/src/vmm",
-        "daemon/src/jail",
-    ] {
+    for part in ["Cargo.lock", "vmm", "daemon/src/vmm"] {
         source_files(&root.join(part), &mut files);
     }
     files.sort();

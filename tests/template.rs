@@ -7,15 +7,20 @@
 //!
 //! With `--interpreter`, the `code-interpreter` template instead (`interp.rs`), kept across
 //! runs: imported when kept, else built (tens of minutes on nested KVM), while `tests/run.sh`
-//! goes on with the other tests; `tests/interpreter.rs` waits for it.
+//! goes on with the other tests; `tests/interpreter.rs` waits for it. `--interpreter-dir` prints
+//! where it is kept.
 #![allow(clippy::unwrap_used)] // a failed step is a failed run
 
 use airlock_system_tests::{interp, shared};
 
 fn main() {
-    if std::env::args().nth(1).as_deref() == Some("--interpreter") {
-        interpreter();
-        return;
+    match std::env::args().nth(1).as_deref() {
+        Some("--interpreter") => return interpreter(),
+        // Where the code-interpreter template is kept for these sources, kernel and image.
+        Some("--interpreter-dir") => {
+            return println!("{}", interp::kept_dir().unwrap_or_default().display());
+        }
+        _ => {}
     }
     let Some(cache) = shared::template_cache_dir() else {
         println!(
