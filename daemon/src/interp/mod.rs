@@ -428,7 +428,13 @@ impl Interp {
     fn audit(&self, cell: &Cell, end: &CodeEnd) {
         let detail = json!({
             "context_id": cell.context_id,
-            "language": cell.language,
+            // The language the cell ran in: the request's, or python for a default context's
+            // (empty when it named a context, which has its own).
+            "language": if cell.language.is_empty() && cell.context_id.is_empty() {
+                "python"
+            } else {
+                cell.language.as_str()
+            },
             "state": end.state().as_str_name(),
             "reason": end.error_reason,
             "execution_count": end.execution_count,
