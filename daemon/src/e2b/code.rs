@@ -97,23 +97,46 @@ async fn execute(
         Ok(None) => return json_error(StatusCode::BAD_GATEWAY, "the cell ended without an end"),
         Err(_) => None,
     };
-    let lines = futures_util::stream::unfold(
-        (first, rx, false),
-        |(mut pending, mut rx, mut saw_error)| async move {
-            let ev = match pending.take() {
-                Some(e) => e,
-                None => rx.recv().await?,
-            };
-            let out = e2b_lines(&ev, &mut saw_error);
-            Some((Ok::<_, Infallible>(Bytes::from(out)), (None, rx, saw_error)))
-        },
-    );
-    let mut r = Response::new(Body::from_stream(lines));
+    let mut r = Response::new(Body::from_stream(ndjson(first, rx, KEEPALIVE)));
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/x-ndjson"),
     );
     r
+}
+
+/// How often a quiet cell's answer carries a keepalive line: the gateway's connections are cut
+/// after `idle_timeout_ms` (120 s by default) without a byte, and a cell may compute for longer
+/// without output (seen: a cell filling the guest's memory was cut after 2 minutes).
+const KEEPALIVE: Duration = Duration::from_secs(30);
+
+/// A line E2B's SDKs skip (they act on the types they know and ignore the others).
+const KEEPALIVE_LINE: &[u8] = b"{\"type\":\"keepalive\"}\n";
+
+/// A cell's events (`first`, then what `rx` brings) as E2B's NDJSON, with a keepalive line
+/// after each `every` without one.
+fn ndjson(
+    first: Option<RunCodeEvent>,
+    rx: tokio::sync::mpsc::Receiver<RunCodeEvent>,
+    every: Duration,
+) -> impl futures_util::Stream<Item = Result<Bytes, Infallible>> {
+    futures_util::stream::unfold(
+        (first, rx, false),
+        move |(mut pending, mut rx, mut saw_error)| async move {
+            let ev = match pending.take() {
+                Some(e) => e,
+                None => match tokio::time::timeout(every, rx.recv()).await {
+                    Ok(e) => e?,
+                    Err(_) => {
+                        let line = Bytes::from_static(KEEPALIVE_LINE);
+                        return Some((Ok(line), (None, rx, saw_error)));
+                    }
+                },
+            };
+            let out = e2b_lines(&ev, &mut saw_error);
+            Some((Ok(Bytes::from(out)), (None, rx, saw_error)))
+        },
+    )
 }
 
 /// The HTTP error a cell's first event stands for when it is an end refused before any
@@ -301,6 +324,34 @@ mod tests {
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
             .collect()
+    }
+
+    /// A quiet cell's stream carries keepalive lines until its next event, then ends with
+    /// the cell.
+    #[tokio::test]
+    async fn a_quiet_cell_keeps_its_stream_alive() {
+        use futures_util::StreamExt as _;
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let mut s = Box::pin(ndjson(None, rx, Duration::from_millis(20)));
+        let first = s.next().await.unwrap().unwrap();
+        assert_eq!(&first[..], KEEPALIVE_LINE);
+        let line: Value = serde_json::from_slice(&first).unwrap();
+        assert_eq!(line["type"], "keepalive");
+        tx.send(RunCodeEvent {
+            event: Some(Event::Stdout(CodeOutput {
+                text: "late\n".into(),
+                timestamp_unix_ns: 5,
+            })),
+        })
+        .await
+        .unwrap();
+        drop(tx);
+        let mut rest = Vec::new();
+        while let Some(chunk) = s.next().await {
+            rest.extend_from_slice(&chunk.unwrap());
+        }
+        let text = String::from_utf8(rest).unwrap();
+        assert!(text.contains("\"late\\n\""), "{text}");
     }
 
     #[test]
