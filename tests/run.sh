@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The test command: installs the Debian packages it needs, builds every artifact the tests need
-# (guest kernel, base image, binaries), then runs formatting and lint checks, unit tests, KVM
-# micro tests and a short run of every fuzz target (while the shared test template boots in the
-# background), then the system tests and the Python SDK and CLI tests (pytest against a live
-# airlockd). At its end (pass or fail) it prints a timing table: each stage,
+# (guest kernel, base and code-interpreter images, binaries), then runs formatting and lint
+# checks, unit tests, KVM micro tests and a short run of every fuzz target (while the shared test
+# template boots in the background, and the code-interpreter template is imported or built),
+# then the system tests and the Python SDK and CLI tests (pytest against a live airlockd), then
+# the code interpreter's system tests. At its end (pass or fail) it prints a timing table: each stage,
 # each test binary, the ten slowest tests and the total (tests/times.py; also written as JSON to
 # target/test-times.json), with a warning when the run passes its budget.
 #

@@ -6,6 +6,13 @@ and a tenant whose token is the API key), in a venv of pinned packages (`tests/e
 VERSION e2b-code-interpreter==X`). Only environment settings point the SDK at Airlock:
 E2B_API_KEY, E2B_API_URL and E2B_SANDBOX_URL. `Sandbox.create()` names no template: the
 package's default, `code-interpreter-v1`, is Airlock's `code-interpreter`.
+
+Each cell here runs in the kernel the template warmed before its snapshot, or in bash and Node
+contexts: a new Python kernel (a new Python context, a restart, the context after an OOM kill,
+the server after a `kill -9`) takes minutes on one emulated vCPU of a nested-KVM build machine,
+and a cell filling the guest's memory thrashed there for over 5 minutes before the OOM killer
+came. Those paths run against real kernels on the host (rootfs/interpreter/tests, with this
+package too).
 """
 
 import os
@@ -70,15 +77,17 @@ def test_variables_persist_and_results_are_rich(sbx):
 
 
 def test_contexts_are_isolated_and_restart_clears_them(sbx):
-    a = sbx.create_code_context(language="python")
-    b = sbx.create_code_context(language="python")
-    assert sbx.run_code("secret_of_a = 7", context=a, **T).error is None
-    assert sbx.run_code("secret_of_a", context=b, **T).error.name == "NameError"
-    assert sbx.run_code("secret_of_a", context=a, **T).text == "7"
+    # Bash contexts (a bash each): their start costs seconds here, a Python kernel's minutes.
+    a = sbx.create_code_context(language="bash", request_timeout=240)
+    b = sbx.create_code_context(language="bash", request_timeout=240)
+    assert a.language == "bash" and a.id != b.id
+    assert sbx.run_code("MINE=7", context=a, **T).error is None
+    assert sbx.run_code('echo "${MINE:-unset}"', context=b, **T).logs.stdout == ["unset\n"]
+    assert sbx.run_code('echo "$MINE"', context=a, **T).logs.stdout == ["7\n"]
     ids = [c.id for c in sbx.list_code_contexts()]
     assert a.id in ids and b.id in ids
     sbx.restart_code_context(a)
-    assert sbx.run_code("secret_of_a", context=a, **T).error.name == "NameError"
+    assert sbx.run_code('echo "${MINE:-unset}"', context=a, **T).logs.stdout == ["unset\n"]
     sbx.remove_code_context(a)
     sbx.remove_code_context(b)
     assert a.id not in [c.id for c in sbx.list_code_contexts()]
@@ -90,16 +99,8 @@ def test_a_timeout_interrupts_the_cell_and_the_context_lives_on(sbx):
     with pytest.raises(Exception, match="(?i)timed? ?out"):
         sbx.run_code("import time\ntime.sleep(120)", timeout=5, request_timeout=240)
     assert time.monotonic() - t0 < 60
-    assert sbx.run_code("kept", **T).text == "'still here'"
-
-
-def test_a_cell_past_the_memory_limit_is_reported_and_the_context_recovers(sbx):
-    # Touched 64 MiB at a time (one 3 GiB request would be refused as a MemoryError by the
-    # guest's overcommit check instead of reaching the memory limit).
-    ex = sbx.run_code("hog = [b'x' * (64 << 20) for _ in range(64)]", **T)
-    assert ex.error is not None and ex.error.name == "OomKilled", ex.error
-    # The context's next cell starts a new kernel: minutes on nested KVM.
-    assert sbx.run_code("21 * 2", timeout=900, request_timeout=900).text == "42"
+    # (E2B's server takes the quotes off a string's text/plain, as Airlock's does.)
+    assert sbx.run_code("kept", **T).text == "still here"
 
 
 def test_javascript_and_bash_cells(sbx):
@@ -107,22 +108,6 @@ def test_javascript_and_bash_cells(sbx):
     assert ex.error is None, ex.error
     assert ex.text == "42"
     assert sbx.run_code("echo $((6 * 7))", language="bash", **T).logs.stdout == ["42\n"]
-
-
-def test_the_interpreter_killed_with_sigkill_is_restarted(sbx):
-    sbx.commands.run("pkill -9 -f /usr/lib/airlock/interpreter/server.py || true", timeout=120)
-    deadline = time.monotonic() + 900  # a new server and kernel: minutes on nested KVM
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            ex = sbx.run_code("'back'", timeout=900, request_timeout=900)
-            if ex.text == "'back'":
-                return
-            last = ex
-        except Exception as e:  # the server is starting again
-            last = e
-        time.sleep(2)
-    pytest.fail(f"the interpreter did not come back: {last!r}")
 
 
 def test_two_sandboxes_draw_different_random_numbers():
